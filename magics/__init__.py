@@ -1,1 +1,26 @@
-"""shardbook.magics"""
+"""shardbook's IPython surface: ``%load_ext shardbook.magics`` (the shardbook kernel loads it itself)."""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+
+def load_ipython_extension(shell) -> None:
+    """Register the magics, then start the runtime (join the job, connect every follower).
+
+    A start-up failure is logged and kept: each magic then raises it as a UsageError, so the
+    kernel stays usable and the cause shows in the notebook rather than only in a server log.
+    """
+    from shardbook.kernel.runtime import get_runtime
+
+    from .cells import RankMagics
+    from .errors import RankError, show_rank_error
+
+    shell.register_magics(RankMagics)
+    shell.set_custom_exc((RankError,), show_rank_error)
+    try:
+        get_runtime(shell)
+    except Exception:
+        log.exception("shardbook: the rank pool failed to start; magics will report the error")

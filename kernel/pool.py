@@ -1,0 +1,387 @@
+"""Rank 0's client of the control plane: the ``Pool`` of ranks a command runs on.
+
+``Pool.run`` sends a command to the follower targets, runs rank 0's own part in-process through
+the same handler table, streams every rank's output to a callback while it runs, and returns
+each rank's reply. It never waits without a deadline on a rank that is dead, and turns an
+interrupt (KeyboardInterrupt in rank 0) into an interrupt of every rank running the command.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import zmq
+
+from shardbook.rankd import protocol
+from shardbook.rankd.channel import Channel
+from shardbook.rankd.handlers import RankContext, dispatch
+from shardbook.rankd.lifetime import pid_alive
+from shardbook.rankd.world import World, memory_in_use
+
+log = logging.getLogger(__name__)
+
+PING_S = 0.5
+HEARTBEAT_TIMEOUT_S = float(os.environ.get("SHARDBOOK_HEARTBEAT_TIMEOUT", "5"))
+CONNECT_TIMEOUT_S = float(os.environ.get("SHARDBOOK_CONNECT_TIMEOUT", "120"))
+INTERRUPT_GRACE_S = float(os.environ.get("SHARDBOOK_INTERRUPT_GRACE", "3"))
+STRAGGLER_NOTICE_S = 3.0
+
+OnOutput = Callable[[int, str, dict[str, Any]], None]
+OnNotice = Callable[[str], None]
+
+
+class PoolError(RuntimeError):
+    """The pool cannot run a command (not connected, a rank dead or still busy)."""
+
+
+@dataclass
+class RankState:
+    """What rank 0 knows about one rank, for ``%dist`` and for deadlines."""
+
+    rank: int
+    host: str = "?"
+    pid: int | None = None
+    device: str = "?"
+    backend: str = "?"
+    connected: bool = False
+    last_seen: float = 0.0
+    memory: dict[str, int] = field(default_factory=dict)
+    dead_reason: str | None = None
+    local: bool = False
+
+
+@dataclass
+class Command:
+    """One command in flight: its targets, the replies so far and who is told about output."""
+
+    id: str
+    kind: str
+    targets: list[int]
+    on_output: OnOutput
+    on_notice: OnNotice
+    started: float = field(default_factory=time.monotonic)
+    replies: dict[int, dict[str, Any]] = field(default_factory=dict)
+    done: threading.Event = field(default_factory=threading.Event)
+    interrupted: bool = False
+
+    @property
+    def pending(self) -> list[int]:
+        return [r for r in self.targets if r not in self.replies]
+
+
+@dataclass
+class Outcome:
+    """How a command ended on each target rank."""
+
+    command: Command
+    stuck: list[int]
+    timed_out: bool = False
+
+    @property
+    def replies(self) -> dict[int, dict[str, Any]]:
+        return self.command.replies
+
+    @property
+    def ok(self) -> bool:
+        return not self.stuck and all(r.get("status") == "ok" for r in self.replies.values())
+
+
+def control_host(world: World) -> tuple[str, str]:
+    """(address to bind, address followers dial): loopback when the whole job is on this node."""
+    if world.shape.single_node:
+        return "127.0.0.1", "127.0.0.1"
+    public = os.environ.get("SHARDBOOK_CONTROL_HOST")
+    if not public and os.environ.get("GROUP_RANK", "0") == "0":
+        public = os.environ.get("MASTER_ADDR")
+    return "0.0.0.0", public or socket.gethostbyname(socket.gethostname())
+
+
+class Pool:
+    """Every rank of the job as seen from rank 0 (a world of one works the same, without sockets)."""
+
+    def __init__(self, world: World, session: Any | None, ctx0: RankContext):
+        self.world = world
+        self.ctx0 = ctx0
+        self.ranks = {r: RankState(rank=r) for r in range(world.world_size)}
+        self.ranks[0] = RankState(rank=0, connected=True, local=True, **_static_facts(world))
+        self.commands: dict[str, Command] = {}
+        self.connected = threading.Event()
+        self._lock = threading.RLock()
+        self._last_ping = 0.0
+        self.channel: Channel | None = None
+        if world.world_size == 1:
+            self.connected.set()
+        else:
+            self._open(session)
+
+    # --- start-up --------------------------------------------------------------------------
+    def _open(self, session: Any) -> None:
+        bind_host, public_host = control_host(self.world)
+        sock = zmq.Context.instance().socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        port = sock.bind_to_random_port(f"tcp://{bind_host}")
+        self.channel = Channel(
+            sock, session, self._on_message, on_tick=self._on_tick, on_unreachable=self._on_unreachable, name="pool"
+        ).start()
+        self.world.store.set(protocol.CONTROL_KEY, f"tcp://{public_host}:{port}")
+
+    def wait_connected(self, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+        """Block until every follower said hello, or raise naming the ranks still missing."""
+        if self.connected.wait(timeout_s):
+            return
+        missing = [r for r, s in self.ranks.items() if not s.connected]
+        raise PoolError(
+            f"ranks {_ranks(missing)} did not connect to the kernel within {timeout_s:.0f} s. On other nodes, "
+            "start them with `torchrun ... -m shardbook.rankd --key-file KEYFILE` (see the README); "
+            "check their logs for errors, then restart the kernel."
+        )
+
+    # --- I/O thread ------------------------------------------------------------------------
+    def _on_message(self, message: protocol.Message, ident: bytes | None) -> None:
+        with self._lock:
+            state = self.ranks.get(message.rank)
+            if state is None or ident != f"rank-{message.rank}".encode():
+                log.warning("control plane: message claiming rank %s from %r dropped", message.rank, ident)
+                return
+            state.last_seen = time.monotonic()
+            if message.type == protocol.HELLO:
+                self._on_hello(state, message.payload)
+            elif message.type == protocol.HEARTBEAT:
+                state.memory = message.payload.get("memory", {})
+            elif message.type == protocol.DONE:
+                self._record_reply(message.id, message.rank, message.payload)
+                return
+        command = self.commands.get(message.id)
+        if command is not None and message.type in protocol.OUTPUT_TYPES:
+            command.on_output(message.rank, message.type, message.payload)
+
+    def _on_hello(self, state: RankState, facts: dict[str, Any]) -> None:
+        for key in ("host", "pid", "device", "backend"):
+            setattr(state, key, facts.get(key, getattr(state, key)))
+        state.connected = True
+        state.local = state.host == self.ranks[0].host
+        if all(s.connected for s in self.ranks.values()):
+            self.connected.set()
+
+    def _record_reply(self, command_id: str, rank: int, reply: dict[str, Any]) -> None:
+        command = self.commands.get(command_id)
+        if command is None or rank in command.replies:
+            return
+        command.replies[rank] = reply
+        if not command.pending:
+            command.done.set()
+            self.commands.pop(command_id, None)
+
+    def _on_tick(self, now: float) -> None:
+        self.ctx0.flush_if_due()
+        if now - self._last_ping >= PING_S:
+            self._last_ping = now
+            for rank in self._followers():
+                self._send(rank, protocol.PING)
+        self._check_liveness(now)
+
+    def _check_liveness(self, now: float) -> None:
+        with self._lock:
+            for state in self.ranks.values():
+                if state.rank == 0 or not state.connected or state.dead_reason:
+                    continue
+                if state.local and state.pid and not pid_alive(state.pid):
+                    self._mark_dead(state, f"its process (pid {state.pid}) exited")
+                elif now - state.last_seen > HEARTBEAT_TIMEOUT_S:
+                    self._mark_dead(state, f"no heartbeat for {now - state.last_seen:.0f} s (hung or unreachable)")
+
+    def _on_unreachable(self, ident: bytes) -> None:
+        rank = int(ident.decode().split("-", 1)[1])
+        with self._lock:
+            if self.ranks[rank].connected and not self.ranks[rank].dead_reason:
+                self._mark_dead(self.ranks[rank], "its control connection closed")
+
+    def _mark_dead(self, state: RankState, reason: str) -> None:
+        state.dead_reason = reason
+        log.error("rank %d is dead: %s", state.rank, reason)
+        for command in list(self.commands.values()):
+            if state.rank in command.pending:
+                error = {"ename": "RankDied", "evalue": f"rank {state.rank} died: {reason}", "traceback": []}
+                self._record_reply(command.id, state.rank, {"status": "dead", "error": error})
+
+    # --- commands ----------------------------------------------------------------------------
+    def run(
+        self,
+        kind: str,
+        args: dict[str, Any],
+        targets: list[int],
+        on_output: OnOutput,
+        on_notice: OnNotice,
+        timeout_s: float | None = None,
+    ) -> Outcome:
+        """Run a command on ``targets`` (rank 0 in-process) and wait for every reply."""
+        self.check_can_run(targets)
+        command = Command(protocol.new_id(), kind, sorted(targets), on_output, on_notice)
+        with self._lock:
+            self.commands[command.id] = command
+        content = {"kind": kind, "args": args}
+        for rank in command.targets:
+            if rank != 0:
+                self._send(rank, protocol.COMMAND, content, command.id)
+        with self._forward_interrupts(command):
+            if 0 in command.targets:
+                self._run_own_part(command, args)
+            return self._wait(command, timeout_s)
+
+    def check_can_run(self, targets: list[int]) -> None:
+        if not self.connected.is_set():
+            self.wait_connected()
+        with self._lock:
+            dead = [r for r in targets if self.ranks[r].dead_reason]
+            busy = sorted({r for c in self.commands.values() for r in c.pending if r in targets})
+        if dead:
+            reasons = "; ".join(f"rank {r}: {self.ranks[r].dead_reason}" for r in dead)
+            raise PoolError(f"ranks {_ranks(dead)} are dead ({reasons}). Restart the kernel to get a working pool.")
+        if busy:
+            raise PoolError(
+                f"ranks {_ranks(busy)} are still busy with an earlier command (see %dist). They may be blocked in a "
+                "collective that other ranks never joined: the process-group timeout "
+                f"(SHARDBOOK_PG_TIMEOUT) will free them; interrupt again, or restart the kernel if they stay busy."
+            )
+
+    def _run_own_part(self, command: Command, args: dict[str, Any]) -> None:
+        def sink(msg_type: str, payload: dict[str, Any]) -> None:
+            command.on_output(0, msg_type, payload)
+
+        reply = dispatch(self.ctx0, command.kind, args, sink)
+        with self._lock:
+            self._record_reply(command.id, 0, reply)
+
+    def _wait(self, command: Command, timeout_s: float | None) -> Outcome:
+        deadline = None if timeout_s is None else command.started + timeout_s
+        noticed = False
+        while not command.done.is_set():
+            try:
+                if command.done.wait(0.05):
+                    break
+            except KeyboardInterrupt:
+                command.interrupted = True
+            if command.interrupted:
+                return self._after_interrupt(command, timed_out=False)
+            if deadline is not None and time.monotonic() > deadline:
+                self.interrupt(command)
+                return self._after_interrupt(command, timed_out=True)
+            if not noticed:
+                noticed = self._maybe_notice_stragglers(command)
+        return Outcome(command, stuck=[])
+
+    def _maybe_notice_stragglers(self, command: Command) -> bool:
+        """If rank 0 already failed while others still run, say they may wait in a collective."""
+        own = command.replies.get(0)
+        if own is None or own.get("status") == "ok" or time.monotonic() - command.started < STRAGGLER_NOTICE_S:
+            return False
+        command.on_notice(
+            f"rank 0 failed but ranks {_ranks(command.pending)} are still running. If the cell uses a "
+            "collective that rank 0 never reached, they are waiting for it: interrupt (the stop button) to "
+            "stop them; a rank inside a collective is freed only by the process-group timeout "
+            f"({_pg_timeout_text()})."
+        )
+        return True
+
+    def _after_interrupt(self, command: Command, timed_out: bool) -> Outcome:
+        """Give interrupted ranks a short grace to report, then report the ones still stuck."""
+        command.done.wait(INTERRUPT_GRACE_S)
+        stuck = command.pending
+        if stuck:
+            command.on_notice(
+                f"ranks {_ranks(stuck)} did not stop within {INTERRUPT_GRACE_S:.0f} s of the interrupt: they are "
+                "probably blocked inside a collective (all_reduce, barrier, ...) that other ranks never joined. "
+                f"The process-group timeout ({_pg_timeout_text()}) will free them; %dist shows them busy until "
+                "then, and cells that need them are refused. If they are still busy after that, restart the kernel."
+            )
+        return Outcome(command, stuck=stuck, timed_out=timed_out)
+
+    def interrupt(self, command: Command) -> None:
+        """Raise KeyboardInterrupt in every follower still running ``command``."""
+        command.interrupted = True
+        for rank in command.pending:
+            if rank != 0:
+                self._send(rank, protocol.INTERRUPT, {}, command.id)
+
+    def _forward_interrupts(self, command: Command):
+        return _SigintForwarder(self, command)
+
+    # --- sending, status, shutdown -----------------------------------------------------------
+    def _send(self, rank: int, msg_type: str, payload: dict[str, Any] | None = None, command_id: str = "") -> None:
+        if self.channel is not None:
+            self.channel.send(msg_type, protocol.envelope(payload, id=command_id), ident=f"rank-{rank}".encode())
+
+    def _followers(self) -> list[int]:
+        return [r for r, s in self.ranks.items() if r != 0 and s.connected and not s.dead_reason]
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """One row per rank for ``%dist``: host, pid, device, backend, state, memory."""
+        self.ranks[0].memory = memory_in_use(self.world.device)
+        with self._lock:
+            busy = {r for c in self.commands.values() for r in c.pending}
+            rows = []
+            for r, s in sorted(self.ranks.items()):
+                state = "dead" if s.dead_reason else "connecting" if not s.connected else "busy" if r in busy else "idle"
+                rows.append({**vars(s), "state": state})
+        return rows
+
+    def dead_ranks(self) -> list[RankState]:
+        """Ranks known dead, after a fresh look at the local pids."""
+        self._check_liveness(time.monotonic())
+        return [s for s in self.ranks.values() if s.dead_reason]
+
+    def shutdown(self) -> None:
+        """Tell every follower to exit and close the control plane."""
+        if self.channel is None:
+            return
+        for rank in range(1, self.world.world_size):
+            self._send(rank, protocol.SHUTDOWN)
+        self.channel.close(linger_s=1.0)
+        self.channel = None
+
+
+class _SigintForwarder:
+    """While a command runs in the main thread, SIGINT also interrupts the followers."""
+
+    def __init__(self, pool: Pool, command: Command):
+        self.pool, self.command = pool, command
+        self.saved = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.saved = signal.getsignal(signal.SIGINT)
+            signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.pool.interrupt(self.command)
+        raise KeyboardInterrupt
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            signal.signal(signal.SIGINT, self.saved)
+        return False
+
+
+def _static_facts(world: World) -> dict[str, Any]:
+    facts = world.describe()
+    facts.pop("rank")
+    return facts
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in sorted(ranks))
+
+
+def _pg_timeout_text() -> str:
+    from shardbook.rankd.world import process_group_timeout
+
+    seconds = process_group_timeout().total_seconds()
+    return f"{seconds:.0f} s, set by SHARDBOOK_PG_TIMEOUT"

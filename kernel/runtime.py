@@ -1,0 +1,98 @@
+"""Rank 0's process-wide state: the world, the pool of ranks, and their start and end.
+
+The magics, ``ChatModel`` and the kernel app all reach the same :class:`Runtime` through
+:func:`get_runtime`. Under torchrun it joins the process group and connects the followers; in a
+plain IPython session it is a world of one rank, so every feature works the same there.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from shardbook.rankd import protocol
+from shardbook.rankd.handlers import RankContext
+from shardbook.rankd.world import JobShape, World, init_world
+
+from .pool import Pool
+
+log = logging.getLogger(__name__)
+_runtime: "Runtime | None" = None
+_lock = threading.Lock()
+
+
+@dataclass
+class Runtime:
+    """The world and pool rank 0 runs commands on."""
+
+    world: World
+    pool: Pool
+    ctx0: RankContext
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+def kernel_key(shell: Any) -> tuple[bytes, str]:
+    """The control-plane key: an explicit key (multi-node jobs) or the kernel's connection key."""
+    key = protocol.key_from_environment()
+    if key:
+        return key, "hmac-sha256"
+    session = getattr(getattr(shell, "kernel", None), "session", None)
+    if session is None or not session.key:
+        return b"", "hmac-sha256"
+    return session.key, session.signature_scheme
+
+
+def start_runtime(shell: Any) -> Runtime:
+    """Join the job as rank 0 and wait (with a deadline) until every follower is connected."""
+    shape = JobShape.from_env()
+    if shape.rank != 0:
+        raise RuntimeError(f"the shardbook kernel must be rank 0, this process is rank {shape.rank}")
+    world = init_world(shape=shape)
+    ctx0 = RankContext(world=world, shell=shell)
+    session = protocol.make_session(*kernel_key(shell)) if world.world_size > 1 else None
+    pool = Pool(world, session, ctx0)
+    runtime = Runtime(world, pool, ctx0)
+    atexit.register(runtime.close)
+    if shape.under_torchrun:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    pool.wait_connected()
+    return runtime
+
+
+def get_runtime(shell: Any = None) -> Runtime:
+    """The runtime, started on first use from ``shell`` (IPython's, when called from a magic)."""
+    global _runtime
+    with _lock:
+        if _runtime is None:
+            if shell is None:
+                from IPython import get_ipython
+
+                shell = get_ipython()
+            _runtime = start_runtime(shell)
+        return _runtime
+
+
+def _on_sigterm(signum, frame) -> None:
+    """torchrun ends every worker when one dies: say which rank died in the running cell, then go."""
+    runtime = _runtime
+    if runtime is not None:
+        dead = runtime.pool.dead_ranks()
+        reason = "; ".join(f"rank {s.rank} (pid {s.pid} on {s.host}): {s.dead_reason}" for s in dead)
+        text = (
+            f"{reason or 'a worker of this job stopped'}. torchrun is ending every rank of the job, so this "
+            "kernel is stopping too: restart the kernel to start a fresh pool."
+        )
+        log.error(text)
+        for command in list(runtime.pool.commands.values()):
+            command.on_notice(text)
+        time.sleep(0.3)  # let the IOPub thread deliver the notice
+        runtime.close()
+    os._exit(1)

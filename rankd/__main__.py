@@ -1,0 +1,70 @@
+"""``python -m shardbook.rankd``: follower ranks of a shardbook job (every rank but rank 0).
+
+On the kernel's own node the kernel's argv starts followers too (``-m shardbook.kernel`` hands
+ranks > 0 to :func:`follower_main`); on the other nodes of a multi-node job people run::
+
+    torchrun --nnodes 2 --node_rank 1 --master_addr HOST --master_port PORT \\
+             --nproc_per_node 8 -m shardbook.rankd --key-file ~/.shardbook/job.key
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from . import protocol
+from .lifetime import die_with_parent
+from .world import JobShape
+
+
+def control_key(connection_file: str | None, key_file: str | None) -> tuple[bytes, str]:
+    """The HMAC key: an explicit key file, else the environment, else the connection file."""
+    if key_file:
+        return protocol.read_key_file(key_file), "hmac-sha256"
+    key = protocol.key_from_environment()
+    if key:
+        return key, "hmac-sha256"
+    if connection_file:
+        return protocol.read_connection_key(connection_file)
+    raise ValueError(
+        f"no control-plane key: pass --key-file (a copy of the kernel's key file) or set "
+        f"{protocol.KEY_FILE_ENV} / {protocol.KEY_ENV}"
+    )
+
+
+def configure_logging(rank: int) -> None:
+    logging.basicConfig(
+        level=logging.INFO, format=f"[shardbook rank {rank}] %(levelname)s %(name)s: %(message)s", stream=sys.__stderr__
+    )
+
+
+def follower_main(connection_file: str | None = None, key_file: str | None = None) -> int:
+    from .follower import run_follower
+    from .world import init_world
+
+    shape = JobShape.from_env()
+    configure_logging(shape.rank)
+    if shape.rank == 0:
+        print(
+            "shardbook.rankd runs the follower ranks only; rank 0 must be the kernel "
+            "(python -m shardbook.kernel on node_rank 0). Start this with --node_rank 1 or higher.",
+            file=sys.stderr,
+        )
+        return 2
+    die_with_parent()
+    key, scheme = control_key(connection_file, key_file)
+    run_follower(init_world(shape=shape), protocol.make_session(key, scheme))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m shardbook.rankd", description=__doc__.splitlines()[0])
+    parser.add_argument("--key-file", help="file holding the kernel's control-plane key")
+    parser.add_argument("-f", "--connection-file", help="the kernel's Jupyter connection file (same node only)")
+    args = parser.parse_args(argv)
+    return follower_main(args.connection_file, args.key_file)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""The follower loop every rank > 0 runs: wait on the control plane, run commands, report back.
+
+Idle followers wait on ZeroMQ, never inside a collective (a person may think for an hour, and
+NCCL/HCCL collectives time out). The channel's I/O thread answers pings, sends heartbeats, turns
+an ``interrupt`` into KeyboardInterrupt in the main thread, and ends the process when rank 0 says
+shut down or stops pinging.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import zmq
+
+from . import protocol
+from .capture import make_follower_shell
+from .channel import Channel
+from .handlers import RankContext, dispatch
+from .world import World, memory_in_use
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 0.5
+RANK0_SILENCE_S = float(os.environ.get("SHARDBOOK_RANK0_TIMEOUT", "10"))
+CONNECT_TIMEOUT_S = float(os.environ.get("SHARDBOOK_CONNECT_TIMEOUT", "120"))
+SHUTDOWN_GRACE_S = 1.0
+
+
+def rank0_endpoint(world: World, timeout_s: float = CONNECT_TIMEOUT_S) -> str:
+    """Rank 0's control endpoint, published in the torch.distributed store."""
+    try:
+        world.store.wait([protocol.CONTROL_KEY], timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"rank {world.rank}: rank 0 did not publish its control endpoint within {timeout_s:.0f} s; "
+            "is the kernel (python -m shardbook.kernel) running as rank 0 of this job?"
+        ) from e
+    return world.store.get(protocol.CONTROL_KEY).decode()
+
+
+class Follower:
+    """One follower rank: its channel to rank 0, its shell and its command loop."""
+
+    def __init__(self, world: World, session: Any, endpoint: str):
+        self.world = world
+        self.ctx = RankContext(world=world, shell=make_follower_shell())
+        self.inbox: queue.Queue = queue.Queue()
+        self.running_id: str | None = None
+        self._lock = threading.Lock()
+        self._last_ping = time.monotonic()
+        self._last_heartbeat = 0.0
+        self._main_thread = threading.main_thread().ident
+        socket = zmq.Context.instance().socket(zmq.DEALER)
+        socket.setsockopt(zmq.IDENTITY, f"rank-{world.rank}".encode())
+        socket.setsockopt(zmq.LINGER, 1000)
+        socket.connect(endpoint)
+        self.channel = Channel(socket, session, self._on_message, on_tick=self._on_tick, name=f"follower-{world.rank}")
+
+    # --- I/O thread -------------------------------------------------------------------------
+    def _on_message(self, message: protocol.Message, ident: bytes | None) -> None:
+        self._last_ping = time.monotonic()
+        if message.type == protocol.INTERRUPT:
+            self._interrupt(message.id)
+        elif message.type == protocol.SHUTDOWN:
+            self._shutdown("rank 0 asked to shut down")
+        elif message.type == protocol.COMMAND:
+            self.inbox.put(message)
+
+    def _interrupt(self, command_id: str) -> None:
+        with self._lock:
+            if self.running_id == command_id:
+                signal.pthread_kill(self._main_thread, signal.SIGINT)
+        self.ctx.stop_event.set()
+
+    def _on_tick(self, now: float) -> None:
+        self.ctx.flush_if_due()
+        if now - self._last_heartbeat >= HEARTBEAT_S:
+            self._last_heartbeat = now
+            payload = {"memory": memory_in_use(self.world.device), "running": self.running_id}
+            self.send(protocol.HEARTBEAT, payload)
+        if now - self._last_ping > RANK0_SILENCE_S:
+            self._shutdown(f"rank 0 has been silent for {RANK0_SILENCE_S:.0f} s (kernel gone?)")
+
+    def _shutdown(self, why: str) -> None:
+        """Leave now: the main thread may be stuck in a collective, so do not wait for it long."""
+        log.info("rank %d exiting: %s", self.world.rank, why)
+        self.inbox.put(None)
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S
+        while self.inbox.qsize() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os._exit(0)
+
+    # --- main thread ------------------------------------------------------------------------
+    def send(self, msg_type: str, payload: dict[str, Any], command_id: str = "") -> None:
+        self.channel.send(msg_type, protocol.envelope(payload, id=command_id, rank=self.world.rank))
+
+    def run(self) -> None:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        self.channel.start()
+        self.send(protocol.HELLO, self.world.describe())
+        while True:
+            message = self._next_command()
+            if message is None:
+                return
+            self._run_command(message)
+
+    def _next_command(self) -> protocol.Message | None:
+        while True:
+            try:
+                return self.inbox.get()
+            except KeyboardInterrupt:  # an interrupt that arrived just after its command ended
+                log.debug("rank %d: stray interrupt ignored while idle", self.world.rank)
+
+    def _run_command(self, message: protocol.Message) -> None:
+        def sink(msg_type: str, payload: dict[str, Any]) -> None:
+            self.send(msg_type, payload, message.id)
+
+        with self._lock:
+            self.running_id = message.id
+        try:
+            reply = dispatch(self.ctx, message.payload["kind"], message.payload.get("args", {}), sink)
+        except KeyboardInterrupt:  # landed between the handler's end and the reply
+            reply = {"status": "error", "error": {"ename": "KeyboardInterrupt", "evalue": "", "traceback": []}}
+        finally:
+            with self._lock:
+                self.running_id = None
+        self.send(protocol.DONE, reply, message.id)
+
+
+def run_follower(world: World, session: Any) -> None:
+    """Connect to rank 0 and serve commands until told to stop."""
+    Follower(world, session, rank0_endpoint(world)).run()

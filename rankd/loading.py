@@ -1,0 +1,392 @@
+"""Sharded loading (`%load_sharded`): every rank builds a meta skeleton, shards it with FSDP2 and reads only its own slices.
+
+`load_sharded` runs identically on every rank of an initialised process group. The steps are
+config -> skeleton (on the meta device) -> shard (FSDP2 per decoder layer, then the root) ->
+materialise (`to_empty`) -> read (torch.distributed.checkpoint with `HuggingFaceStorageReader`,
+each rank reading only its slices) -> finalise (non-persistent buffers, tied weights, eval).
+No rank ever holds a full copy of the weights while loading.
+
+Failures: a step that fails on one rank makes every rank raise a `ValueError` at the end of
+that step (an all-gather of each rank's outcome), so no rank is left waiting in a later
+collective. The failing rank raises its own error (with the cause chained); the others name it.
+Before loading again, the caller drops its references to the old model and calls `free_model`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.futures import Future
+
+from shardbook.rankd.sharding import (
+    apply_fsdp,
+    choose_reshard_after_forward,
+    fsdp_mesh_layout,
+    init_mesh,
+    reshard_fits,
+)
+from shardbook.rankd.summary import full_param_bytes, load_summary
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str, int, int], None]
+"""`progress(step, done, total)`; steps in order: config, skeleton, shard, materialise, read, finalise."""
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# What each step does, for "rank N could not <...>" messages, and what to check when it fails.
+STEP_WORDS = {
+    "config": ("read the checkpoint's config and tokenizer", "check the path and the files in it"),
+    "skeleton": ("build the model skeleton", "check the config (and trust_remote_code for custom code)"),
+    "memory": ("measure its free memory", "set parallel.reshard_after_forward explicitly"),
+    "materialise": ("allocate its shards", "free memory (free_model) or use more ranks"),
+    "plan": ("match the checkpoint's tensors to the model", "check the checkpoint is complete"),
+    "read": ("read its slices of the checkpoint", "check the safetensors files are complete and readable on every node"),
+    "finalise": ("finish the model (buffers, tied weights)", "report this with the model's architecture"),
+}
+
+
+@dataclass
+class LoadedModel:
+    """What `load_sharded` returns on every rank."""
+
+    model: nn.Module
+    """The FSDP2-sharded causal LM, in eval mode, on this rank's device."""
+    tokenizer: Any
+    """The checkpoint's tokenizer (every rank has its own)."""
+    summary: dict[str, Any]
+    """Architecture, sizes, mesh, per-rank memory, load time and the reshard choice with its reason."""
+
+
+@dataclass
+class _Checkpoint:
+    """What the config step learned, identical on every rank."""
+
+    path: Path
+    hf_config: Any
+    dtype: torch.dtype
+    tokenizer: Any
+    generation_config: Any
+    mesh_shape: tuple[int, ...]
+    mesh_axes: tuple[str, ...]
+    trust_remote_code: bool
+
+
+def load_sharded(
+    config: Any,
+    *,
+    device: torch.device | str,
+    model_path: str | Path | None = None,
+    progress: Progress | None = None,
+) -> LoadedModel:
+    """Load `config.model` sharded over the ranks as `config.parallel` says; call on every rank.
+
+    `config` has `model.{model_name_or_path, dtype, trust_remote_code}` and
+    `parallel.{fsdp_size, ep_size, reshard_after_forward}` (a `ShardbookConfig` or any object
+    shaped like it). `model_path` is the resolved checkpoint directory (rank 0 resolves demo
+    names and sends the path); without it `config.model.model_name_or_path` is used as a path.
+    """
+    if not dist.is_initialized():
+        raise ValueError("load_sharded needs a torch.distributed process group: call rankd.world.init_world() first")
+    try:
+        return _load(config, torch.device(device), model_path, _Reporter(progress))
+    except Exception as e:
+        # A notebook keeps the last traceback: its frames must not pin a half-loaded model.
+        _drop_frame_locals(e)
+        raise
+
+
+def _load(config: Any, device: torch.device, model_path: str | Path | None, report: "_Reporter") -> LoadedModel:
+    """The steps of `load_sharded`, in order, each agreed by every rank before the next."""
+    started = time.perf_counter()
+    ckpt = _agreed("config", lambda: _read_config(config, model_path, device))
+    report("config", 1, 1)
+    model = _agreed("skeleton", lambda: _build_skeleton(ckpt))
+    report("skeleton", 1, 1)
+    mesh = init_mesh(device.type, ckpt.mesh_shape, ckpt.mesh_axes)
+    views = _agreed("memory", lambda: reshard_fits(full_param_bytes(model), device), gather=True)
+    reshard, reason = choose_reshard_after_forward(config.parallel.reshard_after_forward, views)
+    apply_fsdp(model, mesh, reshard, on_group=lambda done, total: report("shard", done, total))
+    _agreed("materialise", lambda: model.to_empty(device=device))
+    report("materialise", 1, 1)
+    _read_weights(model, ckpt.path, report)
+    _agreed("finalise", lambda: _finalise(model, ckpt, device))
+    report("finalise", 1, 1)
+    summary = load_summary(
+        model,
+        path=str(ckpt.path),
+        mesh=mesh,
+        device=device,
+        load_seconds=time.perf_counter() - started,
+        reshard_after_forward=reshard,
+        reshard_reason=reason,
+    )
+    return LoadedModel(model=model, tokenizer=ckpt.tokenizer, summary=summary)
+
+
+def free_model(device: torch.device | str = "cpu") -> None:
+    """Return the memory of models nobody references any more; call after `del`-ing every reference.
+
+    The caller removes `model` (and anything holding it: `LoadedModel`, IPython's `Out`) from the
+    namespace first; this collects the garbage and empties the device's caching allocator.
+    """
+    gc.collect()
+    device = torch.device(device)
+    if device.type != "cpu":
+        getattr(torch, device.type).empty_cache()
+
+
+def _agreed(step: str, fn: Callable[[], Any], *, gather: bool = False) -> Any:
+    """Run `fn` on this rank; if it failed on any rank, raise on every rank. `gather` returns all ranks' results."""
+    error: Exception | None = None
+    result = None
+    try:
+        result = fn()
+    except Exception as e:  # every failure must reach the all-gather below, or the others hang
+        error = e
+    outcomes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, (None if error is None else _describe(error), result if gather else None))
+    failures = {rank: message for rank, (message, _) in enumerate(outcomes) if message is not None}
+    if failures:
+        _raise_for(step, failures, error)
+    return [value for _, value in outcomes] if gather else result
+
+
+def _raise_for(step: str, failures: dict[int, str], error: BaseException | None) -> None:
+    """Raise this rank's share of a failed step: its own error, or a pointer to the rank(s) that failed."""
+    rank = dist.get_rank()
+    what, fix = STEP_WORDS[step]
+    if error is not None:
+        if isinstance(error, ValueError):
+            raise error
+        raise ValueError(f"rank {rank} could not {what}: {_describe(error)}; {fix}") from error
+    first = min(failures)
+    raise ValueError(
+        f"loading stopped because rank(s) {sorted(failures)} could not {what} "
+        f"(rank {first}: {failures[first]}); {fix}"
+    )
+
+
+def _drop_frame_locals(error: BaseException | None) -> None:
+    """Clear the local variables of the finished frames in `error`'s traceback and in its causes."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+class _Reporter:
+    """Calls the user's progress callback; one that raises is disabled, never left to desynchronise the ranks."""
+
+    def __init__(self, progress: Progress | None):
+        self.progress = progress
+
+    def __call__(self, step: str, done: int, total: int) -> None:
+        if self.progress is None:
+            return
+        try:
+            self.progress(step, done, total)
+        except Exception as e:  # a broken progress bar on one rank must not stop it halfway through the load
+            log.warning("progress callback failed (%s: %s); loading continues without it", type(e).__name__, e)
+            self.progress = None
+
+
+def _read_config(config: Any, model_path: str | Path | None, device: torch.device) -> _Checkpoint:
+    """Validate the request and read the checkpoint's config, tokenizer and generation config."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    mesh_shape, mesh_axes = fsdp_mesh_layout(config.parallel.fsdp_size, dist.get_world_size())
+    if config.parallel.ep_size != 1:
+        raise ValueError(
+            f"parallel.ep_size={config.parallel.ep_size}: expert parallelism is not supported yet; "
+            "set parallel.ep_size to 1 (experts are then sharded by FSDP like every other layer)"
+        )
+    path = _checkpoint_dir(model_path if model_path is not None else config.model.model_name_or_path)
+    trust = bool(config.model.trust_remote_code)
+    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
+    _require_causal_lm(hf_config, path)
+    return _Checkpoint(
+        path=path,
+        hf_config=hf_config,
+        dtype=_resolve_dtype(config.model.dtype, hf_config, device),
+        tokenizer=AutoTokenizer.from_pretrained(path, trust_remote_code=trust),
+        generation_config=_generation_config(path, hf_config),
+        mesh_shape=mesh_shape,
+        mesh_axes=mesh_axes,
+        trust_remote_code=trust,
+    )
+
+
+def _checkpoint_dir(name_or_path: str | Path) -> Path:
+    """The checkpoint directory, checked on this rank's file system (each node has its own)."""
+    path = Path(name_or_path).expanduser()
+    rank = dist.get_rank()
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"rank {rank}: {path} is not a checkpoint directory (no config.json there): give a local "
+            "Hugging Face checkpoint directory that every node can read, or a demo name such as "
+            "smollm2-135m-instruct (`shardbook fetch` builds it)"
+        )
+    if not any(path.glob("*.safetensors")):
+        raise ValueError(
+            f"rank {rank}: {path} has no *.safetensors files; sharded loading reads safetensors only: "
+            "convert the checkpoint (load it once with transformers and save_pretrained it)"
+        )
+    return path
+
+
+def _require_causal_lm(hf_config: Any, path: Path) -> None:
+    """Refuse checkpoints whose saved architecture is not a causal language model."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    remote = "AutoModelForCausalLM" in (getattr(hf_config, "auto_map", None) or {})
+    if remote or any(name in causal or name.endswith("ForCausalLM") for name in architectures):
+        return
+    saved = ", ".join(architectures) or f"a {hf_config.model_type} model with no saved architecture"
+    raise ValueError(
+        f"{path} holds {saved}, not a causal language model: %load_sharded loads models for text "
+        "generation (e.g. LlamaForCausalLM, Qwen2ForCausalLM); pick such a checkpoint"
+    )
+
+
+def _resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
+    """The weight dtype: `auto` means the checkpoint's own; it must be one this device can compute in."""
+    if name == "auto":
+        saved = getattr(hf_config, "dtype", None) or torch.float32
+        name = str(saved).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(
+            f"dtype {name!r} is not supported for loading: set model.dtype to one of auto, {', '.join(DTYPES)}"
+        )
+    dtype = DTYPES[name]
+    try:
+        probe = torch.ones(4, 4, dtype=dtype, device=device)
+        torch.softmax(probe @ probe, dim=-1)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"{device} cannot compute in {name} ({e}): set model.dtype to float32") from e
+    return dtype
+
+
+def _generation_config(path: Path, hf_config: Any) -> Any:
+    """The checkpoint's generation_config.json (eos, defaults), or one derived from the model config."""
+    from transformers import GenerationConfig
+
+    if (path / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(path)
+    return GenerationConfig.from_model_config(hf_config)
+
+
+def _build_skeleton(ckpt: _Checkpoint) -> nn.Module:
+    """The model with every parameter and buffer on the meta device: shapes only, no memory."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(
+            ckpt.hf_config, dtype=ckpt.dtype, trust_remote_code=ckpt.trust_remote_code
+        )
+
+
+def _read_weights(model: nn.Module, path: Path, report: _Reporter) -> None:
+    """Fill this rank's shards from the safetensors files; DCP reads only the slices each rank owns."""
+    reader = _ReportingReader(str(path), lambda done, total: report("read", done, total))
+    targets = _agreed("plan", lambda: _load_targets(model, reader.read_metadata().state_dict_metadata, path))
+    try:
+        dcp.load(targets, storage_reader=reader)
+    except dcp.CheckpointException as e:  # raised on every rank: DCP gathers each rank's outcome itself
+        failures = {rank: _describe(exc) for rank, (exc, _trace) in e.failures.items()}
+        mine = e.failures.get(dist.get_rank())
+        _raise_for("read", failures, mine[0] if mine else None)
+
+
+def _load_targets(model: nn.Module, saved: dict[str, Any], path: Path) -> dict[str, torch.Tensor]:
+    """Model tensors keyed as in the files; each tied tensor once, under the name the files use."""
+    by_tensor: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        by_tensor.setdefault(id(tensor), []).append(name)
+        tensors[id(tensor)] = tensor
+    targets, missing = {}, []
+    for key, names in by_tensor.items():
+        found = [name for name in names if name in saved]
+        if found:
+            targets[found[0]] = tensors[key]
+        else:
+            missing.append(" = ".join(names))
+    if missing:
+        raise ValueError(
+            f"{path} lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:3]}; the files hold "
+            f"e.g. {sorted(saved)[:3]}: the checkpoint is incomplete or its names need a conversion "
+            "transformers does on load, which sharded loading does not do"
+        )
+    return targets
+
+
+class _ReportingReader(dcp.HuggingFaceStorageReader):
+    """`HuggingFaceStorageReader` that reads its plan in batches and reports progress after each one."""
+
+    BATCHES = 50
+
+    def __init__(self, path: str, on_batch: Callable[[int, int], None]):
+        super().__init__(path)
+        self.on_batch = on_batch
+
+    def read_data(self, plan: Any, planner: Any) -> Future[None]:
+        items = plan.items
+        size = max(1, -(-len(items) // self.BATCHES))
+        for start in range(0, len(items), size):
+            batch = dataclasses.replace(plan, items=items[start : start + size])
+            super().read_data(batch, planner).wait()
+            self.on_batch(min(start + size, len(items)), len(items))
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+
+def _finalise(model: nn.Module, ckpt: _Checkpoint, device: torch.device) -> None:
+    """Recreate non-persistent buffers, check tied weights, and set the model up for generation."""
+    _recreate_buffers(model, device)
+    if getattr(ckpt.hf_config.get_text_config(), "tie_word_embeddings", False):
+        output, input_ = model.get_output_embeddings(), model.get_input_embeddings()
+        assert output.weight is input_.weight, "FSDP must keep tied embeddings one parameter"
+    model.eval()
+    if model.supports_gradient_checkpointing:  # off for generation; named activation_* since transformers 5
+        disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+        disable()
+    model.config.use_cache = True
+    model.generation_config = ckpt.generation_config
+
+
+def _recreate_buffers(model: nn.Module, device: torch.device) -> None:
+    """Non-persistent buffers (rotary `inv_freq`) are in no file: rebuild their module on the device, keep its buffers."""
+    for name, module in model.named_modules():
+        buffers = [b for b in module._non_persistent_buffers_set if module._buffers.get(b) is not None]
+        if not buffers:
+            continue
+        module_config = getattr(module, "config", None)
+        if module_config is None:
+            raise ValueError(
+                f"{name} ({type(module).__name__}) has buffers {buffers} that are not saved in checkpoints "
+                "and that sharded loading cannot recompute (it rebuilds modules created from the model config)"
+            )
+        with torch.device(device):
+            fresh = type(module)(module_config)
+        for buffer in buffers:
+            module._buffers[buffer] = fresh._buffers[buffer]

@@ -1,0 +1,113 @@
+"""The control-plane protocol: message types, the envelope, signing sessions and endpoints.
+
+Rank 0 and the followers exchange ``jupyter_client.session.Session`` messages signed with the
+kernel's HMAC key (a message whose signature does not verify is dropped and logged, never acted
+on). Every message's content is an envelope ``{"v": PROTOCOL_VERSION, "id": ..., "rank": ...,
+"payload": {...}}``; the message type is the Session ``msg_type``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PROTOCOL_VERSION = 1
+
+# rank 0 -> followers
+COMMAND = "command"  # payload: {"kind": handler name, "args": {...}}
+INTERRUPT = "interrupt"  # raise KeyboardInterrupt in the follower running command `id`
+SHUTDOWN = "shutdown"  # leave the follower loop and exit
+PING = "ping"  # rank 0 is alive
+
+# followers -> rank 0
+HELLO = "hello"  # payload: the follower's static facts (host, pid, device, backend)
+HEARTBEAT = "heartbeat"  # payload: {"memory": {...}}
+STREAM = "stream"  # payload: {"name": "stdout"|"stderr", "text": str}
+DISPLAY = "display"  # payload: {"data": mimebundle, "metadata": {...}, "transient": {...}}
+RESULT = "result"  # payload: {"data": mimebundle, "metadata": {...}} -- the cell's last value
+ERROR = "error"  # payload: {"ename", "evalue", "traceback": [str]}
+DONE = "done"  # payload: {"status": "ok"|"error", "value": json-able or None}
+
+OUTPUT_TYPES = (STREAM, DISPLAY, RESULT, ERROR)
+CONTROL_KEY = "shardbook/control"  # torch.distributed store key holding rank 0's endpoint
+KEY_ENV = "SHARDBOOK_KEY"
+KEY_FILE_ENV = "SHARDBOOK_KEY_FILE"
+
+
+class ProtocolError(ValueError):
+    """A message that is well signed but not something this version understands."""
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def envelope(payload: dict[str, Any] | None = None, *, id: str = "", rank: int = 0) -> dict[str, Any]:
+    return {"v": PROTOCOL_VERSION, "id": id, "rank": rank, "payload": payload or {}}
+
+
+@dataclass(frozen=True)
+class Message:
+    """A verified, parsed control-plane message."""
+
+    type: str
+    id: str
+    rank: int
+    payload: dict[str, Any]
+
+    @classmethod
+    def from_session_msg(cls, msg: dict[str, Any]) -> "Message":
+        content = msg.get("content") or {}
+        version = content.get("v")
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"protocol version {version!r} received, {PROTOCOL_VERSION} expected: "
+                "every rank must run the same shardbook version"
+            )
+        return cls(
+            type=msg["header"]["msg_type"],
+            id=content.get("id", ""),
+            rank=int(content.get("rank", 0)),
+            payload=content.get("payload") or {},
+        )
+
+
+def make_session(key: bytes, signature_scheme: str = "hmac-sha256"):
+    """A Session that signs with ``key``; an empty key is refused (it would sign nothing)."""
+    from jupyter_client.session import Session
+
+    if not key:
+        raise ValueError(
+            "the control plane needs an HMAC key: start the kernel from Jupyter (the connection file "
+            f"holds one) or set {KEY_ENV} / {KEY_FILE_ENV} on every node"
+        )
+    return Session(key=key, signature_scheme=signature_scheme, username="shardbook", check_pid=False)
+
+
+def read_connection_key(connection_file: str | os.PathLike) -> tuple[bytes, str]:
+    """The HMAC key and signature scheme from a Jupyter connection file."""
+    info = json.loads(Path(connection_file).read_text())
+    return info.get("key", "").encode(), info.get("signature_scheme", "hmac-sha256")
+
+
+def key_from_environment() -> bytes | None:
+    """A key given to followers on other nodes: ``$SHARDBOOK_KEY_FILE`` or ``$SHARDBOOK_KEY``."""
+    path = os.environ.get(KEY_FILE_ENV)
+    if path:
+        return read_key_file(path)
+    key = os.environ.get(KEY_ENV)
+    return key.encode() if key else None
+
+
+def read_key_file(path: str | os.PathLike) -> bytes:
+    try:
+        key = Path(path).read_text().strip()
+    except OSError as e:
+        raise ValueError(f"cannot read the control-plane key file {path}: {e.strerror}; copy it from the kernel's node") from e
+    if not key:
+        raise ValueError(f"the key file {path} is empty; run `shardbook install` with --key-file to create one")
+    return key.encode()

@@ -1,0 +1,79 @@
+"""Token-to-text streaming: turns the token ids `model.generate` produces into whole-character text chunks.
+
+A byte-level tokenizer can split one character (a Chinese character, an emoji) across
+several tokens; decoding a prefix of those tokens ends in U+FFFD. :class:`TextDeltaStreamer`
+holds such an incomplete tail back until the next token completes it, so every chunk it
+hands on is whole text and the chunks concatenate to the decoded reply.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+INCOMPLETE = "\ufffd"
+"""What a decoder yields for the bytes of a character it has not seen all of yet."""
+
+
+class TextDeltaStreamer(BaseStreamer):
+    """A `model.generate` streamer that passes each new piece of whole text to `sink`.
+
+    Unlike transformers' `TextStreamer`, it does not wait for a word boundary: text goes out
+    as soon as it ends in a whole character. It decodes the tokens since the last newline
+    together (some tokenizers decode a lone token differently, e.g. dropping a leading
+    space), so decoding stays cheap for long replies.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        sink: Callable[[str], None],
+        *,
+        skip_prompt: bool = True,
+        **decode_kwargs: Any,
+    ):
+        self.tokenizer = tokenizer
+        self.sink = sink
+        self.decode_kwargs = decode_kwargs
+        self.skip_next = skip_prompt
+        self.token_cache: list[int] = []
+        self.num_sent = 0
+        """Characters of `decode(token_cache)` already given to `sink`."""
+
+    def put(self, value: torch.Tensor) -> None:
+        """Take the next token ids (the prompt first, which is skipped when `skip_prompt`)."""
+        if value.dim() > 1 and value.shape[0] > 1:
+            raise ValueError(
+                f"TextDeltaStreamer streams one sequence, got a batch of {value.shape[0]}; "
+                "generate one request at a time"
+            )
+        if self.skip_next:
+            self.skip_next = False
+            return
+        self.token_cache.extend(value.reshape(-1).tolist())
+        text = self._decode(self.token_cache)
+        if text.endswith(INCOMPLETE):
+            return
+        self._send(text[self.num_sent :])
+        if text.endswith("\n"):
+            # Restart the cache at the newline, keeping its token as context for the next decode.
+            self.token_cache = self.token_cache[-1:]
+            self.num_sent = len(self._decode(self.token_cache))
+        else:
+            self.num_sent = len(text)
+
+    def end(self) -> None:
+        """Send whatever is still held back (an incomplete character stays U+FFFD for good)."""
+        text = self._decode(self.token_cache)
+        self._send(text[self.num_sent :])
+        self.token_cache = []
+        self.num_sent = 0
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, **self.decode_kwargs)
+
+    def _send(self, text: str) -> None:
+        if text:
+            self.sink(text)

@@ -1,0 +1,64 @@
+"""The summary of a sharded load: what was loaded, how it is laid out, and what it costs each rank.
+
+`load_summary` is a collective (it gathers every rank's figures), so every rank calls it and
+every rank returns the same dict; the kernel shows rank 0's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from shardbook.rankd.world import memory_in_use
+
+
+def local_param_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters this rank holds (its shards; tied parameters counted once)."""
+    return sum(_local(p).numel() * p.element_size() for p in model.parameters())
+
+
+def full_param_bytes(model: nn.Module) -> int:
+    """Bytes of the whole model's parameters, unsharded (tied parameters counted once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def load_summary(
+    model: nn.Module,
+    *,
+    path: str,
+    mesh: DeviceMesh,
+    device: torch.device,
+    load_seconds: float,
+    reshard_after_forward: bool,
+    reshard_reason: str,
+) -> dict[str, Any]:
+    """Architecture, sizes, layout, per-rank memory and the slowest rank's time of a finished load (a collective)."""
+    mine = {"local_param_bytes": local_param_bytes(model), "seconds": load_seconds, **memory_in_use(str(device))}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {
+        "architecture": type(model).__name__,
+        "model_path": path,
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "device": device.type,
+        "world_size": dist.get_world_size(),
+        "mesh_shape": list(mesh.shape),
+        "mesh_axes": list(mesh.mesh_dim_names or ()),
+        "full_param_bytes": full_param_bytes(model),
+        "local_param_bytes": [rank["local_param_bytes"] for rank in every],
+        "rss_bytes": [rank["rss"] for rank in every],
+        "device_bytes": [rank.get("device") for rank in every],
+        "load_seconds": round(max(rank["seconds"] for rank in every), 3),
+        "reshard_after_forward": reshard_after_forward,
+        "reshard_reason": reshard_reason,
+    }
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param

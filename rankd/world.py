@@ -1,0 +1,219 @@
+"""World set-up for every rank: device and backend detection, the process group, the job's shape.
+
+Every rank of a shardbook job calls :func:`init_world` once at start-up. Outside torchrun
+(a plain IPython kernel) the same call gives a world of one rank, so all code paths are the same.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")
+BACKEND_FOR_DEVICE = {"cpu": "gloo", "cuda": "cuda:nccl,cpu:gloo", "npu": "npu:hccl,cpu:gloo"}
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """Where this process sits in the torchrun job (read from torchrun's environment)."""
+
+    rank: int = 0
+    """Global rank of this process."""
+    world_size: int = 1
+    """Number of ranks in the job."""
+    local_rank: int = 0
+    """Rank within this node; selects the device."""
+    local_world_size: int = 1
+    """Number of ranks on this node."""
+    under_torchrun: bool = False
+    """True when torchrun started this process (its environment variables are set)."""
+
+    @property
+    def num_nodes_hint(self) -> int:
+        """Number of nodes, assuming the same number of ranks on each."""
+        return max(1, self.world_size // max(1, self.local_world_size))
+
+    @property
+    def single_node(self) -> bool:
+        """True when every rank runs on this machine: the control plane then stays on loopback."""
+        return self.world_size == self.local_world_size
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> "JobShape":
+        env = os.environ if env is None else env
+        if "RANK" not in env or "WORLD_SIZE" not in env:
+            return cls()
+        return cls(
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+            under_torchrun=True,
+        )
+
+
+@dataclass(frozen=True)
+class DeviceProbe:
+    """The device functions :func:`detect_device` consults; tests replace them (no NPU here)."""
+
+    npu_count: Callable[[], int]
+    cuda_count: Callable[[], int]
+
+    @classmethod
+    def real(cls) -> "DeviceProbe":
+        return cls(npu_count=_npu_device_count, cuda_count=_cuda_device_count)
+
+
+def _npu_device_count() -> int:
+    """Number of Ascend NPUs; 0 when torch_npu is not installed (it is imported only if present)."""
+    try:
+        import torch_npu  # noqa: F401  (registers torch.npu)
+    except ImportError:
+        return 0
+    import torch
+
+    try:
+        return int(torch.npu.device_count())
+    except Exception as e:  # a broken driver install must not hide the CUDA/CPU fallback
+        log.warning("torch_npu is installed but reports no usable NPU (%s); falling back", e)
+        return 0
+
+
+def _cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def detect_device(requested: str = "auto", probe: DeviceProbe | None = None) -> str:
+    """Device type for this job: npu if torch_npu has devices, else cuda, else cpu.
+
+    ``requested`` (``parallel.device`` or ``SHARDBOOK_DEVICE``) overrides the detection; asking for
+    a device type that is absent is an error rather than a silent fallback.
+    """
+    if requested not in DEVICE_CHOICES:
+        raise ValueError(f"unknown device {requested!r}; choose one of {', '.join(DEVICE_CHOICES)}")
+    probe = probe or DeviceProbe.real()
+    if requested == "cpu":
+        return "cpu"
+    counts = {"npu": probe.npu_count, "cuda": probe.cuda_count}
+    if requested != "auto":
+        if counts[requested]() == 0:
+            raise ValueError(
+                f"device {requested!r} was requested but none is available on {socket.gethostname()}; "
+                "use --parallel.device auto (or cpu) or run on a machine with that accelerator"
+            )
+        return requested
+    for kind in ("npu", "cuda"):
+        if counts[kind]() > 0:
+            return kind
+    return "cpu"
+
+
+def device_for_rank(device_type: str, local_rank: int, probe: DeviceProbe | None = None) -> str:
+    """``cuda:3`` style device string for this rank: each rank on its LOCAL_RANK device."""
+    if device_type == "cpu":
+        return "cpu"
+    probe = probe or DeviceProbe.real()
+    count = probe.npu_count() if device_type == "npu" else probe.cuda_count()
+    if local_rank >= count:
+        raise ValueError(
+            f"local rank {local_rank} needs {device_type}:{local_rank} but this node has {count} "
+            f"{device_type} device(s); start fewer ranks per node (--nproc {count})"
+        )
+    return f"{device_type}:{local_rank}"
+
+
+@dataclass
+class World:
+    """This rank's view of the job: shape, device, backend and the default process group."""
+
+    shape: JobShape
+    device_type: str
+    device: str
+    backend: str
+    host: str = field(default_factory=socket.gethostname)
+    pid: int = field(default_factory=os.getpid)
+    store: Any = None
+
+    @property
+    def rank(self) -> int:
+        return self.shape.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.shape.world_size
+
+    def describe(self) -> dict[str, Any]:
+        """The static facts ``%dist`` shows for this rank."""
+        return {"rank": self.rank, "host": self.host, "pid": self.pid, "device": self.device, "backend": self.backend}
+
+
+def process_group_timeout() -> datetime.timedelta:
+    """Collective timeout: ``SHARDBOOK_PG_TIMEOUT`` seconds (default 1800, as torch's default)."""
+    return datetime.timedelta(seconds=float(os.environ.get("SHARDBOOK_PG_TIMEOUT", "1800")))
+
+
+def set_current_device(device: str) -> None:
+    """Make ``device`` current in the calling thread (CUDA/NPU track the device per thread)."""
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    elif device.startswith("npu"):
+        torch.npu.set_device(device)
+
+
+def init_world(requested_device: str | None = None, shape: JobShape | None = None) -> World:
+    """Detect the device, set it for this rank and join the default process group.
+
+    Under torchrun the rendezvous comes from torchrun's environment (``env://``); outside it a
+    one-rank gloo group on a private in-memory store is created, so collectives still work.
+    """
+    import torch.distributed as dist
+
+    shape = shape or JobShape.from_env()
+    device_type = detect_device(requested_device or os.environ.get("SHARDBOOK_DEVICE", "auto"))
+    device = device_for_rank(device_type, shape.local_rank)
+    set_current_device(device)
+    backend = BACKEND_FOR_DEVICE[device_type]
+    if not dist.is_initialized():
+        if shape.under_torchrun:
+            dist.init_process_group(backend=backend, timeout=process_group_timeout())
+        else:
+            dist.init_process_group(
+                backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=process_group_timeout()
+            )
+    store = dist.distributed_c10d._get_default_store()
+    log.debug("rank %d/%d on %s (%s)", shape.rank, shape.world_size, device, backend)
+    return World(shape=shape, device_type=device_type, device=device, backend=backend, store=store)
+
+
+def memory_in_use(device: str) -> dict[str, int]:
+    """Resident memory of this process and, on an accelerator, the bytes allocated on its device."""
+    memory = {"rss": _resident_bytes()}
+    if device.startswith("cuda"):
+        import torch
+
+        memory["device"] = int(torch.cuda.memory_allocated(device))
+    elif device.startswith("npu"):
+        import torch
+
+        memory["device"] = int(torch.npu.memory_allocated(device))
+    return memory
+
+
+def _resident_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

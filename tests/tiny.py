@@ -1,0 +1,144 @@
+"""Tiny local checkpoints for tests: a random Llama with a trained byte-level tokenizer, and a non-causal model.
+
+Nothing here touches a model hub: the tokenizer is a byte-level BPE trained in-process on
+the small corpus below, and the weights come from a seeded random initialisation, so the
+same arguments always write the same files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+PAD = "<|pad|>"
+SPECIAL_TOKENS = [PAD, IM_START, IM_END]
+TOKENIZER_VOCAB_SIZE = 384
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+CORPUS = [
+    "What is the capital of France? The capital of France is Paris.",
+    "The quick brown fox jumps over the lazy dog while the cat sleeps.",
+    "Sharded models keep one slice of every weight on each rank.",
+    "Hello, world! How are you today? I am fine, thank you.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 2024 3.14159",
+    "def add(a, b):\n    return a + b\n",
+    "法国的首都是巴黎。今天天气很好，我们去公园散步吧。",
+    "你好，世界！机器学习和深度学习都很有趣。",
+    "Emoji time: 🚀 🎉 😀 👍 🐍 ❤️ — rockets, parties and snakes.",
+    "Tokenizers split text into pieces; byte-level BPE never fails on unknown text.",
+]
+
+
+def make_tokenizer():
+    """A byte-level BPE tokenizer trained on CORPUS, wrapped for transformers, with ChatML."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(CORPUS * 4, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=None,
+        eos_token=IM_END,
+        pad_token=PAD,
+        additional_special_tokens=[IM_START, IM_END],
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def make_tiny_llama(
+    path: Path,
+    *,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    tie_word_embeddings: bool = True,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+) -> Path:
+    """Write a random float32 LlamaForCausalLM, its tokenizer and generation config to `path`.
+
+    `max_shard_size` (e.g. "40KB") splits the safetensors into several files with an index.
+    """
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    tokenizer = make_tokenizer()
+    eos_id = tokenizer.convert_tokens_to_ids(IM_END)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie_word_embeddings,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=eos_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+    with _seeded(seed):
+        model = LlamaForCausalLM(config).to(torch.float32)
+    model.generation_config = GenerationConfig(
+        eos_token_id=eos_id, pad_token_id=tokenizer.pad_token_id, do_sample=False
+    )
+    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **save_kwargs)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def make_tiny_non_causal(path: Path, *, seed: int = 0) -> Path:
+    """Write a tiny random BertModel (an encoder, not a causal LM) and a tokenizer to `path`."""
+    from transformers import BertConfig, BertModel
+
+    path = Path(path)
+    tokenizer = make_tokenizer()
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    with _seeded(seed):
+        BertModel(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+class _seeded:
+    """Seed torch's CPU generator inside the block and restore its previous state after."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def __enter__(self):
+        self.state = torch.random.get_rng_state()
+        torch.manual_seed(self.seed)
+
+    def __exit__(self, *exc):
+        torch.random.set_rng_state(self.state)
