@@ -220,6 +220,8 @@ class System:
     rank_cells: list[str] = field(default_factory=list)  # define `rank` everywhere
     teardown_cells: list[str] = field(default_factory=list)
     how: str = ""
+    # stdout text by which a system reports a failed broadcast with status "ok"
+    error_re: re.Pattern | None = None
 
 
 class Skip(Exception):
@@ -257,8 +259,12 @@ def ks_floor(tmp: Path) -> dict:
 
 def ks_shardbook(tmp: Path) -> dict:
     exe = Path(sys.executable).with_name("shardbook")
-    cli = [str(exe)] if exe.exists() else [sys.executable, "-c",
-                                          "import sys; from shardbook.kernel.cli import main; sys.exit(main())"]
+    if os.environ.get("SHARDBOOK_BENCH_CLI"):  # e.g. a stand-in, to test this harness
+        cli = os.environ["SHARDBOOK_BENCH_CLI"].split()
+    elif exe.exists():
+        cli = [str(exe)]
+    else:
+        cli = [sys.executable, "-c", "import sys; from shardbook.kernel.cli import main; sys.exit(main())"]
     prefix = tmp / "shardbook-prefix"
     cmd = [*cli, "install", "--nproc", str(WORLD), "--prefix", str(prefix), "--name", "bench-shardbook"]
     try:
@@ -326,11 +332,26 @@ SYSTEMS = [
                "(what its server extension sets); ranks start on the first cell; every cell broadcasts"),
     System("nbdistributed", True, WORLD, ks_nbdistributed, lambda b: f"%%distributed\n{b}",
            parse_nbdistributed,
-           startup_cells=["%load_ext nbdistributed\n%dist_init -n 2"],
+           # %dist_init returns after a fixed 2 s sleep, possibly before its
+           # workers have connected; a command sent then is silently dropped by
+           # its ZMQ ROUTER and the cell prints a timeout after 30 s.  So wait
+           # until both workers answer (probes of 0.1 s), as a user would.
+           startup_cells=["%load_ext nbdistributed\n%dist_init -n 2\n"
+                          "_m = get_ipython().magics_manager.registry['DistributedMagic']\n"
+                          "while True:\n"
+                          "    try:\n"
+                          "        _m._comm_manager.send_to_all('get_status', {}, timeout=0.1)\n"
+                          "        break\n"
+                          "    except TimeoutError:\n"
+                          "        pass"],
            rank_cells=[],  # `rank` is predefined in its workers
+           # NOT %dist_shutdown: it pkills by pattern ("torch.*distributed", ...)
            teardown_cells=["%dist_mode --disable",
-                           "from nbdistributed.magic import DistributedMagic as _D\n_D.shutdown_all()"],
-           how="ipykernel; `%load_ext nbdistributed` + `%dist_init -n 2`; `%%distributed` cells"),
+                           "_m = get_ipython().magics_manager.registry['DistributedMagic']\n"
+                           "_m._process_manager.shutdown()\n_m._comm_manager.shutdown()"],
+           error_re=re.compile(r"Error executing distributed code|Error on Rank \d|No distributed workers"),
+           how="ipykernel; `%load_ext nbdistributed` + `%dist_init -n 2` (+ wait until its workers answer); "
+               "`%%distributed` cells"),
 ]
 
 CELL_EMPTY = "pass"
@@ -381,13 +402,17 @@ def run_cell(kc, code: str, timeout: float) -> CellResult:
     return CellResult(t1 - t0, reply, msgs)
 
 
-def run_ok(kc, code: str, timeout: float) -> CellResult:
+def run_ok(kc, code: str, timeout: float, error_re: re.Pattern | None = None) -> CellResult:
     res = run_cell(kc, code, timeout)
     content = res.reply["content"]
     errs = [m["content"] for m in res.msgs if m["header"]["msg_type"] == "error"]
     if content.get("status") != "ok" or errs:
         e = errs[0] if errs else content
         raise CellError(f"{code[:40]!r} -> {e.get('ename')}: {str(e.get('evalue'))[:300]}")
+    if error_re is not None:
+        m = error_re.search(_stdout_text(res.msgs))
+        if m:
+            raise CellError(f"{code[:40]!r} -> printed {m.group(0)!r}")
     return res
 
 
@@ -427,8 +452,9 @@ def descendants(pid: int) -> list:
 class Live:
     """One running kernel of one system."""
 
-    def __init__(self, system: System, kernel_name: str, cell_timeout: float):
+    def __init__(self, system: System, kernel_name: str, cell_timeout: float, log: Path):
         self.system = system
+        self.log = log
         self.kernel_name = kernel_name
         self.cell_timeout = cell_timeout
         self.km = None
@@ -438,19 +464,28 @@ class Live:
         """Start, run the start-up cells and the first broadcast; return timings."""
         t0 = time.perf_counter()
         self.km = KernelManager(kernel_name=self.kernel_name)
-        self.km.start_kernel()
+        with open(self.log, "ab") as fh:  # kernel stdout/stderr (the child keeps its own fd)
+            self.km.start_kernel(stdout=fh, stderr=fh)
         self.kc = self.km.client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=startup_timeout)
         t_ready = time.perf_counter() - t0
         for cell in self.system.startup_cells:
-            run_ok(self.kc, cell, startup_timeout)
-        run_ok(self.kc, self.system.broadcast(CELL_EMPTY), startup_timeout)
+            run_ok(self.kc, cell, startup_timeout, self.system.error_re)
+        run_ok(self.kc, self.system.broadcast(CELL_EMPTY), startup_timeout, self.system.error_re)
         return {"startup": time.perf_counter() - t0, "ready": t_ready}
 
     def prepare(self) -> None:
         for cell in self.system.rank_cells:
-            run_ok(self.kc, cell, self.cell_timeout)
+            run_ok(self.kc, cell, self.cell_timeout, self.system.error_re)
+
+    def log_tail(self, n: int = 15) -> str:
+        try:
+            lines = self.log.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        lines = [ln for ln in lines if "running over TCP without encryption" not in ln]
+        return "\n".join("      | " + ln for ln in lines[-n:])
 
     def stop(self) -> None:
         procs = []
@@ -516,10 +551,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=50)
     ap.add_argument("--big-runs", type=int, default=None, help="runs of the 1000-line cell (default --runs)")
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--startup-reps", type=int, default=1, help="fresh starts per system for the start-up figure")
+    ap.add_argument("--startup-reps", type=int, default=3, help="fresh starts per system for the start-up figure")
     ap.add_argument("--cell-timeout", type=float, default=120)
     ap.add_argument("--startup-timeout", type=float, default=180)
     ap.add_argument("--json", type=Path, help="also write the raw figures here")
+    ap.add_argument("--keep-tmp", action="store_true", help="keep the temp dir (kernelspecs, kernel logs)")
     args = ap.parse_args(argv)
     ANCHORS_VENV = args.anchors_venv
 
@@ -532,10 +568,11 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="shardbook-bench-"))
     kernels_dir = tmp / "jupyter" / "kernels"
     kernels_dir.mkdir(parents=True)
+    logs = tmp / "logs"
+    logs.mkdir()
     os.environ["JUPYTER_PATH"] = str(tmp / "jupyter")
     os.environ["JUPYTER_RUNTIME_DIR"] = str(tmp / "runtime")
     os.environ["IPYTHONDIR"] = str(tmp / "ipython")  # fresh profile, no user startup files
-    os.environ.pop("PYDEVD_DISABLE_FILE_VALIDATION", None)
 
     print(f"# shardbook kernel round trips (issue 2) — world {WORLD}, "
           f"{args.runs} runs ({big_runs} for {BIG_LINES} lines) after {args.warmup} warm-ups")
@@ -567,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in systems[rep % max(1, len(systems)):] + systems[:rep % max(1, len(systems))]:
             if s.key in failed:
                 continue
-            live = Live(s, names[s.key], args.cell_timeout)
+            live = Live(s, names[s.key], args.cell_timeout, logs / f"{s.key}-startup{rep}.log")
             try:
                 t = live.start(args.startup_timeout)
                 results[s.key]["startup"].append(t["startup"])
@@ -576,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"(kernel_info ready {t['ready']:.2f} s)", flush=True)
             except Exception as e:
                 failed[s.key] = f"start-up: {e}"
-                print(f"  FAIL {s.key}: {e}", flush=True)
+                print(f"  FAIL {s.key}: {e}\n{live.log_tail()}", flush=True)
             finally:
                 live.stop()
 
@@ -587,14 +624,14 @@ def main(argv: list[str] | None = None) -> int:
         for s in systems:
             if s.key in failed:
                 continue
-            live = Live(s, names[s.key], args.cell_timeout)
+            live = Live(s, names[s.key], args.cell_timeout, logs / f"{s.key}.log")
             try:
                 live.start(args.startup_timeout)
                 live.prepare()
                 lives.append(live)
             except Exception as e:
                 failed[s.key] = f"start/prepare: {e}"
-                print(f"  FAIL {s.key}: {e}", flush=True)
+                print(f"  FAIL {s.key}: {e}\n{live.log_tail()}", flush=True)
                 live.stop()
 
         tests = [("empty", CELL_EMPTY, args.runs, None),
@@ -612,10 +649,11 @@ def main(argv: list[str] | None = None) -> int:
                     if key in failed:
                         continue
                     try:
-                        res = run_ok(live.kc, live.system.broadcast(body), args.cell_timeout)
+                        res = run_ok(live.kc, live.system.broadcast(body), args.cell_timeout,
+                                     live.system.error_re)
                     except Exception as e:
                         failed[key] = f"{tname}: {e}"
-                        print(f"  FAIL {key} {tname}: {e}", flush=True)
+                        print(f"  FAIL {key} {tname}: {e}\n{live.log_tail()}", flush=True)
                         continue
                     if i < args.warmup:
                         continue
@@ -626,7 +664,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for live in lives:
             live.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+        if failed or args.keep_tmp:
+            print(f"# kernel logs kept in {logs}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     # ---- report --------------------------------------------------------------
     def med(key, t):

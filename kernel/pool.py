@@ -70,6 +70,7 @@ class Command:
     replies: dict[int, dict[str, Any]] = field(default_factory=dict)
     done: threading.Event = field(default_factory=threading.Event)
     interrupted: bool = False
+    sigint_forwarded: bool = False
 
     @property
     def pending(self) -> list[int]:
@@ -210,6 +211,12 @@ class Pool:
             if state.rank in command.pending:
                 error = {"ename": "RankDied", "evalue": f"rank {state.rank} died: {reason}", "traceback": []}
                 self._record_reply(command.id, state.rank, {"status": "dead", "error": error})
+                self._stop_own_part(command)
+
+    def _stop_own_part(self, command: Command) -> None:
+        """A rank died under a command: rank 0's part would wait for it in vain, so interrupt it."""
+        if 0 in command.pending and command.sigint_forwarded:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
     # --- commands ----------------------------------------------------------------------------
     def run(
@@ -358,6 +365,7 @@ class _SigintForwarder:
         if threading.current_thread() is threading.main_thread():
             self.saved = signal.getsignal(signal.SIGINT)
             signal.signal(signal.SIGINT, self._handle)
+            self.command.sigint_forwarded = True
         return self
 
     def _handle(self, signum, frame):
@@ -365,6 +373,7 @@ class _SigintForwarder:
         raise KeyboardInterrupt
 
     def __exit__(self, *exc):
+        self.command.sigint_forwarded = False
         if self.saved is not None:
             signal.signal(signal.SIGINT, self.saved)
         return False

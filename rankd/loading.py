@@ -113,6 +113,7 @@ def _load(config: Any, device: torch.device, model_path: str | Path | None, repo
     ckpt = _agreed("config", lambda: _read_config(config, model_path, device))
     report("config", 1, 1)
     model = _agreed("skeleton", lambda: _build_skeleton(ckpt))
+    architecture = type(model).__name__  # fully_shard renames the class to FSDP<name>
     report("skeleton", 1, 1)
     mesh = init_mesh(device.type, ckpt.mesh_shape, ckpt.mesh_axes)
     views = _agreed("memory", lambda: reshard_fits(full_param_bytes(model), device), gather=True)
@@ -125,6 +126,7 @@ def _load(config: Any, device: torch.device, model_path: str | Path | None, repo
     report("finalise", 1, 1)
     summary = load_summary(
         model,
+        architecture=architecture,
         path=str(ckpt.path),
         mesh=mesh,
         device=device,

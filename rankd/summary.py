@@ -30,6 +30,7 @@ def full_param_bytes(model: nn.Module) -> int:
 def load_summary(
     model: nn.Module,
     *,
+    architecture: str,
     path: str,
     mesh: DeviceMesh,
     device: torch.device,
@@ -42,7 +43,7 @@ def load_summary(
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     return {
-        "architecture": type(model).__name__,
+        "architecture": architecture,
         "model_path": path,
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),

@@ -1,0 +1,212 @@
+"""Loading benchmark (issue 3): sharded loading against single-process `from_pretrained` and against full-load-then-shard.
+
+Each method runs in fresh processes (one CPU thread each) after the checkpoint is in the page
+cache. Per rank it measures the load time and the memory above the process's own baseline
+taken after imports and process-group set-up: peak private memory (RssAnon, sampled every
+2 ms) and peak total resident memory (VmHWM, reset through /proc/self/clear_refs; it also
+counts the pages of the safetensors files mapped while reading them).
+
+    python bench/bench_load.py                      # the demo model, 2 ranks
+    python bench/bench_load.py --model DIR --ranks 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import queue
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import platformdirs
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+METHODS = ("sharded", "from_pretrained", "full_then_shard")
+MIB = 2**20
+
+
+def demo_model_dir() -> Path:
+    home = Path(os.environ.get("SHARDBOOK_HOME") or platformdirs.user_cache_dir("shardbook"))
+    return home / "models" / "smollm2-135m-instruct"
+
+
+def proc_status() -> dict[str, int]:
+    """VmHWM, VmRSS and RssAnon of this process, in bytes."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "VmRSS", "RssAnon"):
+                fields[key] = int(value.split()[0]) * 1024
+    return fields
+
+
+def anon_bytes(pid: int) -> int | None:
+    """RssAnon of process `pid` in bytes, or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def load_once(method: str, model_dir: Path):
+    """One load by `method`; returns the model (kept alive until measured)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if method == "sharded":
+        import types
+
+        from shardbook.rankd.loading import load_sharded
+
+        config = types.SimpleNamespace(
+            model=types.SimpleNamespace(model_name_or_path=str(model_dir), dtype="float32", trust_remote_code=False),
+            parallel=types.SimpleNamespace(fsdp_size=-1, ep_size=1, reshard_after_forward=None),
+        )
+        return load_sharded(config, device="cpu").model
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    AutoTokenizer.from_pretrained(model_dir)
+    if method == "full_then_shard":
+        import torch.distributed as dist
+
+        from shardbook.rankd.sharding import apply_fsdp, init_mesh
+
+        mesh = init_mesh("cpu", (dist.get_world_size(),), ("shard",))
+        apply_fsdp(model, mesh, reshard_after_forward=False, on_group=lambda done, total: None)
+    return model
+
+
+def rank_main(rank: int, world: int, store: str, method: str, model_dir: str, results) -> None:
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    import transformers  # noqa: F401  (imported before the baseline, as in a kernel)
+
+    import shardbook.rankd.loading  # noqa: F401
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    dist.barrier()
+    gc.collect()
+    baseline = proc_status()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # restart VmHWM from the current RSS
+    started = time.monotonic()
+    model = load_once(method, Path(model_dir))
+    loaded = time.monotonic()
+    after = proc_status()
+    with torch.no_grad():  # the first forward pages in lazily mapped weights and gathers sharded ones
+        model(torch.tensor([[1, 2, 3, 4]]))
+    results.put(
+        {
+            "rank": rank,
+            "started": started,
+            "loaded": loaded,
+            "seconds": loaded - started,
+            "ready_seconds": time.monotonic() - started,
+            "baseline_anon": baseline["RssAnon"],
+            "end_anon": after["RssAnon"],
+            "peak_rss": after["VmHWM"] - baseline["VmRSS"],
+        }
+    )
+    del model
+    dist.destroy_process_group()
+
+
+def run_method(method: str, world: int, model_dir: Path) -> list[dict]:
+    """Run `method` on `world` fresh ranks while this process samples their RssAnon every 2 ms."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [
+            ctx.Process(target=rank_main, args=(rank, world, f"{tmp}/store", method, str(model_dir), results))
+            for rank in range(world)
+        ]
+        for proc in procs:
+            proc.start()
+        samples: dict[int, list[tuple[float, int]]] = {rank: [] for rank in range(world)}
+        rows: list[dict] = []
+        deadline = time.monotonic() + 600
+        while len(rows) < world and time.monotonic() < deadline:
+            for rank, proc in enumerate(procs):
+                anon = anon_bytes(proc.pid)
+                if anon is not None:
+                    samples[rank].append((time.monotonic(), anon))
+            try:
+                rows.append(results.get_nowait())
+            except queue.Empty:
+                time.sleep(0.002)
+        for proc in procs:
+            proc.join(timeout=60)
+    if len(rows) < world:
+        sys.exit(f"{method}: ranks did not report within 600 s")
+    for row in rows:
+        during = [anon for t, anon in samples[row["rank"]] if row["started"] <= t <= row["loaded"]]
+        row["peak_anon"] = max([row["end_anon"], *during]) - row["baseline_anon"]
+    return sorted(rows, key=lambda row: row["rank"])
+
+
+def model_sizes(model_dir: Path) -> tuple[int, int]:
+    """Total and largest tensor bytes of the checkpoint, read from the safetensors headers."""
+    from safetensors import safe_open
+
+    sizes = []
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                tensor_slice = f.get_slice(key)
+                numel = 1
+                for dim in tensor_slice.get_shape():
+                    numel *= dim
+                sizes.append(numel * {"F32": 4, "BF16": 2, "F16": 2}[tensor_slice.get_dtype()])
+    return sum(sizes), max(sizes)
+
+
+def report(figures: dict[str, list[dict]], world: int, model_dir: Path) -> None:
+    total, largest = model_sizes(model_dir)
+    budget = 1.3 * total / world + largest
+    print(f"model {model_dir.name}: {total / MIB:.0f} MiB, largest tensor {largest / MIB:.0f} MiB; {world} ranks, 1 thread each")
+    print(f"{'method':<16} {'ranks':>5} {'load s':>7} {'+1st forward s':>15} {'peak anon MiB/rank':>19} {'peak RSS MiB/rank':>18}")
+    for method, rows in figures.items():
+        anon = max(row["peak_anon"] for row in rows)
+        rss = max(row["peak_rss"] for row in rows)
+        seconds = max(row["seconds"] for row in rows)
+        ready = max(row["ready_seconds"] for row in rows)
+        print(f"{method:<16} {len(rows):>5} {seconds:>7.2f} {ready:>15.2f} {anon / MIB:>19.0f} {rss / MIB:>18.0f}")
+    sharded, single, full = (figures[m] for m in METHODS)
+    time_of = lambda rows: max(row["seconds"] for row in rows)  # noqa: E731
+    anon_of = lambda rows: max(row["peak_anon"] for row in rows)  # noqa: E731
+    print(f"load time   sharded / from_pretrained = {time_of(sharded) / time_of(single):.2f}  (target <= 1)")
+    print(f"load time   sharded / full_then_shard = {time_of(sharded) / time_of(full):.2f}")
+    print(f"peak memory sharded / from_pretrained = {anon_of(sharded) / anon_of(single):.2f}")
+    print(f"peak memory sharded / full_then_shard = {anon_of(sharded) / anon_of(full):.2f}")
+    print(
+        f"per-rank peak anon {anon_of(sharded) / MIB:.0f} MiB vs budget 1.3 x model/ranks + largest tensor "
+        f"= {budget / MIB:.0f} MiB: {'met' if anon_of(sharded) <= budget else 'MISSED'}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=demo_model_dir(), help="checkpoint directory")
+    parser.add_argument("--ranks", type=int, default=2, help="ranks for the sharded methods")
+    args = parser.parse_args()
+    if not (args.model / "config.json").is_file():
+        sys.exit(f"no checkpoint at {args.model}: run `shardbook fetch smollm2-135m-instruct` or pass --model")
+    sys.path.insert(0, str(REPO_ROOT))
+    for file in args.model.glob("*.safetensors"):  # every method then reads from the page cache
+        file.read_bytes()
+    figures = {method: run_method(method, 1 if method == "from_pretrained" else args.ranks, args.model) for method in METHODS}
+    report(figures, args.ranks, args.model)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""Ranks that die, hang, idle or wedge; shutdown and restart leave no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from tests.e2e.conftest import gone, wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def run_in_background(handle, code: str, timeout: float = 60):
+    """Start a cell in a thread; returns (thread, result, started).
+
+    ``result["messages"]`` collects the cell's IOPub messages as they arrive, so they survive a
+    kernel that dies mid-cell; ``result["ex"]`` is the Execution when a reply came.
+    """
+    result, started = {"messages": []}, threading.Event()
+
+    def on_message(msg):
+        result["messages"].append(msg)
+        if msg["msg_type"] == "stream":
+            started.set()
+
+    def target():
+        try:
+            result["ex"] = handle.run(code, timeout=timeout, on_message=on_message)
+        except Exception as e:  # the kernel died under the cell
+            result["exc"] = e
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    return thread, result, started
+
+
+def test_shutdown_ends_every_rank(fresh_kernel):
+    handle = fresh_kernel()
+    pids = handle.rank_pids()
+    launcher = handle.km.provisioner.process.pid
+    t0 = time.monotonic()
+    handle.stop()
+    assert wait_until(lambda: all(gone(p) for p in [*pids.values(), launcher]), timeout=5), "a rank outlived shutdown"
+    assert time.monotonic() - t0 < 5 + 1
+
+
+def test_restart_gives_a_working_pool_and_no_orphans(fresh_kernel):
+    handle = fresh_kernel()
+    old = handle.rank_pids()
+    handle.km.restart_kernel(now=False)
+    assert wait_until(lambda: all(gone(p) for p in old.values()), timeout=5)
+    handle.kc.wait_for_ready(timeout=90)
+    new = handle.rank_pids()
+    assert set(new) == {0, 1} and not set(new.values()) & set(old.values())
+
+
+def test_hard_restart_leaves_no_orphans(fresh_kernel):
+    """restart(now=True) SIGKILLs torchrun; the workers (own sessions) must still go away."""
+    handle = fresh_kernel()
+    old = handle.rank_pids()
+    handle.km.restart_kernel(now=True)
+    assert wait_until(lambda: all(gone(p) for p in old.values()), timeout=5), "orphaned ranks after a hard restart"
+    handle.kc.wait_for_ready(timeout=90)
+    assert handle.run("%%all\nprint('back')").stdout().count("back") == 2
+
+
+def test_killed_follower_is_reported_then_restart_works(fresh_kernel):
+    handle = fresh_kernel()
+    pids = handle.rank_pids()
+    thread, result, started = run_in_background(handle, "%%all\nimport time\nprint('working', flush=True)\ntime.sleep(60)", timeout=15)
+    assert started.wait(20)
+    killed_at = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    thread.join(20)
+    # torchrun ends every worker when one dies; the kernel says which rank died before it goes
+    notices = [m for m in result["messages"] if m["msg_type"] == "stream" and "restart the kernel" in m["content"]["text"]]
+    assert notices, [m["content"] for m in result["messages"]]
+    text = notices[0]["content"]["text"]
+    assert f"rank 1 (pid {pids[1]}" in text and "exited" in text, text
+    assert notices[0]["received_at"] - killed_at < 10
+    handle.km.restart_kernel(now=True)
+    handle.kc.wait_for_ready(timeout=90)
+    assert handle.run("%%all\nprint('alive')").stdout().count("alive") == 2
+
+
+def test_hung_follower_is_dead_in_dist_within_10s(fresh_kernel):
+    handle = fresh_kernel()
+    pids = handle.rank_pids()
+    thread, result, started = run_in_background(handle, "%%all\nimport time\nprint('working', flush=True)\ntime.sleep(60)")
+    assert started.wait(20)
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        stopped_at = time.monotonic()
+        thread.join(15)
+        assert time.monotonic() - stopped_at < 10
+        ex = result["ex"]
+        assert ex.status == "error" and "rank 1 died: no heartbeat" in ex.error_text()
+        table = handle.run("%dist").of_type("execute_result")[0]["content"]["data"]["text/plain"]
+        assert "dead" in table.splitlines()[2]
+        refused = handle.run("%%all\nprint(1)")
+        assert refused.status == "error" and "Restart the kernel" in refused.stderr()
+    finally:
+        os.kill(pids[1], signal.SIGCONT)
+    handle.km.restart_kernel(now=True)
+    handle.kc.wait_for_ready(timeout=90)
+    assert handle.run("%%all\nprint('ok again')").stdout().count("ok again") == 2
+
+
+def test_idle_longer_than_the_collective_timeout(fresh_kernel):
+    handle = fresh_kernel(SHARDBOOK_PG_TIMEOUT="3")
+    assert handle.run("%%all\nimport torch, torch.distributed as dist").status == "ok"
+    time.sleep(5)  # the idle gap itself is the subject of this test
+    ex = handle.run("%%all\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item())")
+    assert ex.status == "ok", ex.error_text()
+    assert ex.stdout().count("sum 2.0") == 2
+
+
+def test_rank0_failing_before_a_collective_does_not_wedge_silently(fresh_kernel):
+    handle = fresh_kernel(SHARDBOOK_PG_TIMEOUT="10")
+    code = (
+        "%%all\nimport torch, torch.distributed as dist\n"
+        "if dist.get_rank() == 0:\n    raise RuntimeError('rank 0 fails first')\n"
+        "dist.all_reduce(torch.ones(1))"
+    )
+    notice = threading.Event()
+
+    def on_message(msg):
+        if msg["msg_type"] == "stream" and "still running" in msg["content"]["text"]:
+            notice.set()
+
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(ex=handle.run(code, timeout=60, on_message=on_message)))
+    thread.start()
+    assert notice.wait(10), "no notice that rank 1 is waiting in a collective"
+    t0 = time.monotonic()
+    handle.km.interrupt_kernel()
+    thread.join(20)
+    assert time.monotonic() - t0 < 5
+    ex = result["ex"]
+    assert ex.status == "error"
+    assert "did not stop" in ex.stderr() and "process-group timeout" in ex.stderr()
+    table = handle.run("%dist").of_type("execute_result")[0]["content"]["data"]["text/plain"]
+    assert "busy" in table.splitlines()[2]
+    refused = handle.run("%%rank 1\nprint(1)")
+    assert refused.status == "error" and "still busy" in refused.stderr()
+
+    def rank1_idle():
+        return "idle" in handle.run("%dist").of_type("execute_result")[0]["content"]["data"]["text/plain"].splitlines()[2]
+
+    assert wait_until(rank1_idle, timeout=20, interval=0.5), "the process-group timeout did not free rank 1"
+    assert handle.run("%%rank 1\nprint('free')").stdout() == "[rank 1]\nfree\n"
