@@ -1,10 +1,12 @@
 """Loading benchmark (issue 3): sharded loading against single-process `from_pretrained` and against full-load-then-shard.
 
-Each method runs in fresh processes (one CPU thread each) after the checkpoint is in the page
-cache. Per rank it measures the load time and the memory above the process's own baseline
-taken after imports and process-group set-up: peak private memory (RssAnon, sampled every
-2 ms) and peak total resident memory (VmHWM, reset through /proc/self/clear_refs; it also
-counts the pages of the safetensors files mapped while reading them).
+Each method runs in fresh processes (one CPU thread each), after the checkpoint is in the page
+cache and the modules every method needs are imported (a cold import of transformers' model
+code adds about 1 s to every method). Per rank it measures the load time, the time to the end
+of a first 4-token forward, and the memory above the rank's own baseline taken after imports
+and process-group set-up: peak private memory (RssAnon, sampled every 2 ms by the parent
+process so sampling takes no time from the ranks) and peak total resident memory (VmHWM,
+reset through /proc/self/clear_refs; it also counts the mapped pages of the safetensors files).
 
     python bench/bench_load.py                      # the demo model, 2 ranks
     python bench/bench_load.py --model DIR --ranks 2
@@ -83,17 +85,27 @@ def load_once(method: str, model_dir: Path):
     return model
 
 
+def warm_imports(model_dir: Path) -> None:
+    """Import what any method imports (transformers' lazy modules, the model's code, FSDP, DCP), as a kernel has after its first load."""
+    import torch
+    import torch.distributed.checkpoint  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import shardbook.rankd.loading  # noqa: F401
+
+    with torch.device("meta"):
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+
+
 def rank_main(rank: int, world: int, store: str, method: str, model_dir: str, results) -> None:
     import gc
 
     import torch
     import torch.distributed as dist
-    import transformers  # noqa: F401  (imported before the baseline, as in a kernel)
-
-    import shardbook.rankd.loading  # noqa: F401
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    warm_imports(Path(model_dir))
     dist.barrier()
     gc.collect()
     baseline = proc_status()

@@ -108,7 +108,7 @@ def install(options: KernelSpecOptions, name: str | None, *, user: bool, prefix:
     name = name or default_name(options.layout)
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "kernel.json").write_text(json.dumps(kernelspec_dict(options), indent=2))
-        return KernelSpecManager().install_kernel_spec(tmp, name, user=user, prefix=prefix, replace=True)
+        return KernelSpecManager().install_kernel_spec(tmp, name, user=user, prefix=prefix)
 
 
 def shardbook_specs() -> dict[str, dict]:
