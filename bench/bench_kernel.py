@@ -338,12 +338,18 @@ SYSTEMS = [
            # until both workers answer (probes of 0.1 s), as a user would.
            startup_cells=["%load_ext nbdistributed\n%dist_init -n 2\n"
                           "_m = get_ipython().magics_manager.registry['DistributedMagic']\n"
+                          "import time as _t\n"
+                          "_t0 = _t.monotonic()\n"
                           "while True:\n"
                           "    try:\n"
                           "        _m._comm_manager.send_to_all('get_status', {}, timeout=0.1)\n"
                           "        break\n"
                           "    except TimeoutError:\n"
-                          "        pass"],
+                          "        _ps = _m._process_manager.processes\n"
+                          "        _dead = [(_i, _p.poll()) for _i, _p in enumerate(_ps) if _p.poll() is not None]\n"
+                          "        if _dead or _t.monotonic() - _t0 > 60:\n"
+                          "            raise RuntimeError(f'nbdistributed workers silent for "
+                          "{_t.monotonic() - _t0:.0f} s; exited (rank, code): {_dead}')"],
            rank_cells=[],  # `rank` is predefined in its workers
            # NOT %dist_shutdown: it pkills by pattern ("torch.*distributed", ...)
            teardown_cells=["%dist_mode --disable",

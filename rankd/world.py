@@ -35,11 +35,6 @@ class JobShape:
     """True when torchrun started this process (its environment variables are set)."""
 
     @property
-    def num_nodes_hint(self) -> int:
-        """Number of nodes, assuming the same number of ranks on each."""
-        return max(1, self.world_size // max(1, self.local_world_size))
-
-    @property
     def single_node(self) -> bool:
         """True when every rank runs on this machine: the control plane then stays on loopback."""
         return self.world_size == self.local_world_size
