@@ -603,6 +603,8 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[str, dict] = {s.key: {"startup": [], "ready": []} for s in systems}
     failed: dict[str, str] = {}
+    start_fails: dict[str, list[str]] = {}  # failed start attempts (not fatal if a retry worked)
+    start_tries: dict[str, int] = {}
 
     # ---- (4) start-up, each system alone ------------------------------------
     print("\n## start-up (each system started alone)", flush=True)
@@ -611,6 +613,7 @@ def main(argv: list[str] | None = None) -> int:
             if s.key in failed:
                 continue
             live = Live(s, names[s.key], args.cell_timeout, logs / f"{s.key}-startup{rep}.log")
+            start_tries[s.key] = start_tries.get(s.key, 0) + 1
             try:
                 t = live.start(args.startup_timeout)
                 results[s.key]["startup"].append(t["startup"])
@@ -618,10 +621,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {s.key:20s} start->first broadcast reply {t['startup']:.2f} s "
                       f"(kernel_info ready {t['ready']:.2f} s)", flush=True)
             except Exception as e:
-                failed[s.key] = f"start-up: {e}"
-                print(f"  FAIL {s.key}: {e}\n{live.log_tail()}", flush=True)
+                start_fails.setdefault(s.key, []).append(str(e))
+                print(f"  FAIL {s.key} start {rep + 1}: {e}\n{live.log_tail()}", flush=True)
             finally:
                 live.stop()
+    for key, errs in start_fails.items():
+        if not results[key]["startup"]:
+            failed[key] = f"start-up failed {len(errs)}/{args.startup_reps}: {errs[0]}"
 
     # ---- (1)-(3) steady state, all kernels live, interleaved ----------------
     print("\n## steady state (all kernels live, runs interleaved)", flush=True)
@@ -630,15 +636,20 @@ def main(argv: list[str] | None = None) -> int:
         for s in systems:
             if s.key in failed:
                 continue
-            live = Live(s, names[s.key], args.cell_timeout, logs / f"{s.key}.log")
-            try:
-                live.start(args.startup_timeout)
-                live.prepare()
-                lives.append(live)
-            except Exception as e:
-                failed[s.key] = f"start/prepare: {e}"
-                print(f"  FAIL {s.key}: {e}\n{live.log_tail()}", flush=True)
-                live.stop()
+            for attempt in (1, 2):  # an anchor that flakes on start gets a second go
+                live = Live(s, names[s.key], args.cell_timeout, logs / f"{s.key}-{attempt}.log")
+                start_tries[s.key] = start_tries.get(s.key, 0) + 1
+                try:
+                    live.start(args.startup_timeout)
+                    live.prepare()
+                    lives.append(live)
+                    break
+                except Exception as e:
+                    start_fails.setdefault(s.key, []).append(str(e))
+                    print(f"  FAIL {s.key} start (attempt {attempt}): {e}\n{live.log_tail()}", flush=True)
+                    live.stop()
+                    if attempt == 2:
+                        failed[s.key] = f"start/prepare: {e}"
 
         tests = [("empty", CELL_EMPTY, args.runs, None),
                  ("one_line", CELL_ONE, args.runs, 1),
@@ -702,14 +713,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{key:20s} {ms(med(key, 'empty')):>9s} {ms(p90(key, 'empty')):>7s} "
               f"{ms(med(key, 'one_line')):>10s} {ms(p90(key, 'one_line')):>7s} "
               f"{ms(med(key, 'big')):>13s} {ms(p90(key, 'big')):>7s} "
-              f"{f'{nok}/{len(ver)}':>9s} {su:>10.2f} {ratio:>10.2f}x")
+              f"{f'{nok}/{len(ver)}':>9s} {su:>10.2f} {'-' if ratio != ratio else f'{ratio:.2f}x':>11s}")
         summary[key] = {
             "empty_med_ms": med(key, "empty") * 1e3, "empty_p90_ms": p90(key, "empty") * 1e3,
             "one_line_med_ms": med(key, "one_line") * 1e3, "one_line_p90_ms": p90(key, "one_line") * 1e3,
             "big_med_ms": med(key, "big") * 1e3, "big_p90_ms": p90(key, "big") * 1e3,
             "big_verified": f"{nok}/{len(ver)}",
             "one_line_verified": f"{sum(v['ok'] for v in ver1)}/{len(ver1)}",
-            "startup_s": su, "failed": failed.get(key),
+            "startup_s": su, "startup_all_s": results[key]["startup"],
+            "start_failures": start_fails.get(key, []), "failed": failed.get(key),
         }
         bad = [v for v in ver + ver1 if not v["ok"]]
         if bad:
@@ -719,6 +731,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'':20s} rank labels in its own output format matched {lab[0]}/{lab[1]} lines")
         if key in failed:
             print(f"{'':20s} (then failed: {failed[key]})")
+        if start_fails.get(key):
+            n = len(start_fails[key])
+            print(f"{'':20s} {n} of {start_tries[key]} starts failed, e.g. {start_fails[key][0][:160]}")
     for key, why in skipped.items():
         print(f"{key:20s} SKIPPED: {why}")
 

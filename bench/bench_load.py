@@ -15,6 +15,7 @@ reset through /proc/self/clear_refs; it also counts the mapped pages of the safe
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing
 import os
 import queue
@@ -167,25 +168,20 @@ def run_method(method: str, world: int, model_dir: Path) -> list[dict]:
 
 
 def model_sizes(model_dir: Path) -> tuple[int, int]:
-    """Total and largest tensor bytes of the checkpoint, read from the safetensors headers."""
+    """Bytes of the whole model and of its largest tensor once loaded in float32 (from the safetensors headers)."""
     from safetensors import safe_open
 
-    sizes = []
+    numels = []
     for file in sorted(model_dir.glob("*.safetensors")):
         with safe_open(file, framework="pt") as f:
-            for key in f.keys():
-                tensor_slice = f.get_slice(key)
-                numel = 1
-                for dim in tensor_slice.get_shape():
-                    numel *= dim
-                sizes.append(numel * {"F32": 4, "BF16": 2, "F16": 2}[tensor_slice.get_dtype()])
-    return sum(sizes), max(sizes)
+            numels.extend(math.prod(f.get_slice(key).get_shape()) for key in f.keys())
+    return 4 * sum(numels), 4 * max(numels)
 
 
 def report(figures: dict[str, list[dict]], world: int, model_dir: Path) -> None:
     total, largest = model_sizes(model_dir)
     budget = 1.3 * total / world + largest
-    print(f"model {model_dir.name}: {total / MIB:.0f} MiB, largest tensor {largest / MIB:.0f} MiB; {world} ranks, 1 thread each")
+    print(f"model {model_dir.name} in float32: {total / MIB:.0f} MiB, largest tensor {largest / MIB:.0f} MiB; {world} ranks, 1 thread each")
     print("times: best round; memory: above each rank's baseline after imports, largest over rounds")
     print(f"{'method':<16} {'ranks':>5} {'load s':>7} {'+1st forward s':>15} {'peak anon MiB/rank':>19} {'peak RSS MiB/rank':>18}")
     for method, rows in figures.items():

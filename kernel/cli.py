@@ -7,6 +7,7 @@ import sys
 
 from . import kernelspec
 from .fetch import add_fetch_parser
+from .runner import add_run_parser
 
 
 def parse_env(items: list[str]) -> dict[str, str]:
@@ -86,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("list", help="list installed shardbook kernels")
     p.set_defaults(run=run_list)
     add_fetch_parser(sub)
+    add_run_parser(sub)
     return parser
 
 

@@ -9,7 +9,7 @@ No rank ever holds a full copy of the weights while loading.
 Failures: a step that fails on one rank makes every rank raise a `ValueError` at the end of
 that step (an all-gather of each rank's outcome), so no rank is left waiting in a later
 collective. The failing rank raises its own error (with the cause chained); the others name it.
-Before loading again, the caller drops its references to the old model and calls `free_model`.
+Before loading again, every rank calls `free_model` on the namespace that holds the old model.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.futures import Future
 
 from shardbook.rankd.sharding import (
@@ -137,12 +139,20 @@ def _load(config: Any, device: torch.device, model_path: str | Path | None, repo
     return LoadedModel(model=model, tokenizer=ckpt.tokenizer, summary=summary)
 
 
-def free_model(device: torch.device | str = "cpu") -> None:
-    """Return the memory of models nobody references any more; call after `del`-ing every reference.
+def free_model(namespace: dict[str, Any], *, device: torch.device | str, names: tuple[str, ...] = ("model", "tokenizer")) -> None:
+    """Remove `names` from `namespace` and return the model's memory; call on every rank before loading again.
 
-    The caller removes `model` (and anything holding it: `LoadedModel`, IPython's `Out`) from the
-    namespace first; this collects the garbage and empties the device's caching allocator.
+    The gathered weights that `reshard_after_forward=False` keeps after a forward are freed at
+    once, even if something else (IPython's `Out`, a user variable) still holds the model; its
+    shards are freed as soon as nothing does.
     """
+    released = [namespace.pop(name) for name in names if name in namespace]
+    for obj in released:
+        if isinstance(obj, nn.Module):
+            for module in obj.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+    del released
     gc.collect()
     device = torch.device(device)
     if device.type != "cpu":
@@ -166,13 +176,15 @@ def _agreed(step: str, fn: Callable[[], Any], *, gather: bool = False) -> Any:
 
 
 def _raise_for(step: str, failures: dict[int, str], error: BaseException | None) -> None:
-    """Raise this rank's share of a failed step: its own error, or a pointer to the rank(s) that failed."""
-    rank = dist.get_rank()
+    """Raise this rank's share of a failed step: its own error, or a pointer to the rank(s) that failed.
+
+    Messages do not name the raising rank (its error reply does), so ranks failing alike read alike.
+    """
     what, fix = STEP_WORDS[step]
     if error is not None:
         if isinstance(error, ValueError):
             raise error
-        raise ValueError(f"rank {rank} could not {what}: {_describe(error)}; {fix}") from error
+        raise ValueError(f"could not {what}: {_describe(error)}; {fix}") from error
     first = min(failures)
     raise ValueError(
         f"loading stopped because rank(s) {sorted(failures)} could not {what} "
@@ -238,16 +250,15 @@ def _read_config(config: Any, model_path: str | Path | None, device: torch.devic
 def _checkpoint_dir(name_or_path: str | Path) -> Path:
     """The checkpoint directory, checked on this rank's file system (each node has its own)."""
     path = Path(name_or_path).expanduser()
-    rank = dist.get_rank()
     if not (path / "config.json").is_file():
         raise ValueError(
-            f"rank {rank}: {path} is not a checkpoint directory (no config.json there): give a local "
+            f"{path} is not a checkpoint directory on {socket.gethostname()} (no config.json there): give a local "
             "Hugging Face checkpoint directory that every node can read, or a demo name such as "
             "smollm2-135m-instruct (`shardbook fetch` builds it)"
         )
     if not any(path.glob("*.safetensors")):
         raise ValueError(
-            f"rank {rank}: {path} has no *.safetensors files; sharded loading reads safetensors only: "
+            f"{path} has no *.safetensors files on {socket.gethostname()}; sharded loading reads safetensors only: "
             "convert the checkpoint (load it once with transformers and save_pretrained it)"
         )
     return path
@@ -379,7 +390,8 @@ def _finalise(model: nn.Module, ckpt: _Checkpoint, device: torch.device) -> None
 def _recreate_buffers(model: nn.Module, device: torch.device) -> None:
     """Non-persistent buffers (rotary `inv_freq`) are in no file: rebuild their module on the device, keep its buffers."""
     for name, module in model.named_modules():
-        buffers = [b for b in module._non_persistent_buffers_set if module._buffers.get(b) is not None]
+        # torch lists a module's non-persistent buffers only in this attribute
+        buffers = [b for b in module._non_persistent_buffers_set if getattr(module, b, None) is not None]
         if not buffers:
             continue
         module_config = getattr(module, "config", None)
@@ -391,4 +403,4 @@ def _recreate_buffers(model: nn.Module, device: torch.device) -> None:
         with torch.device(device):
             fresh = type(module)(module_config)
         for buffer in buffers:
-            module._buffers[buffer] = fresh._buffers[buffer]
+            setattr(module, buffer, getattr(fresh, buffer))
