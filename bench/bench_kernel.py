@@ -25,7 +25,8 @@ Systems (2 ranks / workers / engines each):
 Measured: (1) empty broadcast cell, (2) one line printed per rank, (3) 1000
 lines per rank, checked complete and in order per rank before the
 execute_reply, (4) kernel start (``start_kernel``) to the first broadcast
-cell's reply, each system started alone.  Targets from the issue are printed as
+cell's reply, each system started alone (median of ``--startup-reps`` 3
+fresh starts).  Targets from the issue are printed as
 PASS/FAIL lines.
 
 The anchors live in their own venv (never in shardbook's): their kernelspecs,
@@ -53,8 +54,13 @@ there.  nbdistributed needs torch: its workers call ``init_process_group``
 Safety note: nbdistributed's ``%dist_shutdown``/``%dist_reset`` run
 ``pkill -f nbdistributed``, ``pkill -9 -f "torch.*distributed"`` and similar,
 which would kill unrelated torchrun jobs on the machine.  This harness never
-calls them; it stops nbdistributed with ``DistributedMagic.shutdown_all()``
-(SIGTERM to its own workers) and then reaps every process it started by pid.
+calls them; it stops nbdistributed through the magic instance's own
+``_process_manager.shutdown()`` (SIGTERM to its two workers; the classmethod
+``DistributedMagic.shutdown_all()`` looks at class attributes that ``%dist_init``
+never sets) and then reaps every process each kernel started, by pid.
+
+``SHARDBOOK_BENCH_CLI`` replaces the ``shardbook`` command used for
+``shardbook install`` (to test this harness with a stand-in).
 """
 
 from __future__ import annotations

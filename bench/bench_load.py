@@ -87,7 +87,7 @@ def load_once(method: str, model_dir: Path):
 
 
 def warm_imports(model_dir: Path) -> None:
-    """Import what any method imports (transformers' lazy modules, the model's code, FSDP, DCP), as a kernel has after its first load."""
+    """Import what every method needs (transformers' lazy modules, the model's code, FSDP, DCP), as after a first load."""
     import torch
     import torch.distributed.checkpoint  # noqa: F401
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -181,9 +181,13 @@ def model_sizes(model_dir: Path) -> tuple[int, int]:
 def report(figures: dict[str, list[dict]], world: int, model_dir: Path) -> None:
     total, largest = model_sizes(model_dir)
     budget = 1.3 * total / world + largest
-    print(f"model {model_dir.name} in float32: {total / MIB:.0f} MiB, largest tensor {largest / MIB:.0f} MiB; {world} ranks, 1 thread each")
+    print(
+        f"model {model_dir.name} in float32: {total / MIB:.0f} MiB, largest tensor {largest / MIB:.0f} MiB; "
+        f"{world} ranks, 1 thread each"
+    )
     print("times: best round; memory: above each rank's baseline after imports, largest over rounds")
-    print(f"{'method':<16} {'ranks':>5} {'load s':>7} {'+1st forward s':>15} {'peak anon MiB/rank':>19} {'peak RSS MiB/rank':>18}")
+    header = ("method", "ranks", "load s", "+1st forward s", "peak anon MiB/rank", "peak RSS MiB/rank")
+    print("{:<16} {:>5} {:>7} {:>15} {:>19} {:>18}".format(*header))
     for method, rows in figures.items():
         anon = max(row["peak_anon"] for row in rows)
         rss = max(row["peak_rss"] for row in rows)

@@ -38,7 +38,7 @@ EXIT_CELL_FAILED = 1
 EXIT_BAD_INPUT = 2
 SOURCE_HEAD_LINES = 3
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-SPEC_NAME = re.compile(rf"^{kernelspec.DEFAULT_NAME_PREFIX}-(\d+)$")
+DEFAULT_SPEC_NAME = re.compile(rf"^{kernelspec.DEFAULT_NAME_PREFIX}-(\d+)$")
 
 
 class RunFailed(RuntimeError):
@@ -82,7 +82,7 @@ def check_output_path(output: Path) -> None:
 
 def nproc_from_notebook(nb) -> int | None:
     """The rank count of the notebook's saved kernelspec when it is a default ``shardbook-N`` one."""
-    match = SPEC_NAME.match(nb.metadata.get("kernelspec", {}).get("name", ""))
+    match = DEFAULT_SPEC_NAME.match(nb.metadata.get("kernelspec", {}).get("name", ""))
     return int(match.group(1)) if match else None
 
 
@@ -180,11 +180,8 @@ def announce_cell(nb) -> Callable:
     return hook
 
 
-def execute(nb, kernel_name: str, workdir: Path, timeout_s: int):
-    """Run every cell on the kernel `kernel_name`; RunFailed naming the cell that stopped the run.
-
-    Returns the client, so the caller can store widget state also after a failure.
-    """
+def execute(nb, kernel_name: str, workdir: Path, timeout_s: int) -> None:
+    """Run every cell of `nb` in place on the kernel `kernel_name`; RunFailed naming the cell that stopped the run."""
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
     current = {}  # on_cell_start records the index of the cell being run
@@ -220,8 +217,7 @@ def execute(nb, kernel_name: str, workdir: Path, timeout_s: int):
         where = f"during {cell_label(nb, current['index'])}" if "index" in current else "while starting"
         raise RunFailed(f"the kernel failed {where}: {type(e).__name__}: {e}") from e
     finally:
-        client.set_widgets_metadata()
-    return client
+        client.set_widgets_metadata()  # nbclient stores widget state only after a complete run
 
 
 def write_notebook(nb, output: Path) -> None:
@@ -249,16 +245,15 @@ def run_notebook(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"shardbook run: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    status, summary = 0, f"all cells ran; executed notebook written to {output}"
     try:
         with temporary_kernelspec(layout) as kernel_name:
             execute(nb, kernel_name, notebook.resolve().parent, args.timeout)
     except RunFailed as e:
-        write_notebook(nb, output)
-        print(f"shardbook run: {e}\nshardbook run: the partly executed notebook is in {output}", file=sys.stderr)
-        return EXIT_CELL_FAILED
+        status, summary = EXIT_CELL_FAILED, f"{e}\nshardbook run: the partly executed notebook is in {output}"
     write_notebook(nb, output)
-    print(f"shardbook run: all cells ran; executed notebook written to {output}", file=sys.stderr)
-    return 0
+    print(f"shardbook run: {summary}", file=sys.stderr)
+    return status
 
 
 def add_run_parser(subparsers) -> argparse.ArgumentParser:

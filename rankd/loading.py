@@ -1,4 +1,4 @@
-"""Sharded loading (`%load_sharded`): every rank builds a meta skeleton, shards it with FSDP2 and reads only its own slices.
+"""Sharded loading (`%load_sharded`): every rank builds a meta skeleton, shards it with FSDP2, reads only its slices.
 
 `load_sharded` runs identically on every rank of an initialised process group. The steps are
 config -> skeleton (on the meta device) -> shard (FSDP2 per decoder layer, then the root) ->
@@ -54,7 +54,10 @@ STEP_WORDS = {
     "memory": ("measure its free memory", "set parallel.reshard_after_forward explicitly"),
     "materialise": ("allocate its shards", "free memory (free_model) or use more ranks"),
     "plan": ("match the checkpoint's tensors to the model", "check the checkpoint is complete"),
-    "read": ("read its slices of the checkpoint", "check the safetensors files are complete and readable on every node"),
+    "read": (
+        "read its slices of the checkpoint",
+        "check the safetensors files are complete and readable on every node",
+    ),
     "finalise": ("finish the model (buffers, tied weights)", "report this with the model's architecture"),
 }
 
@@ -139,7 +142,9 @@ def _load(config: Any, device: torch.device, model_path: str | Path | None, repo
     return LoadedModel(model=model, tokenizer=ckpt.tokenizer, summary=summary)
 
 
-def free_model(namespace: dict[str, Any], *, device: torch.device | str, names: tuple[str, ...] = ("model", "tokenizer")) -> None:
+def free_model(
+    namespace: dict[str, Any], *, device: torch.device | str, names: tuple[str, ...] = ("model", "tokenizer")
+) -> None:
     """Remove `names` from `namespace` and return the model's memory; call on every rank before loading again.
 
     The gathered weights that `reshard_after_forward=False` keeps after a forward are freed at
@@ -388,7 +393,7 @@ def _finalise(model: nn.Module, ckpt: _Checkpoint, device: torch.device) -> None
 
 
 def _recreate_buffers(model: nn.Module, device: torch.device) -> None:
-    """Non-persistent buffers (rotary `inv_freq`) are in no file: rebuild their module on the device, keep its buffers."""
+    """Non-persistent buffers (rotary `inv_freq`) are in no file: rebuild their module on the device and take them."""
     for name, module in model.named_modules():
         # torch lists a module's non-persistent buffers only in this attribute
         buffers = [b for b in module._non_persistent_buffers_set if getattr(module, b, None) is not None]

@@ -64,7 +64,8 @@ def choose_reshard_after_forward(requested: bool | None, views: list[tuple[bool,
         return bool(requested), "set by parallel.reshard_after_forward"
     misfits = [rank for rank, (fits, _) in enumerate(views) if not fits]
     if misfits:
-        return True, f"on rank {misfits[0]} {views[misfits[0]][1]}: reshard after forward (less memory, slower decoding)"
+        first = misfits[0]
+        return True, f"on rank {first} {views[first][1]}: reshard after forward (less memory, slower decoding)"
     return False, f"{views[0][1]}: keep layers gathered after forward (faster decoding)"
 
 
@@ -79,7 +80,7 @@ def free_memory_per_rank(device: torch.device) -> int:
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks to shard one by one: the classes transformers marks as not to split, else the largest ModuleList."""
+    """The blocks to shard one by one: modules of the classes transformers never splits, else the largest ModuleList."""
     block_names = set(getattr(model, "_no_split_modules", None) or ())
     blocks = [m for m in model.modules() if type(m).__name__ in block_names]
     if blocks:

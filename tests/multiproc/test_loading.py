@@ -1,4 +1,4 @@
-"""Sharded loading on 2 gloo ranks: same logits and tokens as one process, the expected layout, and errors on every rank."""
+"""Sharded loading on 2 gloo ranks: the logits and tokens of one process, the expected layout, errors on every rank."""
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ def run_model(model, tokenizer, *, synced: bool) -> dict:
         out = model.generate(
             ids, max_new_tokens=NUM_TOKENS, min_new_tokens=NUM_TOKENS, do_sample=False, synced_gpus=synced
         )
-    return {"logits": logits, "tokens": out[0, ids.shape[1] :].tolist(), "text": tokenizer.decode(out[0, ids.shape[1] :])}
+    new = out[0, ids.shape[1] :]
+    return {"logits": logits, "tokens": new.tolist(), "text": tokenizer.decode(new)}
 
 
 def single_process(path: Path, dtype=torch.float32) -> dict:
@@ -73,11 +74,14 @@ def load_and_run(rank, path, parallel: dict, dtype: str = "float32") -> dict:
     from shardbook.rankd.config import ModelConfig, ParallelConfig, ShardbookConfig
     from shardbook.rankd.loading import load_sharded
 
-    config = ShardbookConfig(model=ModelConfig(model_name_or_path=str(path), dtype=dtype), parallel=ParallelConfig(**parallel))
+    config = ShardbookConfig(
+        model=ModelConfig(model_name_or_path=str(path), dtype=dtype), parallel=ParallelConfig(**parallel)
+    )
     steps = []
     loaded = load_sharded(config, device="cpu", progress=lambda step, done, total: steps.append((step, done, total)))
     sharded = layout(loaded.model)  # before running: reshard_after_forward=False leaves the gathered weights registered
-    return {**run_model(loaded.model, loaded.tokenizer, synced=True), **sharded, "steps": steps, "summary": loaded.summary}
+    outputs = run_model(loaded.model, loaded.tokenizer, synced=True)
+    return {**outputs, **sharded, "steps": steps, "summary": loaded.summary}
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +117,14 @@ def test_fsdp_matches_single_process(ranks, tiny, tiny_reference):
         assert summary["mesh_shape"] == [2] and summary["mesh_axes"] == ["shard"]
         assert sum(summary["local_param_bytes"]) == summary["full_param_bytes"]
         assert summary["reshard_after_forward"] is False and "fits" in summary["reshard_reason"]
+
+
+def test_world_of_one_rank(ranks, tiny, tiny_reference):
+    """A plain kernel (no torchrun) is a one-rank world: the same code path loads the whole model."""
+    (result,) = ranks(load_and_run, tiny, {"fsdp_size": -1}, world_size=1)
+    assert_same_as_reference([result], tiny_reference)
+    assert result["summary"]["mesh_shape"] == [1]
+    assert result["summary"]["local_param_bytes"] == [result["summary"]["full_param_bytes"]]
 
 
 def test_multi_file_untied_checkpoint(ranks, tmp_path):
@@ -199,10 +211,11 @@ def failing_loads(rank, paths: dict) -> dict:
     finally:
         dcp.HuggingFaceStorageReader.read_data = real_read
     gc.collect()
-    pinned = sum(type(o).__name__.endswith("LlamaForCausalLM") for o in gc.get_objects() if isinstance(o, torch.nn.Module))
+    pinned = sum(isinstance(o, torch.nn.Module) and type(o).__name__.endswith("LlamaForCausalLM") for o in gc.get_objects())
     del kept
     healthy = load_sharded(stand_in_config(tiny), device="cpu")
-    return {"messages": messages, "models_pinned_by_error": pinned, "then": run_model(healthy.model, healthy.tokenizer, synced=True)}
+    then = run_model(healthy.model, healthy.tokenizer, synced=True)
+    return {"messages": messages, "models_pinned_by_error": pinned, "then": then}
 
 
 def _message_of(fn) -> str:
@@ -222,7 +235,8 @@ def failures(ranks, tiny, tmp_path_factory) -> list[dict]:
     weights = load_file(incomplete / "model.safetensors")
     del weights["model.norm.weight"]
     save_file(weights, incomplete / "model.safetensors", metadata={"format": "pt"})
-    paths = {"tiny": tiny, "missing": root / "nowhere", "bert": make_tiny_non_causal(root / "bert"), "incomplete": incomplete}
+    bert = make_tiny_non_causal(root / "bert")
+    paths = {"tiny": tiny, "missing": root / "nowhere", "bert": bert, "incomplete": incomplete}
     return ranks(failing_loads, paths, deadline=120)
 
 
@@ -253,7 +267,8 @@ def test_path_missing_on_one_rank_stops_every_rank(failures):
 
 def test_read_failure_on_one_rank_stops_every_rank(failures):
     rank0, rank1 = (result["messages"]["read fails on rank 1 only"] for result in failures)
-    assert "loading stopped because rank(s) [1] could not read its slices" in rank0 and "simulated read failure" in rank0
+    assert "loading stopped because rank(s) [1] could not read its slices" in rank0
+    assert "simulated read failure" in rank0
     assert rank1.startswith("ValueError: could not read its slices") and "OSError: simulated read failure" in rank1
 
 
