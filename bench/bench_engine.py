@@ -150,9 +150,9 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(1)
+    path = model_path(args.model)  # before the process group: save_pretrained writes weights on rank 0 only
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    path = model_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     question = PROMPTS.get(args.model, PROMPTS["tiny"])
     if rank == 0:

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import zmq
 
+from shardbook.rankd import model_handlers  # noqa: F401  (registers the model commands)
 from shardbook.rankd import protocol
 from shardbook.rankd.channel import Channel
 from shardbook.rankd.handlers import RankContext, dispatch

@@ -17,8 +17,10 @@ def load_ipython_extension(shell) -> None:
 
     from .cells import RankMagics
     from .errors import RankError, show_rank_error
+    from .loading import LoadMagics
 
     shell.register_magics(RankMagics)
+    shell.register_magics(LoadMagics)
     shell.set_custom_exc((RankError,), show_rank_error)
     try:
         get_runtime(shell)

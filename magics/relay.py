@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from shardbook.rankd import protocol
 
@@ -54,9 +54,10 @@ def frontend_for(shell: Any):
 class RankRelay:
     """Callable as the pool's ``on_output(rank, msg_type, payload)``; also takes notices."""
 
-    def __init__(self, frontend: Any, label_ranks: bool):
+    def __init__(self, frontend: Any, label_ranks: bool, on_progress: Callable[[dict[str, Any]], None] | None = None):
         self.frontend = frontend
         self.label_ranks = label_ranks
+        self.on_progress = on_progress
         self._lock = threading.Lock()
         self._last_rank: int | None = None
         self._line_open = False
@@ -67,6 +68,8 @@ class RankRelay:
                 self._stream(rank, payload["name"], payload["text"])
             elif msg_type in (protocol.DISPLAY, protocol.RESULT):
                 self._display(rank, payload)
+            elif msg_type == protocol.PROGRESS and rank == 0 and self.on_progress is not None:
+                self.on_progress(payload)  # every rank makes the same progress; rank 0 speaks for all
             # errors are reported once per group when the command ends (see magics.errors)
 
     def notice(self, text: str) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import zmq
 
+from . import model_handlers  # noqa: F401  (registers the model commands)
 from . import protocol
 from .capture import make_follower_shell
 from .channel import Channel

@@ -31,8 +31,9 @@ DISPLAY = "display"  # payload: {"data": mimebundle, "metadata": {...}, "transie
 RESULT = "result"  # payload: {"data": mimebundle, "metadata": {...}} -- the cell's last value
 ERROR = "error"  # payload: {"ename", "evalue", "traceback": [str]}
 DONE = "done"  # payload: {"status": "ok"|"error", "value": json-able or None}
+PROGRESS = "progress"  # payload: {"step": str, "done": int, "total": int} -- a long command's progress
 
-OUTPUT_TYPES = (STREAM, DISPLAY, RESULT, ERROR)
+OUTPUT_TYPES = (STREAM, DISPLAY, RESULT, ERROR, PROGRESS)
 CONTROL_KEY = "shardbook/control"  # torch.distributed store key holding rank 0's endpoint
 KEY_ENV = "SHARDBOOK_KEY"
 KEY_FILE_ENV = "SHARDBOOK_KEY_FILE"

@@ -1,0 +1,85 @@
+"""``%load_sharded`` (load a checkpoint sharded over every rank) and ``%shards`` (where the shards are)."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from shardbook.kernel.models import load_on_ranks, prepare_load
+from shardbook.kernel.pool import PoolError
+from shardbook.kernel.runtime import get_runtime
+from shardbook.rankd.shards import shard_rows
+
+from .errors import raise_for_outcome
+from .progress import progress_view
+from .relay import RankRelay, frontend_for
+from .tables import shards_table, summary_table
+
+
+def parse_load_args(magic, line: str) -> argparse.Namespace:
+    """``[CONFIG] [--section.key value ...]``: argparse alone would read a leading override as an unknown flag."""
+    tokens = shlex.split(line)
+    if tokens and tokens[0].startswith("--") and tokens[0] not in ("-h", "--help"):
+        return argparse.Namespace(config=None, overrides=tokens)
+    return parse_argstring(magic, line)
+
+
+def loaded_model(runtime):
+    loaded = runtime.ctx0.state.get("loaded")
+    if loaded is None:
+        raise UsageError("no model is loaded yet: run `%load_sharded configs/smollm2-135m.yaml` (or your own config) first")
+    return loaded
+
+
+@magics_class
+class LoadMagics(Magics):
+    """Load models across the ranks and inspect their shards."""
+
+    @magic_arguments()
+    @argument("config", nargs="?", help="YAML config (sections model, parallel, inference); defaults apply without one")
+    @argument("overrides", nargs=argparse.REMAINDER, help="--section.key value pairs, e.g. --parallel.fsdp_size 2")
+    @line_magic("load_sharded")
+    def load_sharded(self, line: str):
+        """Load a Hugging Face checkpoint sharded with FSDP2 over every rank. Example::
+
+            %load_sharded configs/smollm2-135m.yaml --inference.max_new_tokens 64
+
+        Afterwards ``model`` and ``tokenizer`` exist in every rank's namespace (see them with
+        ``%%all``), and ``%shards`` shows where each parameter's shards live. Loading again frees
+        the previous model first.
+        """
+        args = parse_load_args(self.load_sharded, line)
+        try:
+            runtime = get_runtime(self.shell)
+            config, model_path = prepare_load(args.config, args.overrides, runtime.world.world_size)
+        except (ValueError, PoolError) as e:
+            raise UsageError(str(e)) from e
+        progress = progress_view(self.shell, "loading")
+        relay = RankRelay(frontend_for(self.shell), label_ranks=True, on_progress=lambda p: progress.update(**p))
+        try:
+            outcome = load_on_ranks(runtime.pool, config, model_path, relay, relay.notice)
+        except PoolError as e:
+            progress.close(ok=False)
+            raise UsageError(str(e)) from e
+        progress.close(ok=outcome.ok)
+        raise_for_outcome(outcome)
+        return summary_table(outcome.replies[0]["value"])
+
+    @magic_arguments()
+    @argument("prefix", nargs="?", default="", help="only parameters whose name starts with this")
+    @line_magic("shards")
+    def shards(self, line: str):
+        """Show each parameter's global shape, dtype, placement and local shape on every rank. Example::
+
+            %shards model.layers.0.self_attn
+        """
+        args = parse_argstring(self.shards, line)
+        runtime = get_runtime(self.shell)
+        rows = shard_rows(loaded_model(runtime).model, args.prefix)
+        if not rows:
+            raise UsageError(f"no parameter name starts with {args.prefix!r}; try `%shards model.layers.0`")
+        return shards_table(rows, runtime.world.world_size, args.prefix)

@@ -1,0 +1,33 @@
+"""Command handlers that act on the rank's model: ``load`` (and, as they land, generation).
+
+Each rank keeps its loaded model in its shell's namespace as ``model`` and ``tokenizer`` (so
+``%%all`` cells can inspect the shards) and in ``RankContext.state`` for the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import protocol
+from .capture import Sink
+from .config import ShardbookConfig
+from .handlers import RankContext, handler
+
+
+@handler("load")
+def handle_load(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[str, Any]:
+    """Free the previous model, then load the configured checkpoint sharded over every rank."""
+    from .loading import free_model, load_sharded
+
+    config = ShardbookConfig.from_dict(args["config"], source="the kernel's load command")
+    namespace = ctx.shell.user_ns
+    ctx.state.pop("loaded", None)
+    free_model(namespace, device=ctx.world.device)
+
+    def progress(step: str, done: int, total: int) -> None:
+        sink(protocol.PROGRESS, {"step": step, "done": done, "total": total})
+
+    loaded = load_sharded(config, device=ctx.world.device, model_path=args["model_path"], progress=progress)
+    namespace["model"], namespace["tokenizer"] = loaded.model, loaded.tokenizer
+    ctx.state.update(loaded=loaded, config=config)
+    return {"status": "ok", "value": loaded.summary}

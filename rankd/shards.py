@@ -1,0 +1,60 @@
+"""Where each parameter's shards live: global shape, placement and every rank's local shape.
+
+Computed on one rank from DTensor metadata alone (mesh and placements), without asking the
+others: ``Shard(dim)`` splits like ``torch.chunk`` along a mesh axis, ``Replicate`` keeps it whole.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+
+def local_shape(global_shape: tuple[int, ...], coordinate: list[int], mesh_shape: tuple[int, ...], placements) -> tuple[int, ...]:
+    """The shape a rank at ``coordinate`` of the mesh holds for a DTensor of ``global_shape``."""
+    shape = list(global_shape)
+    for axis, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            dim, parts, index = placement.dim, mesh_shape[axis], coordinate[axis]
+            chunk = -(-shape[dim] // parts)
+            shape[dim] = max(0, min(shape[dim] - index * chunk, chunk))
+    return tuple(shape)
+
+
+def rank_coordinates(mesh) -> dict[int, list[int]]:
+    """Global rank -> its coordinate in ``mesh``."""
+    ranks = mesh.mesh
+    return {int(ranks[idx]): list(idx) for idx in _indices(tuple(ranks.shape))}
+
+
+def _indices(shape: tuple[int, ...]):
+    if not shape:
+        yield ()
+        return
+    for i in range(shape[0]):
+        for rest in _indices(shape[1:]):
+            yield (i, *rest)
+
+
+def shard_rows(model: nn.Module, prefix: str = "") -> list[dict[str, Any]]:
+    """One row per parameter under ``prefix``: name, global shape, dtype, placement, local shape by rank."""
+    rows = []
+    for name, param in model.named_parameters():
+        if not name.startswith(prefix):
+            continue
+        rows.append(_row(name, param))
+    return rows
+
+
+def _row(name: str, param: torch.Tensor) -> dict[str, Any]:
+    dtype = str(param.dtype).removeprefix("torch.")
+    if not isinstance(param, DTensor):
+        return {"name": name, "shape": list(param.shape), "dtype": dtype, "placement": "local (not sharded)", "local": {}}
+    mesh = param.device_mesh
+    coords = rank_coordinates(mesh)
+    local = {r: list(local_shape(tuple(param.shape), c, tuple(mesh.shape), param.placements)) for r, c in sorted(coords.items())}
+    placement = ", ".join(str(p) for p in param.placements)
+    return {"name": name, "shape": list(param.shape), "dtype": dtype, "placement": placement, "local": local}

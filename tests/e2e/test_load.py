@@ -1,0 +1,90 @@
+"""%load_sharded, %shards and bad input, through a real 2-rank kernel on a tiny local model."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.tiny import make_tiny_llama, make_tiny_non_causal
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
+
+
+def load(kernel, target, *overrides, timeout=120):
+    return kernel.run(f"%load_sharded --model.model_name_or_path {target} {' '.join(overrides)}", timeout=timeout)
+
+
+def assert_usable(kernel):
+    """No rank left busy or inside a collective: a cell with a collective still works on both."""
+    ex = kernel.run("%%all\nimport torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('ok', t.item())")
+    assert ex.status == "ok" and ex.stdout().count("ok 2.0") == 2, ex.error_text() + ex.stderr()
+
+
+def test_load_summary_progress_and_namespaces(kernel, tiny):
+    ex = load(kernel, tiny)
+    assert ex.status == "ok", ex.error_text() + ex.stderr()
+    summary = ex.of_type("execute_result")[0]["content"]["data"]["text/plain"]
+    assert "LlamaForCausalLM" in summary and "shard=2 (2 ranks)" in summary and "reshard_after_forward" in summary
+    assert "rank 1" in summary and "local params" in summary
+    opened = [m for m in ex.of_type("comm_open") if m["content"]["data"]["state"].get("_model_name") == "IntProgressModel"]
+    assert opened, "no progress bar widget"
+    updates = [m for m in ex.of_type("comm_msg") if m["content"]["comm_id"] == opened[0]["content"]["comm_id"]]
+    values = [m["content"]["data"]["state"]["value"] for m in updates if "value" in m["content"]["data"].get("state", {})]
+    assert len(values) >= 3 and values[-1] == 100 and values == sorted(values)
+    ex = kernel.run("%%all\nimport torch.distributed as dist\nw = model.model.embed_tokens.weight\nprint(dist.get_rank(), type(tokenizer).__name__, tuple(w.to_local().shape), tuple(w.shape))")
+    assert ex.status == "ok", ex.error_text()
+    out = ex.stdout()
+    for rank in (0, 1):  # the tiny vocabulary of 384 rows is split in half, rows 0-191 and 192-383
+        assert f"[rank {rank}]\n{rank} TokenizersBackend (192, 64) (384, 64)\n" in out, out
+
+
+def test_shards_table(kernel, tiny):
+    assert load(kernel, tiny).status == "ok"
+    ex = kernel.run("%shards model.layers.0.self_attn.q_proj")
+    table = ex.of_type("execute_result")[0]["content"]["data"]["text/plain"]
+    row = [line for line in table.splitlines() if line.startswith("model.layers.0.self_attn.q_proj.weight")][0]
+    assert row.split() == ["model.layers.0.self_attn.q_proj.weight", "[64,", "64]", "float32", "S(0)", "[32,", "64]", "[32,", "64]"]
+    locals_ = kernel.run("%%all\nprint(tuple(model.model.layers[0].self_attn.q_proj.weight.to_local().shape))").stdout()
+    assert locals_.count("(32, 64)") == 2
+    missing = kernel.run("%shards nothing.here")
+    assert missing.status == "error" and "no parameter name starts with 'nothing.here'" in missing.stderr()
+
+
+def test_loading_again_frees_the_previous_model(kernel, tiny):
+    assert load(kernel, tiny).status == "ok"
+    assert kernel.run("%%all\nimport weakref\nold_model = weakref.ref(model)").status == "ok"
+    assert load(kernel, tiny).status == "ok"
+    ex = kernel.run("%%all\nimport gc; gc.collect()\nprint('freed', old_model() is None)")
+    assert ex.stdout().count("freed True") == 2, ex.stdout()
+
+
+def test_bad_inputs_leave_the_kernel_usable(kernel, tiny, tmp_path):
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("model:\n  dtype: float32\n   oops: [\n")
+    cases = [
+        (f"--model.model_name_or_path {tmp_path / 'missing'}", "does not exist"),
+        (f"--model.model_name_or_path {make_tiny_non_causal(tmp_path / 'bert')}", "causal"),
+        (str(bad_yaml), "line"),
+        ("--inference.max_new_token 3", "did you mean 'inference.max_new_tokens'"),
+        (f"--model.model_name_or_path {tiny} --parallel.fsdp_size 3", "fsdp_size"),
+        (f"--model.model_name_or_path {tiny} --parallel.ep_size 2", "not supported yet"),
+        ("--model.model_name_or_path no-such-demo", "or a demo model name: smollm2-135m-instruct"),
+    ]
+    for args, expected in cases:
+        ex = kernel.run(f"%load_sharded {args}")
+        shown = ex.stderr() + ex.error_text()
+        assert ex.status == "error", args
+        assert expected in shown, (args, shown)
+    assert_usable(kernel)
+
+
+def test_unfetched_demo_model_and_use_before_load(fresh_kernel, tmp_path):
+    handle = fresh_kernel(SHARDBOOK_HOME=str(tmp_path / "empty-home"))
+    ex = handle.run("%shards")
+    assert ex.status == "error" and "%load_sharded" in ex.stderr()
+    ex = handle.run("%load_sharded configs/smollm2-135m.yaml")
+    assert ex.status == "error" and "shardbook fetch smollm2-135m-instruct" in ex.stderr()
