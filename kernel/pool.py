@@ -22,7 +22,7 @@ import zmq
 from shardbook.rankd import model_handlers  # noqa: F401  (registers the model commands)
 from shardbook.rankd import protocol
 from shardbook.rankd.channel import Channel
-from shardbook.rankd.handlers import RankContext, dispatch
+from shardbook.rankd.handlers import STOPPED_BY_EVENT, RankContext, dispatch
 from shardbook.rankd.lifetime import pid_alive
 from shardbook.rankd.world import World, memory_in_use
 
@@ -234,6 +234,7 @@ class Pool:
         command = Command(protocol.new_id(), kind, sorted(targets), on_output, on_notice)
         with self._lock:
             self.commands[command.id] = command
+            self.ctx0.stop_event.clear()
         content = {"kind": kind, "args": args}
         for rank in command.targets:
             if rank != 0:
@@ -312,8 +313,10 @@ class Pool:
         return Outcome(command, stuck=stuck, timed_out=timed_out)
 
     def interrupt(self, command: Command) -> None:
-        """Raise KeyboardInterrupt in every follower still running ``command``."""
+        """Interrupt ``command`` on every rank still running it (rank 0's part through its stop event)."""
         command.interrupted = True
+        if 0 in command.pending:
+            self.ctx0.stop_event.set()
         for rank in command.pending:
             if rank != 0:
                 self._send(rank, protocol.INTERRUPT, {}, command.id)
@@ -371,7 +374,8 @@ class _SigintForwarder:
 
     def _handle(self, signum, frame):
         self.pool.interrupt(self.command)
-        raise KeyboardInterrupt
+        if self.command.kind not in STOPPED_BY_EVENT:
+            raise KeyboardInterrupt
 
     def __exit__(self, *exc):
         self.command.sigint_forwarded = False

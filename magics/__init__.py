@@ -16,11 +16,13 @@ def load_ipython_extension(shell) -> None:
     from shardbook.kernel.runtime import get_runtime
 
     from .cells import RankMagics
+    from .chat import ChatMagics
     from .errors import RankError, show_rank_error
     from .loading import LoadMagics
 
     shell.register_magics(RankMagics)
     shell.register_magics(LoadMagics)
+    shell.register_magics(ChatMagics)
     shell.set_custom_exc((RankError,), show_rank_error)
     try:
         get_runtime(shell)

@@ -37,9 +37,14 @@ class WidgetProgress:
 
         self.bar = w.IntProgress(value=0, min=0, max=100, description=title, layout=w.Layout(width="60%"))
         self.label = w.Label("starting")
+        self._last = 0.0
         display(w.HBox([self.bar, self.label]))
 
     def update(self, step: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self._last < 0.1 and done < total:  # each update is a message to the frontend
+            return
+        self._last = now
         self.bar.value = _percent(step, done, total)
         self.label.value = f"{STEP_LABELS.get(step, step)} {done}/{total}"
 

@@ -23,7 +23,7 @@ from . import model_handlers  # noqa: F401  (registers the model commands)
 from . import protocol
 from .capture import make_follower_shell
 from .channel import Channel
-from .handlers import RankContext, dispatch
+from .handlers import STOPPED_BY_EVENT, RankContext, dispatch
 from .world import World, memory_in_use
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,7 @@ class Follower:
         self.ctx = RankContext(world=world, shell=make_follower_shell())
         self.inbox: queue.Queue = queue.Queue()
         self.running_id: str | None = None
+        self.running_kind: str | None = None
         self._lock = threading.Lock()
         self._last_ping = time.monotonic()
         self._last_heartbeat = 0.0
@@ -76,9 +77,11 @@ class Follower:
 
     def _interrupt(self, command_id: str) -> None:
         with self._lock:
-            if self.running_id == command_id:
+            if self.running_id != command_id:
+                return
+            self.ctx.stop_event.set()
+            if self.running_kind not in STOPPED_BY_EVENT:
                 signal.pthread_kill(self._main_thread, signal.SIGINT)
-        self.ctx.stop_event.set()
 
     def _on_tick(self, now: float) -> None:
         self.ctx.flush_if_due()
@@ -124,14 +127,15 @@ class Follower:
             self.send(msg_type, payload, message.id)
 
         with self._lock:
-            self.running_id = message.id
+            self.running_id, self.running_kind = message.id, message.payload.get("kind")
+            self.ctx.stop_event.clear()
         try:
             reply = dispatch(self.ctx, message.payload["kind"], message.payload.get("args", {}), sink)
         except KeyboardInterrupt:  # landed between the handler's end and the reply
             reply = {"status": "error", "error": {"ename": "KeyboardInterrupt", "evalue": "", "traceback": []}}
         finally:
             with self._lock:
-                self.running_id = None
+                self.running_id = self.running_kind = None
         self.send(protocol.DONE, reply, message.id)
 
 

@@ -42,13 +42,23 @@ class RankContext:
 
 Handler = Callable[[RankContext, dict[str, Any], Sink], dict[str, Any]]
 HANDLERS: dict[str, Handler] = {}
+STOPPED_BY_EVENT: set[str] = set()
+"""Kinds interrupted only through ``RankContext.stop_event``: a KeyboardInterrupt at the wrong
+moment would make this rank leave collectives (generation steps) that the others still run."""
 
 
-def handler(kind: str) -> Callable[[Handler], Handler]:
-    """Register a ``handle_*`` function under the command kind rank 0 sends."""
+def handler(kind: str, *, interrupt: str = "raise") -> Callable[[Handler], Handler]:
+    """Register a ``handle_*`` function under the command kind rank 0 sends.
+
+    ``interrupt="raise"`` turns an interrupt into KeyboardInterrupt in the rank's main thread;
+    ``interrupt="event"`` only sets ``stop_event``, which the handler checks at safe points.
+    """
+    assert interrupt in ("raise", "event"), interrupt
 
     def register(fn: Handler) -> Handler:
         HANDLERS[kind] = fn
+        if interrupt == "event":
+            STOPPED_BY_EVENT.add(kind)
         return fn
 
     return register
@@ -74,7 +84,6 @@ def dispatch(ctx: RankContext, kind: str, args: dict[str, Any], sink: Sink) -> d
     try:
         if fn is None:
             raise protocol.ProtocolError(f"unknown command {kind!r}; known: {', '.join(sorted(HANDLERS))}")
-        ctx.stop_event.clear()
         return fn(ctx, args, sink)
     except (Exception, KeyboardInterrupt) as e:
         log.debug("rank %d: %s failed", ctx.world.rank, kind, exc_info=True)

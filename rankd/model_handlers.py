@@ -31,3 +31,24 @@ def handle_load(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[str,
     namespace["model"], namespace["tokenizer"] = loaded.model, loaded.tokenizer
     ctx.state.update(loaded=loaded, config=config)
     return {"status": "ok", "value": loaded.summary}
+
+
+@handler("generate", interrupt="event")
+def handle_generate(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[str, Any]:
+    """Generate one reply with every rank stepping together; the ``stream_rank`` streams its text."""
+    from .engine import GenerationRequest, generate
+
+    loaded = ctx.state.get("loaded")
+    if loaded is None:
+        raise ValueError(f"rank {ctx.world.rank} has no model loaded: run %load_sharded first")
+    request = GenerationRequest.from_dict(args["request"])
+
+    def on_text(text: str) -> None:
+        sink(protocol.TEXT, {"text": text})
+
+    streams = args.get("stream_rank", 0) == ctx.world.rank
+    result = generate(
+        loaded.model, loaded.tokenizer, request,
+        device=ctx.world.device, on_text=on_text if streams else None, stop_event=ctx.stop_event,
+    )
+    return {"status": "ok", "value": result.to_dict()}

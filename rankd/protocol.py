@@ -32,8 +32,9 @@ RESULT = "result"  # payload: {"data": mimebundle, "metadata": {...}} -- the cel
 ERROR = "error"  # payload: {"ename", "evalue", "traceback": [str]}
 DONE = "done"  # payload: {"status": "ok"|"error", "value": json-able or None}
 PROGRESS = "progress"  # payload: {"step": str, "done": int, "total": int} -- a long command's progress
+TEXT = "text"  # payload: {"text": str} -- a chunk of a streamed reply
 
-OUTPUT_TYPES = (STREAM, DISPLAY, RESULT, ERROR, PROGRESS)
+OUTPUT_TYPES = (STREAM, DISPLAY, RESULT, ERROR, PROGRESS, TEXT)
 CONTROL_KEY = "shardbook/control"  # torch.distributed store key holding rank 0's endpoint
 KEY_ENV = "SHARDBOOK_KEY"
 KEY_FILE_ENV = "SHARDBOOK_KEY_FILE"

@@ -135,12 +135,17 @@ def scenario_interrupt(model: Any, tokenizer: Any, rank: int, request: dict, sto
     return {"interrupted": interrupted, "next": _generate(model, tokenizer, rank, next_request)}
 
 
-def scenario_fail(model: Any, tokenizer: Any, rank: int, request: dict, failing_rank: int, at_forward: int) -> dict:
-    """The fault-injection hook: a forward hook raises on `failing_rank` after `at_forward` forwards."""
+def scenario_fail(
+    model: Any, tokenizer: Any, rank: int, request: dict, failing_rank: int, at_forward: int, how: str
+) -> dict:
+    """The fault-injection hook: a forward hook on `failing_rank` fails after `at_forward` forwards,
+    by raising (`how="raise"`) or by ending the process (`how="exit"`, a crashed rank)."""
     counter = {"n": 0}
 
     def fail(*_: Any) -> None:
         counter["n"] += 1
+        if counter["n"] == at_forward and how == "exit":
+            os._exit(3)
         if counter["n"] == at_forward:
             raise RuntimeError(f"injected failure at forward {at_forward}")
 
@@ -222,7 +227,12 @@ class Ranks:
             if not conn.poll(max(0.0, deadline - time.monotonic())):
                 self.kill()
                 pytest.fail(f"rank {rank} did not finish {what!r} within {deadline_s:.0f} s (hang?)")
-            status, value = conn.recv()
+            try:
+                status, value = conn.recv()
+            except EOFError:  # the rank's process ended
+                self.procs[rank].join(timeout=10)
+                answers.append({"exitcode": self.procs[rank].exitcode})
+                continue
             if status == "error":
                 pytest.fail(f"rank {rank} raised in {what!r}:\n{value}")
             answers.append(value)
@@ -323,19 +333,33 @@ def test_interrupt_stops_every_rank_and_the_next_turn_works(ranks: Ranks, single
 def test_exception_on_one_rank_surfaces_on_every_rank(tiny_path: Path, tmp_path: Path) -> None:
     """A rank that raises reports it with its rank; its peer, left waiting in a collective, errors out at the
     process group's timeout (5 s here) instead of hanging. The group is unusable afterwards."""
-    broken = Ranks(tiny_path, tmp_path, pg_timeout_s=5)
-    try:
-        request = _request(max_new_tokens=20)
-        per_rank = [{"request": request, "failing_rank": 1, "at_forward": 3} for _ in range(WORLD_SIZE)]
-        rank0, rank1 = broken.run("fail", per_rank)
-    finally:
-        broken.kill()
+    rank0, rank1 = _fail_one_rank(tiny_path, tmp_path, how="raise")
     assert rank1["raised"] == "GenerationError"
     assert "rank 1" in rank1["message"] and "injected failure at forward 3" in rank1["message"]
     assert rank0["raised"] == "GenerationError", rank0
     assert "rank 0" in rank0["message"]
-    print(f"\nrank 0 after {rank0['seconds']:.1f} s: {rank0['message'][:300]}")
-    print(f"rank 1 after {rank1['seconds']:.1f} s: {rank1['message'][:300]}")
+    assert rank0["seconds"] < 20
+
+
+def test_a_crashed_rank_surfaces_on_the_others(tiny_path: Path, tmp_path: Path) -> None:
+    """A rank whose process dies mid-generation: gloo sees the closed connection, the survivor raises at once."""
+    rank0, rank1 = _fail_one_rank(tiny_path, tmp_path, how="exit")
+    assert rank1 == {"exitcode": 3}
+    assert rank0["raised"] == "GenerationError" and "rank 0" in rank0["message"], rank0
+    assert rank0["seconds"] < 20
+
+
+def _fail_one_rank(tiny_path: Path, tmp_path: Path, *, how: str) -> list[dict]:
+    broken = Ranks(tiny_path, tmp_path, pg_timeout_s=5)
+    try:
+        request = _request(max_new_tokens=20)
+        per_rank = [{"request": request, "failing_rank": 1, "at_forward": 3, "how": how}] * WORLD_SIZE
+        answers = broken.run("fail", per_rank)
+    finally:
+        broken.close()
+    for rank, answer in enumerate(answers):
+        print(f"\n{how}: rank {rank}: {str(answer)[:300]}")
+    return answers
 
 
 # ----------------------------------------------------------------------------- in process

@@ -1,0 +1,180 @@
+"""``ChatModel``: chat with the sharded model from rank 0 — blocking, streaming and asyncio APIs.
+
+Each call sends the whole request (messages, settings, a seed chosen here) to every rank as one
+``generate`` command; every rank runs the engine together and rank 0 streams the text. The
+command runs in a worker thread so that :meth:`ChatModel.stream_chat` can hand out chunks as
+they arrive; the consumer waits with a deadline, and a KeyboardInterrupt while it waits stops
+every rank at its next step (the partial reply is returned, ``finish_reason="interrupted"``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from dataclasses import dataclass, fields
+from typing import Any, AsyncIterator, Iterator
+
+from shardbook.rankd import protocol
+from shardbook.rankd.engine import GenerationRequest
+
+from .pool import Outcome, PoolError
+from .runtime import Runtime, get_runtime
+
+STREAM_DEADLINE_S = 660.0
+"""Longest silence from the ranks while a reply is generated (the engine itself gives up after 600 s)."""
+SETTINGS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "want_scores")
+
+
+@dataclass
+class ChatResponse:
+    """A finished reply with its measurements."""
+
+    text: str
+    prompt_tokens: int
+    generated_tokens: int
+    finish_reason: str
+    """``stop`` (end of text), ``length`` (max_new_tokens) or ``interrupted``."""
+    time_to_first_token_s: float
+    tokens_per_s: float
+    seed: int
+    scores: list[dict[str, Any]] | None = None
+
+    @classmethod
+    def from_result(cls, result: dict[str, Any]) -> "ChatResponse":
+        return cls(**{f.name: result.get(f.name) for f in fields(cls)})
+
+    def status_line(self) -> str:
+        return (
+            f"{self.prompt_tokens} prompt tokens, {self.generated_tokens} generated, first token "
+            f"{self.time_to_first_token_s * 1000:.0f} ms, {self.tokens_per_s:.1f} tok/s, {self.finish_reason}"
+        )
+
+
+class GenerationFailed(RuntimeError):
+    """One or more ranks failed while generating; ``outcome`` holds every rank's reply."""
+
+    def __init__(self, outcome: Outcome):
+        failed = {r: (x.get("error") or {}).get("evalue", x.get("status")) for r, x in outcome.replies.items() if x.get("status") != "ok"}
+        super().__init__(f"generation failed on ranks {sorted(failed) or outcome.stuck}: {failed}")
+        self.outcome = outcome
+
+
+class ChatStream:
+    """Iterate to get text chunks as they are generated; ``response`` is set once it is finished."""
+
+    def __init__(self, runtime: Runtime, request: GenerationRequest, on_notice=None):
+        self.runtime = runtime
+        self.request = request
+        self.response: ChatResponse | None = None
+        self._events: queue.Queue = queue.Queue()
+        self._command = None
+        self._on_notice = on_notice or (lambda text: None)
+        self._thread = threading.Thread(target=self._run, name="shardbook-chat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        pool = self.runtime.pool
+        args = {"request": self.request.to_dict(), "stream_rank": 0}
+        try:
+            outcome = pool.run("generate", args, list(range(pool.world.world_size)), self._on_output, self._on_notice)
+            self._events.put(("done", outcome))
+        except BaseException as e:  # handed to the consumer, which raises it
+            self._events.put(("error", e))
+
+    def _on_output(self, rank: int, msg_type: str, payload: dict[str, Any]) -> None:
+        if msg_type == protocol.TEXT:
+            self._events.put(("text", payload["text"]))
+
+    def interrupt(self) -> None:
+        """Stop every rank at its next step; the stream then ends with the partial reply."""
+        pool = self.runtime.pool
+        self.runtime.ctx0.stop_event.set()
+        for command in list(pool.commands.values()):
+            if command.kind == "generate":
+                pool.interrupt(command)
+
+    def __iter__(self) -> Iterator[str]:
+        while True:
+            try:
+                kind, value = self._next_event()
+            except KeyboardInterrupt:
+                self.interrupt()
+                continue
+            if kind == "text":
+                yield value
+            elif kind == "error":
+                raise value
+            else:
+                self._finish(value)
+                return
+
+    def _next_event(self) -> tuple[str, Any]:
+        try:
+            return self._events.get(timeout=STREAM_DEADLINE_S)
+        except queue.Empty:
+            self.interrupt()
+            raise TimeoutError(
+                f"no output from the ranks for {STREAM_DEADLINE_S:.0f} s while generating; every rank was told to "
+                "stop. Check %dist: a busy or dead rank needs a kernel restart."
+            ) from None
+
+    def _finish(self, outcome: Outcome) -> None:
+        if not outcome.ok:
+            raise GenerationFailed(outcome)
+        self.response = ChatResponse.from_result(outcome.replies[0]["value"])
+
+    def wait(self) -> ChatResponse:
+        for _ in self:
+            pass
+        assert self.response is not None
+        return self.response
+
+
+class ChatModel:
+    """Chat with the model loaded by ``%load_sharded``, from notebook code or a server.
+
+    Example::
+
+        from shardbook.kernel import ChatModel
+        chat = ChatModel()
+        print(chat.chat("What is the capital of France?").text)
+        for chunk in chat.stream_chat([{"role": "user", "content": "Tell me a story"}], max_new_tokens=64):
+            print(chunk, end="")
+    """
+
+    def __init__(self, runtime: Runtime | None = None):
+        self.runtime = runtime or get_runtime()
+
+    def build_request(self, messages: str | list[dict[str, str]], **settings: Any) -> GenerationRequest:
+        """A request with defaults from the loaded config's ``inference`` section and a seed."""
+        config = self.runtime.ctx0.state.get("config")
+        if config is None or "loaded" not in self.runtime.ctx0.state:
+            raise PoolError("no model is loaded: run `%load_sharded configs/smollm2-135m.yaml` (or your config) first")
+        unknown = sorted(set(settings) - set(SETTINGS))
+        if unknown:
+            raise ValueError(f"unknown generation settings {unknown}; valid: {', '.join(SETTINGS)}")
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        defaults = {k: getattr(config.inference, k) for k in SETTINGS if hasattr(config.inference, k)}
+        given = {k: v for k, v in settings.items() if v is not None}
+        return GenerationRequest(messages=list(messages), **{**defaults, **given}).with_seed()
+
+    def stream_chat(self, messages: str | list[dict[str, str]], *, on_notice=None, **settings: Any) -> ChatStream:
+        return ChatStream(self.runtime, self.build_request(messages, **settings), on_notice)
+
+    def chat(self, messages: str | list[dict[str, str]], **settings: Any) -> ChatResponse:
+        return self.stream_chat(messages, **settings).wait()
+
+    async def achat(self, messages: str | list[dict[str, str]], **settings: Any) -> ChatResponse:
+        """``chat`` without blocking the caller's event loop (the ranks are driven from a worker thread)."""
+        stream = self.stream_chat(messages, **settings)
+        return await asyncio.get_running_loop().run_in_executor(None, stream.wait)
+
+    async def astream_chat(self, messages: str | list[dict[str, str]], **settings: Any) -> AsyncIterator[str]:
+        """Async iterator of text chunks; the reply's ``ChatResponse`` is not returned (use ``achat``)."""
+        stream = iter(self.stream_chat(messages, **settings))
+        loop = asyncio.get_running_loop()
+        done = object()
+        while (chunk := await loop.run_in_executor(None, next, stream, done)) is not done:
+            yield chunk

@@ -1,0 +1,119 @@
+"""``%%chat``: multi-turn chat with the sharded model, streamed live; ``%chat`` manages the conversation."""
+
+from __future__ import annotations
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic_arguments import argument, argument_group, magic_arguments, parse_argstring
+
+from shardbook.kernel.chat import ChatModel, ChatStream, GenerationFailed
+from shardbook.kernel.conversation import Conversation
+from shardbook.kernel.pool import PoolError
+from shardbook.kernel.runtime import get_runtime
+
+from .chat_view import TextChatView, WidgetChatView
+from .errors import raise_for_outcome
+from .progress import widgets_available
+from .relay import RankRelay, frontend_for
+
+
+def generation_options(fn):
+    """Sampling flags; unset ones fall back to the loaded config's ``inference`` section."""
+    for flag, kind, text in reversed([
+        ("--max-new-tokens", int, "most tokens to generate"),
+        ("--temperature", float, "sampling temperature"),
+        ("--top-p", float, "nucleus sampling probability mass"),
+        ("--top-k", int, "sample among the K most likely tokens"),
+        ("--repetition-penalty", float, "penalty for repeated tokens (1.0 = none)"),
+        ("--seed", int, "seed for sampling (rank 0 picks one if unset; every rank uses it)"),
+    ]):
+        fn = argument(flag, type=kind, default=None, help=text)(fn)
+    fn = argument("--do-sample", action="store_true", default=None, help="sample instead of greedy decoding")(fn)
+    return fn
+
+
+@magics_class
+class ChatMagics(Magics):
+    """Talk to the model loaded with %load_sharded."""
+
+    def __init__(self, shell):
+        super().__init__(shell)
+        self.conversation = Conversation()
+        self.last_response = None
+
+    @magic_arguments()
+    @argument_group("reply")
+    @generation_options
+    @argument("--scores", action="store_true", help="record each token's probability and top alternatives")
+    @argument("--output", choices=("widget", "text"), default=None, help="live widget (default in notebooks) or plain text")
+    @argument_group("conversation")
+    @argument("--new", action="store_true", help="start a new conversation with this message")
+    @argument("--system", metavar="TEXT", help="set the system prompt (kept for later turns)")
+    @argument("--reset", action="store_true", help="(line magic) forget the conversation")
+    @argument("--history", action="store_true", help="(line magic) show the conversation")
+    @argument("--save", metavar="FILE", help="(line magic) save the conversation as JSON")
+    @argument("--load", metavar="FILE", help="(line magic) load a conversation saved with --save")
+    @line_cell_magic("chat")
+    def chat(self, line: str, cell: str | None = None):
+        """Chat with the sharded model; the cell is your message and the reply streams live. Example::
+
+            %load_sharded configs/smollm2-135m.yaml
+            %%chat --max-new-tokens 64
+            What is the capital of France?
+
+        Later ``%%chat`` cells continue the conversation (``--new`` starts over). The line magic
+        manages it: ``%chat --history``, ``%chat --reset``, ``%chat --system "Be brief."``,
+        ``%chat --save chat.json``, ``%chat --load chat.json``.
+        """
+        args = parse_argstring(self.chat, line)
+        if args.system is not None:
+            self.conversation.system_prompt = args.system or None
+        if cell is None:
+            return self._manage(args)
+        if not cell.strip():
+            raise UsageError("%%chat needs a message in the cell body, e.g.\n%%chat\nWhat is the capital of France?")
+        if args.new:
+            self.conversation.reset()
+        return self._reply(cell.strip(), args)
+
+    def _manage(self, args):
+        if args.load:
+            try:
+                self.conversation = Conversation.load(args.load)
+            except ValueError as e:
+                raise UsageError(str(e)) from e
+        if args.reset:
+            self.conversation.reset()
+        if args.save:
+            print(f"saved {len(self.conversation.turns)} messages to {self.conversation.save(args.save)}")
+        if args.history or not (args.load or args.reset or args.save or args.system is not None):
+            print(self.conversation.history_text())
+
+    def _reply(self, text: str, args):
+        try:
+            runtime = get_runtime(self.shell)
+            model = ChatModel(runtime)
+            if self.conversation.system_prompt is None and runtime.ctx0.state.get("config") is not None:
+                self.conversation.system_prompt = runtime.ctx0.state["config"].inference.system_prompt
+            settings = {k: getattr(args, k) for k in ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "repetition_penalty", "seed")}
+            request = model.build_request(self.conversation.request_messages(text), want_scores=args.scores, **settings)
+        except (PoolError, ValueError) as e:
+            raise UsageError(str(e)) from e
+        use_widget = args.output == "widget" or (args.output is None and widgets_available(self.shell))
+        view = WidgetChatView() if use_widget else TextChatView()
+        relay = RankRelay(frontend_for(self.shell), label_ranks=True)
+        stream = ChatStream(runtime, request, on_notice=relay.notice)
+        try:
+            for chunk in stream:
+                view.add(chunk)
+        except GenerationFailed as e:
+            view.fail("a rank failed")
+            raise_for_outcome(e.outcome)
+        except PoolError as e:
+            view.fail(str(e))
+            raise UsageError(str(e)) from e
+        response = stream.response
+        view.finish(response.status_line(), response.text)
+        self.conversation.add_turn(text, response.text, response.finish_reason)
+        self.last_response = response
+        self.shell.user_ns["_chat"] = response

@@ -1,0 +1,78 @@
+"""How a streamed reply is shown: a widget whose text grows, or plain streamed text.
+
+The widget's value is *replaced* at most ``MAX_UPDATES_PER_S`` times a second (appending to an
+``Output`` widget resends everything each time, which is quadratic). When the reply is done it is
+also displayed as text/markdown, so saved and converted notebooks show it without widgets.
+"""
+
+from __future__ import annotations
+
+import html
+import sys
+import time
+
+from IPython.display import Markdown, display
+
+MAX_UPDATES_PER_S = 20
+
+
+class WidgetChatView:
+    """An HTML widget holding the reply so far, and a status line under it."""
+
+    def __init__(self):
+        import ipywidgets as w
+
+        self.reply = w.HTML(value=self._render(""))
+        self.status = w.HTML(value="<i>generating…</i>")
+        self.text = ""
+        self._shown = ""
+        self._last_update = 0.0
+        display(w.VBox([self.reply, self.status]))
+
+    @staticmethod
+    def _render(text: str) -> str:
+        return f"<div class='shardbook-reply' style='white-space: pre-wrap'>{html.escape(text)}</div>"
+
+    def add(self, chunk: str) -> None:
+        self.text += chunk
+        if time.monotonic() - self._last_update >= 1 / MAX_UPDATES_PER_S:
+            self._refresh()
+
+    def _refresh(self) -> None:
+        if self.text != self._shown:
+            self.reply.value = self._render(self.text)
+            self._shown = self.text
+        self._last_update = time.monotonic()
+
+    def finish(self, status: str, final_text: str) -> None:
+        self.text = final_text
+        self._refresh()
+        self.status.value = f"<small>{html.escape(status)}</small>"
+        display(Markdown(final_text))
+
+    def fail(self, why: str) -> None:
+        self._refresh()
+        self.status.value = f"<small>failed: {html.escape(why)}</small>"
+
+
+class TextChatView:
+    """Chunks written to stdout as they come; the status line after the reply."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stdout
+        self.text = ""
+
+    def add(self, chunk: str) -> None:
+        self.text += chunk
+        self.stream.write(chunk)
+        self.stream.flush()
+
+    def finish(self, status: str, final_text: str) -> None:
+        if final_text.startswith(self.text) and final_text != self.text:
+            self.stream.write(final_text[len(self.text):])
+        self.stream.write(f"\n[{status}]\n")
+        self.stream.flush()
+
+    def fail(self, why: str) -> None:
+        self.stream.write("\n")
+        self.stream.flush()
