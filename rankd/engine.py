@@ -288,8 +288,9 @@ class _GenerateThread(threading.Thread):
         _set_thread_device(self.device)
         hook = self.model.register_forward_hook(self._on_step)
         try:
-            # no_grad rather than inference_mode: FSDP2 keeps unsharded parameters between
-            # forwards (reshard_after_forward=False), and inference tensors would leak out of here.
+            # no_grad, not inference_mode: with reshard_after_forward=False FSDP2 keeps the
+            # unsharded parameters made here, and a later training step (fine-tuning in %%all)
+            # then fails with "Inference tensors cannot be saved for backward" (measured).
             with _private_rng(self.device), torch.no_grad():
                 torch.manual_seed(self.seed)
                 self.started_at = time.perf_counter()

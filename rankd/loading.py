@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.futures import Future
 
 from shardbook.rankd.sharding import (
@@ -38,6 +37,7 @@ from shardbook.rankd.sharding import (
     fsdp_mesh_layout,
     init_mesh,
     reshard_fits,
+    reshard_model,
 )
 from shardbook.rankd.summary import full_param_bytes, load_summary
 
@@ -154,9 +154,7 @@ def free_model(
     released = [namespace.pop(name) for name in names if name in namespace]
     for obj in released:
         if isinstance(obj, nn.Module):
-            for module in obj.modules():
-                if isinstance(module, FSDPModule):
-                    module.reshard()
+            reshard_model(obj)
     del released
     gc.collect()
     device = torch.device(device)

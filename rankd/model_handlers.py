@@ -37,6 +37,7 @@ def handle_load(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[str,
 def handle_generate(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[str, Any]:
     """Generate one reply with every rank stepping together; the ``stream_rank`` streams its text."""
     from .engine import GenerationRequest, generate
+    from .sharding import reshard_model
 
     loaded = ctx.state.get("loaded")
     if loaded is None:
@@ -47,8 +48,11 @@ def handle_generate(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[
         sink(protocol.TEXT, {"text": text})
 
     streams = args.get("stream_rank", 0) == ctx.world.rank
-    result = generate(
-        loaded.model, loaded.tokenizer, request,
-        device=ctx.world.device, on_text=on_text if streams else None, stop_event=ctx.stop_event,
-    )
+    try:
+        result = generate(
+            loaded.model, loaded.tokenizer, request,
+            device=ctx.world.device, on_text=on_text if streams else None, stop_event=ctx.stop_event,
+        )
+    finally:
+        reshard_model(loaded.model)
     return {"status": "ok", "value": result.to_dict()}

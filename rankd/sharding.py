@@ -13,7 +13,7 @@ import psutil
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 # Keeping the gathered layers after forward means a full copy of the weights per rank; the
 # loader chooses it only when that copy takes at most this share of the memory free per rank.
@@ -110,6 +110,17 @@ def apply_fsdp(
     # FSDP on the root: embeddings, final norm and lm_head (tied ones stay one parameter).
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
     on_group(total, total)
+
+
+def reshard_model(model: nn.Module) -> None:
+    """Free the gathered weights ``reshard_after_forward=False`` keeps, back to this rank's shards.
+
+    Purely local (no collective): every rank calls it when a generation ends, so an idle model
+    holds only its shards, ``%shards`` and ``%%all`` see DTensors, and the next forward gathers again.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _gib(num_bytes: float) -> str:

@@ -34,6 +34,8 @@ from shardbook.rankd.engine import (  # noqa: E402
 )
 from shardbook.rankd.streaming import INCOMPLETE, TextDeltaStreamer  # noqa: E402
 
+pytestmark = pytest.mark.timeout(120)
+
 WORLD_SIZE = 2
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 SMOLLM2 = "smollm2-135m-instruct"
