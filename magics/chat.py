@@ -32,6 +32,13 @@ def generation_options(fn):
     return fn
 
 
+def unquote(text: str) -> str:
+    """IPython's argument splitting keeps the quotes of ``--system "Be brief."``; drop one matching pair."""
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
+
+
 @magics_class
 class ChatMagics(Magics):
     """Talk to the model loaded with %load_sharded."""
@@ -67,7 +74,7 @@ class ChatMagics(Magics):
         """
         args = parse_argstring(self.chat, line)
         if args.system is not None:
-            self.conversation.system_prompt = args.system or None
+            self.conversation.system_prompt = unquote(args.system) or None
         if cell is None:
             return self._manage(args)
         if not cell.strip():

@@ -1,0 +1,157 @@
+"""%%chat and %chat through a real 2-rank kernel on a tiny local model."""
+
+from __future__ import annotations
+
+import html
+import threading
+import time
+
+import pytest
+
+from tests.tiny import make_tiny_llama
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("chat") / "llama")
+
+
+@pytest.fixture
+def loaded(kernel, tiny):
+    ex = kernel.run(f"%load_sharded --model.model_name_or_path {tiny} --inference.system_prompt none", timeout=120)
+    assert ex.status == "ok", ex.error_text() + ex.stderr()
+    assert kernel.run("%chat --reset").status == "ok"
+    return kernel
+
+
+def reply_widget_values(ex) -> list[str]:
+    """Successive values of the reply HTML widget (the one whose value holds the shardbook-reply div)."""
+    values = []
+    for m in ex.of_type("comm_open", "comm_msg"):
+        state = m["content"].get("data", {}).get("state", {})
+        value = state.get("value")
+        if isinstance(value, str) and "shardbook-reply" in value:
+            values.append(value)
+    return values
+
+
+def unwrap(value: str) -> str:
+    return html.unescape(value.split(">", 1)[1].rsplit("</div>", 1)[0])
+
+
+def reference_reply(path, question: str, max_new_tokens: int) -> str:
+    """The same greedy reply from one plain process, for comparison."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def test_widget_grows_then_markdown_and_status(loaded, tiny):
+    ex = loaded.run("%%chat --max-new-tokens 60\nhello there", timeout=120)
+    assert ex.status == "ok", ex.error_text() + ex.stderr()
+    values = [unwrap(v) for v in reply_widget_values(ex)]
+    growing = [v for i, v in enumerate(values) if i == 0 or v != values[i - 1]]
+    assert len(growing) >= 4, f"the reply widget was updated only {len(growing)} times"
+    assert all(b.startswith(a) for a, b in zip(growing, growing[1:])), "the reply text did not grow by appending"
+    markdown = [m["content"]["data"]["text/markdown"] for m in ex.of_type("display_data") if "text/markdown" in m["content"]["data"]]
+    assert markdown == [growing[-1]]
+    assert markdown[0] == reference_reply(tiny, "hello there", 60), "2-rank greedy reply differs from one process"
+    statuses = [m["content"]["data"]["state"]["value"] for m in ex.of_type("comm_msg") if "prompt tokens" in str(m["content"]["data"].get("state", {}).get("value", ""))]
+    assert statuses and "generated" in statuses[-1] and "tok/s" in statuses[-1] and ("length" in statuses[-1] or "stop" in statuses[-1])
+
+
+def test_widget_updates_are_rate_limited(loaded):
+    ex = loaded.run("%%chat --max-new-tokens 120\ncount to one hundred", timeout=120)
+    updates = [m for m in ex.of_type("comm_msg") if "shardbook-reply" in str(m["content"]["data"].get("state", {}).get("value", ""))]
+    span = updates[-1]["received_at"] - updates[0]["received_at"]
+    assert len(updates) <= 25 * span + 3, f"{len(updates)} updates in {span:.2f} s"
+
+
+def test_text_output_history_and_turns(loaded):
+    first = loaded.run("%%chat --output text --max-new-tokens 12\nfirst question")
+    assert first.status == "ok" and len(first.of_type("stream")) >= 2
+    assert "prompt tokens" in first.stdout()
+    second = loaded.run("%%chat --output text --max-new-tokens 12\nsecond question")
+    history = loaded.run("%chat --history").stdout()
+    assert history.index("[user] first question") < history.index("[user] second question")
+    assert history.count("[assistant]") == 2
+    # the second turn's prompt holds the first turn: more prompt tokens
+    tokens = [int(ex.stdout().rsplit("[", 1)[1].split()[0]) for ex in (first, second)]
+    assert tokens[1] > tokens[0] + 5
+
+
+def test_new_reset_system_save_load(loaded, tmp_path):
+    loaded.run("%%chat --output text --max-new-tokens 5\none")
+    loaded.run("%%chat --new --output text --max-new-tokens 5\ntwo")
+    assert "[user] one" not in loaded.run("%chat --history").stdout()
+    assert loaded.run('%chat --system "Be terse."').status == "ok"
+    path = tmp_path / "conv.json"
+    assert "saved 2 messages" in loaded.run(f"%chat --save {path}").stdout()
+    loaded.run("%chat --reset")
+    assert loaded.run("%chat --history").stdout().strip() == "[system] Be terse."
+    loaded.run(f"%chat --load {path}")
+    assert "[user] two" in loaded.run("%chat --history").stdout()
+    bad = loaded.run(f"%chat --load {tmp_path / 'nope.json'}")
+    assert bad.status == "error" and "no conversation file" in bad.stderr()
+
+
+def test_sampling_is_reproducible_with_a_seed(loaded):
+    runs = [loaded.run("%%chat --new --do-sample --seed 7 --temperature 1.5 --output text --max-new-tokens 30\nsurprise me") for _ in range(2)]
+    texts = [ex.stdout().rsplit("\n[", 1)[0] for ex in runs]
+    assert all(ex.status == "ok" for ex in runs) and texts[0] == texts[1]
+
+
+def test_interrupt_keeps_partial_reply_and_next_turn_works(loaded):
+    started = threading.Event()
+
+    def on_message(msg):
+        if msg["msg_type"] == "comm_msg" and "shardbook-reply" in str(msg["content"]["data"].get("state", {}).get("value", "")):
+            started.set()
+
+    result = {}
+    code = "%%chat --max-new-tokens 2000 --do-sample --temperature 2.0\nramble on"
+    thread = threading.Thread(target=lambda: result.update(ex=loaded.run(code, timeout=120, on_message=on_message)))
+    thread.start()
+    assert started.wait(60)
+    t0 = time.monotonic()
+    loaded.km.interrupt_kernel()
+    thread.join(30)
+    assert time.monotonic() - t0 < 2.5
+    ex = result["ex"]
+    assert ex.status == "ok", ex.error_text()
+    assert "interrupted" in str([m["content"] for m in ex.of_type("comm_msg")][-3:])
+    assert "[assistant (interrupted)]" in loaded.run("%chat --history").stdout()
+    assert loaded.run("%dist").of_type("execute_result")[0]["content"]["data"]["text/plain"].count("idle") == 2
+    after = loaded.run("%%chat --output text --max-new-tokens 5\nstill there?")
+    assert after.status == "ok"
+
+
+def test_prompt_longer_than_the_context(loaded):
+    ex = loaded.run("%%chat\n" + "word " * 400)
+    assert ex.status == "error"
+    assert "context" in (ex.error_text() + ex.stderr()).lower()
+    assert loaded.run("%%chat --output text --max-new-tokens 3\nshort").status == "ok"
+
+
+def test_follower_failure_during_generation_names_the_rank(fresh_kernel, tiny):
+    handle = fresh_kernel(SHARDBOOK_PG_TIMEOUT="6")
+    assert handle.run(f"%load_sharded --model.model_name_or_path {tiny}", timeout=120).status == "ok"
+    hook = (
+        "%%rank 1\ncalls = 0\ndef explode(module, args):\n    global calls\n    calls += 1\n"
+        "    if calls == 3:\n        raise RuntimeError('rank 1 broke at step 3')\n"
+        "handle = model.model.layers[0].register_forward_pre_hook(explode)"
+    )
+    assert handle.run(hook).status == "ok"
+    ex = handle.run("%%chat --max-new-tokens 40\nhi", timeout=120)
+    text = ex.error_text() + ex.stderr()
+    assert ex.status == "error"
+    assert "rank 1" in text and "rank 1 broke at step 3" in text
+    dist = handle.run("%dist").of_type("execute_result")[0]["content"]["data"]["text/plain"]
+    assert "busy" not in dist
