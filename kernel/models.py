@@ -6,15 +6,17 @@ from pathlib import Path
 from typing import Any
 
 from shardbook.rankd.config import ShardbookConfig, load_config, validate_for_world
+from shardbook.rankd.world import World, load_device
 
 from .fetch import resolve_model_path
 from .pool import OnNotice, OnOutput, Outcome, Pool
 
 
-def prepare_load(config_path: str | None, overrides: list[str], world_size: int) -> tuple[ShardbookConfig, Path]:
+def prepare_load(config_path: str | None, overrides: list[str], world: World) -> tuple[ShardbookConfig, Path]:
     """The validated config and the resolved checkpoint directory; ValueError names what to fix."""
-    config = load_config(config_path, overrides, world_size=world_size)
-    validate_for_world(config, world_size)
+    config = load_config(config_path, overrides, world_size=world.world_size)
+    validate_for_world(config, world.world_size)
+    load_device(config.parallel.device, world)
     return config, resolve_model_path(config.model.model_name_or_path)
 
 

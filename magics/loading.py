@@ -55,7 +55,7 @@ class LoadMagics(Magics):
         args = parse_load_args(self.load_sharded, line)
         try:
             runtime = get_runtime(self.shell)
-            config, model_path = prepare_load(args.config, args.overrides, runtime.world.world_size)
+            config, model_path = prepare_load(args.config, args.overrides, runtime.world)
         except (ValueError, PoolError) as e:
             raise UsageError(str(e)) from e
         progress = progress_view(self.shell, "loading")

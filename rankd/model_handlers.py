@@ -12,6 +12,7 @@ from . import protocol
 from .capture import Sink
 from .config import ShardbookConfig
 from .handlers import RankContext, handler
+from .world import load_device
 
 
 @handler("load")
@@ -27,7 +28,8 @@ def handle_load(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[str,
     def progress(step: str, done: int, total: int) -> None:
         sink(protocol.PROGRESS, {"step": step, "done": done, "total": total})
 
-    loaded = load_sharded(config, device=ctx.world.device, model_path=args["model_path"], progress=progress)
+    device = load_device(config.parallel.device, ctx.world)
+    loaded = load_sharded(config, device=device, model_path=args["model_path"], progress=progress)
     namespace["model"], namespace["tokenizer"] = loaded.model, loaded.tokenizer
     ctx.state.update(loaded=loaded, config=config)
     return {"status": "ok", "value": loaded.summary}
@@ -51,7 +53,7 @@ def handle_generate(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[
     try:
         result = generate(
             loaded.model, loaded.tokenizer, request,
-            device=ctx.world.device, on_text=on_text if streams else None, stop_event=ctx.stop_event,
+            device=next(loaded.model.parameters()).device, on_text=on_text if streams else None, stop_event=ctx.stop_event,
         )
     finally:
         reshard_model(loaded.model)

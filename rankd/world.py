@@ -212,3 +212,20 @@ def _resident_bytes() -> int:
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def load_device(requested: str, world: World) -> str:
+    """The device a model is loaded on: the rank's own, or ``cpu`` (gloo is in every backend).
+
+    The accelerator type is fixed when the ranks start (it picks the process-group backend), so
+    asking for another accelerator at load time is an error that says how to restart on it.
+    """
+    if requested in ("auto", world.device_type):
+        return world.device
+    if requested == "cpu":
+        return "cpu"
+    raise ValueError(
+        f"parallel.device={requested!r} but this kernel's ranks run on {world.device_type} (chosen when they "
+        f"started). Reinstall the kernel with `shardbook install ... --env SHARDBOOK_DEVICE={requested}` and "
+        "restart it, or use --parallel.device auto"
+    )

@@ -49,3 +49,14 @@ def test_job_shape_from_torchrun_environment():
     assert (shape.rank, shape.world_size, shape.local_rank, shape.under_torchrun, shape.single_node) == (3, 8, 1, True, False)
     assert JobShape.from_env({}) == JobShape()
     assert JobShape().single_node
+
+
+def test_load_device_is_the_ranks_own_or_cpu():
+    from shardbook.rankd.world import World, load_device
+
+    world = World(shape=JobShape(), device_type="cuda", device="cuda:1", backend="cuda:nccl,cpu:gloo")
+    assert load_device("auto", world) == "cuda:1"
+    assert load_device("cuda", world) == "cuda:1"
+    assert load_device("cpu", world) == "cpu"
+    with pytest.raises(ValueError, match="SHARDBOOK_DEVICE=npu"):
+        load_device("npu", world)
