@@ -195,7 +195,11 @@ class Pool:
                 if state.rank == 0 or not state.connected or state.dead_reason:
                     continue
                 if state.local and state.pid and not pid_alive(state.pid):
-                    self._mark_dead(state, f"its process (pid {state.pid}) exited")
+                    self._mark_dead(
+                        state,
+                        f"its process (pid {state.pid}) exited; torchrun now ends every rank of the job, "
+                        "so restart the kernel",
+                    )
                 elif now - state.last_seen > HEARTBEAT_TIMEOUT_S:
                     self._mark_dead(state, f"no heartbeat for {now - state.last_seen:.0f} s (hung or unreachable)")
 

@@ -50,14 +50,18 @@ def kernel_key(shell: Any) -> tuple[bytes, str]:
     return session.key, session.signature_scheme
 
 
-def start_runtime(shell: Any) -> Runtime:
-    """Join the job as rank 0 and wait (with a deadline) until every follower is connected."""
-    shape = JobShape.from_env()
+def start_runtime(shell: Any, key: bytes | None = None, world: World | None = None) -> Runtime:
+    """Join the job as rank 0 and wait (with a deadline) until every follower is connected.
+
+    The terminal chat passes the ``world`` it has already joined and its own ``key``; the kernel
+    passes neither, and the key is then :func:`kernel_key`'s.
+    """
+    shape = world.shape if world else JobShape.from_env()
     if shape.rank != 0:
         raise RuntimeError(f"the shardbook kernel must be rank 0, this process is rank {shape.rank}")
-    world = init_world(shape=shape)
+    world = world or init_world(shape=shape)
     ctx0 = RankContext(world=world, shell=shell)
-    session = protocol.make_session(*kernel_key(shell)) if world.world_size > 1 else None
+    session = protocol.make_session(*((key, "hmac-sha256") if key else kernel_key(shell))) if world.world_size > 1 else None
     pool = Pool(world, session, ctx0)
     runtime = Runtime(world, pool, ctx0)
     atexit.register(runtime.close)

@@ -95,7 +95,7 @@ shows it). `_chat` holds the last reply and its measurements.
 """),
     code("""
 %%chat --max-new-tokens 64
-Tell me one famous landmark in that city.
+What is it famous for?
 """),
     code("""
 print(f"{_chat.prompt_tokens} prompt tokens -> {_chat.generated_tokens} generated ({_chat.finish_reason}); "
@@ -184,8 +184,9 @@ for hook in hooks:
     hook.remove()
 """),
     md("""
-A plain cell runs on rank 0 alone, whose namespace now holds `per_rank_stats`. The spread of the
-residual stream grows through the layers, with a jump where a layer writes large activations:
+A plain cell runs on rank 0 alone, whose namespace now holds `per_rank_stats`. The ranks' curves
+lie on top of each other. Look for layers where the spread jumps by orders of magnitude: a few
+very large activations there dominate the std of the whole residual stream.
 """),
     code("""
 import matplotlib.pyplot as plt
@@ -193,8 +194,9 @@ import matplotlib.pyplot as plt
 layers = sorted(per_rank_stats[0])
 fig, (ax_std, ax_mean) = plt.subplots(1, 2, figsize=(11, 3.5))
 for r, stats in enumerate(per_rank_stats):
-    ax_std.plot(layers, [stats[i][1] for i in layers], marker="o", alpha=0.7, label=f"rank {r}")
-    ax_mean.plot(layers, [stats[i][0] for i in layers], marker="o", alpha=0.7, label=f"rank {r}")
+    style = dict(marker="o" if r == 0 else "x", linestyle="-" if r == 0 else "--", label=f"rank {r}")
+    ax_std.plot(layers, [stats[i][1] for i in layers], **style)
+    ax_mean.plot(layers, [stats[i][0] for i in layers], **style)
 ax_std.set(title="std of each decoder layer's output", xlabel="layer", ylabel="std", yscale="log")
 ax_mean.set(title="mean of each decoder layer's output", xlabel="layer", ylabel="mean")
 ax_std.legend()
@@ -216,17 +218,19 @@ import html
 from IPython.display import HTML
 
 
-def token(text):
+def token(step):
+    """The token as text, or as the tokenizer's name for it when it decodes to nothing (end of turn)."""
+    text = step["text"] or tokenizer.convert_ids_to_tokens(step["token_id"])
     return html.escape(repr(text)[1:-1])
 
 
 def alternatives(step):
     others = [a for a in step["alternatives"] if a["token_id"] != step["token_id"]][:3]
-    return ", ".join(f"<code>{token(a['text'])}</code> {a['prob']:.3f}" for a in others)
+    return ", ".join(f"<code>{token(a)}</code> {a['prob']:.3f}" for a in others)
 
 
 rows = [
-    f"<tr><td><code>{token(step['text'])}</code></td><td>{step['prob']:.3f}</td><td>{alternatives(step)}</td></tr>"
+    f"<tr><td><code>{token(step)}</code></td><td>{step['prob']:.3f}</td><td>{alternatives(step)}</td></tr>"
     for step in _chat.scores
 ]
 HTML("<table><thead><tr><th>token</th><th>probability</th><th>top alternatives</th></tr></thead>"

@@ -76,12 +76,16 @@ def test_killed_follower_is_reported_then_restart_works(fresh_kernel):
     killed_at = time.monotonic()
     os.kill(pids[1], signal.SIGKILL)
     thread.join(20)
-    # torchrun ends every worker when one dies; the kernel says which rank died before it goes
-    notices = [m for m in result["messages"] if m["msg_type"] == "stream" and "restart the kernel" in m["content"]["text"]]
-    assert notices, [m["content"] for m in result["messages"]]
-    text = notices[0]["content"]["text"]
-    assert f"rank 1 (pid {pids[1]}" in text and "exited" in text, text
-    assert notices[0]["received_at"] - killed_at < 10
+    # Either the pool notices first (the cell fails naming the dead rank) or torchrun's teardown
+    # reaches rank 0 first (a notice in the cell, then the kernel exits); both must name rank 1.
+    reports = [
+        (m["received_at"], m["content"].get("text", "") + m["content"].get("evalue", ""))
+        for m in result["messages"] if m["msg_type"] in ("stream", "error")
+    ]
+    named = [(at, text) for at, text in reports if f"pid {pids[1]}" in text and "restart the kernel" in text]
+    assert named, reports
+    assert "rank 1" in named[0][1] and "exited" in named[0][1]
+    assert named[0][0] - killed_at < 10
     handle.km.restart_kernel(now=True)
     handle.kc.wait_for_ready(timeout=90)
     assert handle.run("%%all\nprint('alive')").stdout().count("alive") == 2
