@@ -90,6 +90,35 @@ def _bench_raw(messages, n, gathered_probe):
         hook.remove()
         _b_reshard(model)  # as the generate handler does after every turn
     return res
+
+import threading as _bth
+
+def _bench_raw_thread(messages, n, gathered_probe):
+    """The same raw generate, on a worker thread (as the engine runs it)."""
+    box = {}
+    def work():
+        try:
+            box["r"] = _bench_raw(messages, n, gathered_probe)
+        except BaseException as e:
+            box["e"] = e
+    t = _bth.Thread(target=work)
+    t.start(); t.join()
+    if "e" in box:
+        raise box["e"]
+    return box["r"]
+
+def _bench_engine(messages, n, stream):
+    """shardbook's engine without the kernel: rank 0 streams into a list when `stream`."""
+    from shardbook.rankd.engine import GenerationRequest, generate
+    chunks = []
+    on_text = chunks.append if stream and _bdist.get_rank() == 0 else None
+    try:
+        r = generate(model, tokenizer, GenerationRequest(messages=messages, max_new_tokens=n, seed=0),
+                     device=model.device, on_text=on_text, stop_event=_bth.Event())
+    finally:
+        _b_reshard(model)
+    return dict(prompt_tokens=r.prompt_tokens, generated_tokens=r.generated_tokens, ttft_s=r.time_to_first_token_s,
+                tokens_per_s=r.tokens_per_s, text=r.text, chunks=len(chunks))
 '''
 
 SETUP_RANK0 = r'''
@@ -141,8 +170,11 @@ class Kernel:
                         "--prefix", str(prefix), "--name", "bench-chat"], check=True, capture_output=True)
         os.environ["JUPYTER_PATH"] = str(prefix / "share" / "jupyter")
         os.environ["IPYTHONDIR"] = str(tmp / "ipython")
+        self.log = tmp / "kernel.log"
+        self._log = open(self.log, "w")
         self.km = KernelManager(kernel_name="bench-chat")
-        self.km.start_kernel(cwd=str(ROOT), env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.km.start_kernel(cwd=str(ROOT), env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                             stdout=self._log, stderr=self._log)
         self.kc = self.km.client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=120)
@@ -185,6 +217,7 @@ class Kernel:
             self.km.shutdown_kernel(now=False)
         except Exception:  # a kernel that will not stop politely
             self.km.shutdown_kernel(now=True)
+        self._log.close()
 
 
 # ---------------------------------------------------------------------------------------------- #
@@ -251,43 +284,52 @@ def run_chat(kernel: Kernel, n: int, output: str, question: str) -> dict:
     }
 
 
-def run_raw(kernel: Kernel, messages: list[dict], n: int, gathered_probe: bool) -> dict:
-    cell = kernel.ok(f"%%all\n_r = _bench_raw({messages!r}, {n}, {gathered_probe})\n"
-                     "if _bdist.get_rank() == 0:\n    print('BENCHRAW ' + _bj.dumps(_r))")
+def run_all(kernel: Kernel, call: str) -> dict:
+    """A ``%%all`` cell running ``call`` on every rank; rank 0's result, with the cell's send and idle times."""
+    cell = kernel.ok(f"%%all\n_r = {call}\nif _bdist.get_rank() == 0:\n    print('BENCHRAW ' + _bj.dumps(_r))")
     r = cell.marked("BENCHRAW")
-    r["ttft_frontend_s"] = r["first"] - cell.sent  # same clock: rank 0's prefill end minus the send
+    if "first" in r:  # same clock: rank 0's prefill end minus the frontend's send
+        r["ttft_frontend_s"] = r["first"] - cell.sent
     r["cell_s"] = cell.idle - cell.sent
     return r
 
 
-# ---------------------------------------------------------------------------------------------- #
-# Measurement phases
-# ---------------------------------------------------------------------------------------------- #
-def measure_mode(kernel: Kernel, reshard: bool, n: int, rounds: int) -> dict:
+VARIANTS = {
+    "chat": lambda k, n, count, msgs, probe: run_chat(k, n, "widget", QUESTION),
+    "raw": lambda k, n, count, msgs, probe: run_all(k, f"_bench_raw({msgs!r}, {count}, {probe})"),
+    "raw_thread": lambda k, n, count, msgs, probe: run_all(k, f"_bench_raw_thread({msgs!r}, {count}, False)"),
+    "engine": lambda k, n, count, msgs, probe: run_all(k, f"_bench_engine({msgs!r}, {n}, False)"),
+    "engine_streamer": lambda k, n, count, msgs, probe: run_all(k, f"_bench_engine({msgs!r}, {n}, True)"),
+}
+"""chat and raw are the benchmark; the rest (--diagnose) split chat's cost: a worker thread, the engine, its streamer."""
+
+
+def measure_mode(kernel: Kernel, reshard: bool, n: int, rounds: int, diagnose: bool) -> dict:
     t = time.perf_counter()
     kernel.ok(f"%load_sharded {CONFIG} --parallel.reshard_after_forward {str(reshard).lower()}")
-    print(f"\n## reshard_after_forward={reshard}: loaded in {time.perf_counter() - t:.1f} s; "
-          f"{n} tokens, {rounds} rounds after 1 warm-up", flush=True)
+    names = list(VARIANTS) if diagnose else ["chat", "raw"]
+    print(f"\n## reshard_after_forward={str(reshard).lower()}: loaded in {time.perf_counter() - t:.1f} s; "
+          f"{n} tokens, {rounds} rounds of {', '.join(names)} (order rotating) after 1 warm-up each", flush=True)
     warm = run_chat(kernel, n, "widget", QUESTION)
-    count = warm["generated_tokens"]
-    run_raw(kernel, warm["messages"], count, not reshard)
-    chats, raws = [], []
+    count, msgs, probe = warm["generated_tokens"], warm["messages"], not reshard
+    for name in names[1:]:
+        VARIANTS[name](kernel, n, count, msgs, probe)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
     for i in range(rounds):
-        order = ("chat", "raw") if i % 2 == 0 else ("raw", "chat")
-        for what in order:
-            if what == "chat":
-                chats.append(run_chat(kernel, n, "widget", QUESTION))
-            else:
-                raws.append(run_raw(kernel, warm["messages"], count, not reshard))
-        c, r = chats[-1], raws[-1]
-        print(f"  round {i + 1} ({'/'.join(order)}): chat {c['tokens_per_s']:.2f} tok/s ttft {c['ttft_s'] * 1e3:.0f} ms "
+        order = names[i % len(names):] + names[:i % len(names)]
+        for name in order:
+            runs[name].append(VARIANTS[name](kernel, n, count, msgs, probe))
+        c, r = runs["chat"][-1], runs["raw"][-1]
+        extra = "".join(f" | {name} {runs[name][-1]['tokens_per_s']:.2f} tok/s ttft {runs[name][-1]['ttft_s'] * 1e3:.0f}"
+                        for name in names[2:])
+        print(f"  round {i + 1} ({order[0]} first): chat {c['tokens_per_s']:.2f} tok/s ttft {c['ttft_s'] * 1e3:.0f} ms "
               f"(frontend {c['ttft_frontend_s'] * 1e3:.0f}) | raw {r['tokens_per_s']:.2f} tok/s ttft "
               f"{r['ttft_s'] * 1e3:.0f} ms (from send {r['ttft_frontend_s'] * 1e3:.0f}"
-              + (f", gathered {r['ttft_gathered_s'] * 1e3:.0f}" if "ttft_gathered_s" in r else "") + ") | "
+              + (f", gathered {r['ttft_gathered_s'] * 1e3:.0f}" if "ttft_gathered_s" in r else "") + f"){extra} | "
               f"{c['generated_tokens']}/{r['generated_tokens']} tokens, {c['finish_reason']}, "
               f"max {c['msgs_max_1s']} msgs/1 s, text {'LOST' if c['text_lost'] else 'ok'}, "
               f"same text as raw: {c['text'] == r['text']}", flush=True)
-    return {"reshard_after_forward": reshard, "tokens": count, "requested": n, "chats": chats, "raws": raws}
+    return {"reshard_after_forward": reshard, "tokens": count, "requested": n, "runs": runs}
 
 
 def measure_tiny(kernel: Kernel, tmp: Path, n: int) -> dict:
@@ -315,23 +357,39 @@ def med(rows: list[dict], key: str) -> float:
     return statistics.median(vals) if vals else float("nan")
 
 
+def paired(a: list[dict], b: list[dict], fn) -> float:
+    return statistics.median(fn(x, y) for x, y in zip(a, b))
+
+
 def summarize(mode: dict) -> dict:
-    chats, raws = mode["chats"], mode["raws"]
-    pairs = list(zip(chats, raws))
+    runs = mode["runs"]
+    chats, raws = runs["chat"], runs["raw"]
+
+    def overhead(r):  # send -> first token at the frontend, less the prefill itself (the noisy part)
+        return r["ttft_frontend_s"] - r["ttft_s"]
+
     return {
-        "reshard": mode["reshard_after_forward"], "tokens": mode["tokens"], "rounds": len(pairs),
+        "reshard": mode["reshard_after_forward"], "tokens": mode["tokens"], "rounds": len(chats),
         "chat_tps": med(chats, "tokens_per_s"), "raw_tps": med(raws, "tokens_per_s"),
-        "tps_ratio": statistics.median(c["tokens_per_s"] / r["tokens_per_s"] for c, r in pairs),
+        "tps_ratio": paired(chats, raws, lambda c, r: c["tokens_per_s"] / r["tokens_per_s"]),
         "chat_ttft": med(chats, "ttft_s"), "raw_ttft": med(raws, "ttft_s"),
         "chat_ttft_fe": med(chats, "ttft_frontend_s"), "raw_ttft_fe": med(raws, "ttft_frontend_s"),
-        "chat_chunk0": med(chats, "first_chunk_rank0_s"),
-        "ttft_delta": statistics.median(c["ttft_s"] - r["ttft_s"] for c, r in pairs),
-        "ttft_fe_delta": statistics.median(c["ttft_frontend_s"] - r["ttft_frontend_s"] for c, r in pairs),
+        "ttft_delta": paired(chats, raws, lambda c, r: c["ttft_s"] - r["ttft_s"]),
+        "ttft_fe_delta": paired(chats, raws, lambda c, r: c["ttft_frontend_s"] - r["ttft_frontend_s"]),
+        "chat_overhead": statistics.median(overhead(c) for c in chats),
+        "raw_overhead": statistics.median(overhead(r) for r in raws),
+        "overhead_delta": paired(chats, raws, lambda c, r: overhead(c) - overhead(r)),
+        "chat_to_rank0": statistics.median(c["first_chunk_rank0_s"] - c["ttft_s"] for c in chats),
+        "rank0_to_frontend": statistics.median(c["ttft_frontend_s"] - c["first_chunk_rank0_s"] for c in chats),
         "raw_ttft_gathered": med(raws, "ttft_gathered_s"),
         "chat_cell": med(chats, "cell_s"), "raw_cell": med(raws, "cell_s"),
         "msgs_max_1s": max(c["msgs_max_1s"] for c in chats), "msgs_per_s": med(chats, "msgs_per_s"),
-        "lost": sum(c["text_lost"] for c in chats), "same_text": sum(c["text"] == r["text"] for c, r in pairs),
-        "same_tokens": sum(c["generated_tokens"] == r["generated_tokens"] for c, r in pairs),
+        "lost": sum(c["text_lost"] for c in chats), "same_text": sum(c["text"] == r["text"] for c, r in zip(chats, raws)),
+        "same_tokens": sum(c["generated_tokens"] == r["generated_tokens"] for c, r in zip(chats, raws)),
+        "variants": {name: {"tps": med(rows, "tokens_per_s"), "ttft": med(rows, "ttft_s"),
+                            "tps_vs_raw": paired(rows, raws, lambda x, r: x["tokens_per_s"] / r["tokens_per_s"]),
+                            "ttft_vs_raw": paired(rows, raws, lambda x, r: x["ttft_s"] - r["ttft_s"])}
+                     for name, rows in runs.items()},
     }
 
 
@@ -350,6 +408,14 @@ def report(modes: list[dict], tiny: dict | None) -> bool:
               + ("-" if s["raw_ttft_gathered"] != s["raw_ttft_gathered"] else f"{s['raw_ttft_gathered'] * 1e3:.0f}")
               + f" | {s['chat_cell']:.2f} / {s['raw_cell']:.2f} | {s['msgs_per_s']:.1f} ({s['msgs_max_1s']}) | "
               f"{s['rounds'] - s['lost']}/{s['rounds']} | {s['same_text']}/{s['rounds']} |")
+    for s in sums:
+        if len(s["variants"]) > 2:
+            print(f"\n## where chat's time goes, reshard_after_forward={str(s['reshard']).lower()} "
+                  "(kernel-side; vs raw = median of per-round pairs)")
+            print("| variant | tok/s | x raw | TTFT ms | vs raw ms |\n| --- | --- | --- | --- | --- |")
+            for name, v in s["variants"].items():
+                print(f"| {name} | {v['tps']:.2f} | {v['tps_vs_raw']:.3f} | {v['ttft'] * 1e3:.0f} | "
+                      f"{v['ttft_vs_raw'] * 1e3:+.0f} |")
     ok = True
     print("\n## targets (issue 4)")
     for s in sums:
@@ -369,6 +435,12 @@ def report(modes: list[dict], tiny: dict | None) -> bool:
         for good, line in checks:
             ok &= good
             print(f"{'PASS' if good else 'FAIL'} {mode}: {line}")
+        d = s["overhead_delta"]
+        print(f"{'INFO-PASS' if d <= MAX_TTFT_EXTRA_S else 'INFO-FAIL'} {mode}: time to first token outside the "
+              f"prefill (send -> frontend, less the prefill): chat {s['chat_overhead'] * 1e3:.0f} ms vs raw "
+              f"{s['raw_overhead'] * 1e3:.0f} ms, {d * 1e3:+.0f} ms; chat: send -> generate start + first chunk to "
+              f"rank 0's main thread {s['chat_to_rank0'] * 1e3:.0f} ms, main thread -> frontend "
+              f"{s['rank0_to_frontend'] * 1e3:.0f} ms")
         if s["raw_ttft_gathered"] == s["raw_ttft_gathered"]:
             d = s["chat_ttft"] - s["raw_ttft_gathered"]
             print(f"{'INFO-PASS' if d <= MAX_TTFT_EXTRA_S else 'INFO-FAIL'} {mode}: time to first token vs raw "
@@ -387,9 +459,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="false,true", help="reshard_after_forward modes, in order")
     ap.add_argument("--tokens", type=int, default=64, help="tokens with layers kept gathered (false)")
     ap.add_argument("--tokens-resharded", type=int, default=16, help="tokens with reshard_after_forward=true (~10x slower)")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--rounds-resharded", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--rounds-resharded", type=int, default=4)
     ap.add_argument("--tiny-tokens", type=int, default=240, help="0 skips the limiter check on a tiny model")
+    ap.add_argument("--diagnose", action="store_true",
+                    help="also run raw on a worker thread and the engine with and without its streamer (in %%%%all)")
     ap.add_argument("--json", type=Path, help="also write every measurement here")
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="shardbook-bench-chat-"))
@@ -402,12 +476,17 @@ def main(argv: list[str] | None = None) -> int:
         for word in args.modes.split(","):
             reshard = word.strip() == "true"
             n, rounds = (args.tokens_resharded, args.rounds_resharded) if reshard else (args.tokens, args.rounds)
-            modes.append(measure_mode(kernel, reshard, n, rounds))
+            modes.append(measure_mode(kernel, reshard, n, rounds, args.diagnose))
         if args.tiny_tokens:
             tiny = measure_tiny(kernel, tmp, args.tiny_tokens)
+    except Exception:
+        print(f"# kernel log: {kernel.log}")
+        tmp = None
+        raise
     finally:
         kernel.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     ok = report(modes, tiny)
     if args.json:
         args.json.write_text(json.dumps({"modes": modes, "tiny": tiny}, indent=1))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 from typing import Any, AsyncIterator, Iterator
 
 from shardbook.rankd import protocol
-from shardbook.rankd.engine import GenerationRequest
+from shardbook.rankd.engine import GenerationRequest, GenerationResult
 
 from .pool import Outcome, PoolError
 from .runtime import Runtime, get_runtime
@@ -26,19 +26,12 @@ STREAM_DEADLINE_S = 660.0
 SETTINGS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "want_scores")
 
 
-@dataclass
-class ChatResponse:
-    """A finished reply with its measurements."""
+@dataclass(frozen=True)
+class ChatResponse(GenerationResult):
+    """A finished reply with its measurements (rank 0's ``GenerationResult``, received as a dict).
 
-    text: str
-    prompt_tokens: int
-    generated_tokens: int
-    finish_reason: str
-    """``stop`` (end of text), ``length`` (max_new_tokens) or ``interrupted``."""
-    time_to_first_token_s: float
-    tokens_per_s: float
-    seed: int
-    scores: list[dict[str, Any]] | None = None
+    ``scores``, when asked for, arrive as plain dicts: ``{token_id, text, prob, alternatives}``.
+    """
 
     @classmethod
     def from_result(cls, result: dict[str, Any]) -> "ChatResponse":

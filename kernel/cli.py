@@ -1,4 +1,4 @@
-"""The ``shardbook`` command line: install, uninstall, list, fetch (and more as they land)."""
+"""The ``shardbook`` command line: install, uninstall, list, fetch, run, chat."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from . import kernelspec
 from .fetch import add_fetch_parser
 from .runner import add_run_parser
+from .terminal_chat import add_chat_parser
 
 
 def parse_env(items: list[str]) -> dict[str, str]:
@@ -88,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=run_list)
     add_fetch_parser(sub)
     add_run_parser(sub)
+    add_chat_parser(sub)
     return parser
 
 

@@ -218,8 +218,7 @@ import html
 from IPython.display import HTML
 
 
-def token(step):
-    """The token as text, or as the tokenizer's name for it when it decodes to nothing (end of turn)."""
+def token(step):  # the end-of-turn token decodes to nothing: show its name instead
     text = step["text"] or tokenizer.convert_ids_to_tokens(step["token_id"])
     return html.escape(repr(text)[1:-1])
 

@@ -10,6 +10,7 @@ import datetime
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -165,6 +166,25 @@ def set_current_device(device: str) -> None:
         torch.npu.set_device(device)
 
 
+def wait_for_every_rank(store: Any, world_size: int) -> None:
+    """Block until every rank has arrived, under ``SHARDBOOK_CONNECT_TIMEOUT`` (default 120 s).
+
+    The process group connects its ranks under the *collective* timeout, which people may set
+    to a few seconds; on a busy machine ranks start further apart than that. Arriving here first,
+    under the generous start-up deadline, keeps the two concerns apart.
+    """
+    deadline = time.monotonic() + float(os.environ.get("SHARDBOOK_CONNECT_TIMEOUT", "120"))
+    store.add("shardbook/arrived", 1)
+    while store.add("shardbook/arrived", 0) < world_size:
+        if time.monotonic() > deadline:
+            arrived = store.add("shardbook/arrived", 0)
+            raise RuntimeError(
+                f"only {arrived} of {world_size} ranks started within SHARDBOOK_CONNECT_TIMEOUT; check the other "
+                "ranks' logs (a node that never started, an import error) and restart"
+            )
+        time.sleep(0.02)
+
+
 def init_world(requested_device: str | None = None, shape: JobShape | None = None) -> World:
     """Detect the device, set it for this rank and join the default process group.
 
@@ -180,7 +200,9 @@ def init_world(requested_device: str | None = None, shape: JobShape | None = Non
     backend = BACKEND_FOR_DEVICE[device_type]
     if not dist.is_initialized():
         if shape.under_torchrun:
-            dist.init_process_group(backend=backend, timeout=process_group_timeout())
+            store, rank, world_size = next(dist.rendezvous("env://"))
+            wait_for_every_rank(store, world_size)
+            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=process_group_timeout())
         else:
             dist.init_process_group(
                 backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=process_group_timeout()

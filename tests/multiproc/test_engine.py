@@ -196,7 +196,10 @@ class Ranks:
                 self.procs.append(proc)
         finally:
             _restore_env("OMP_NUM_THREADS", previous)
-        self._receive_all(deadline_s=DEADLINE_S + 60, what="start-up")
+        started = self._receive_all(deadline_s=DEADLINE_S + 60, what="start-up")
+        if any(answer is not None for answer in started):
+            self.kill()
+            pytest.fail(f"a rank died while starting: {started}")
 
     def run(self, scenario: str, per_rank: list[dict], *, deadline_s: float = DEADLINE_S) -> list[Any]:
         """Run `scenario` on every rank with that rank's arguments; return each rank's answer."""

@@ -1,0 +1,7 @@
+"""``python -m shardbook COMMAND ...``: the ``shardbook`` command line, as torchrun can start it (``-m shardbook chat``)."""
+
+import sys
+
+from shardbook.kernel.cli import main
+
+sys.exit(main())

@@ -1,0 +1,165 @@
+"""The example notebooks: regenerable from make_notebooks.py, and run headless with SmolLM2 on 2 ranks.
+
+The SmolLM2 runs go through the real command line (``python -m shardbook.kernel.cli run``) on the
+notebooks in place, since they find the config relative to their own folder; the executed copies
+go to a temporary directory.
+"""
+
+from __future__ import annotations
+
+import html.parser
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from shardbook.kernel.fetch import demo_model_dir, is_built
+from tests.e2e.conftest import ROOT
+
+NOTEBOOKS = ROOT / "notebooks"
+SMOLLM2 = demo_model_dir("smollm2-135m-instruct")
+needs_smollm2 = pytest.mark.skipif(
+    not is_built(SMOLLM2), reason=f"demo model not built at {SMOLLM2} (run `shardbook fetch smollm2-135m-instruct`)"
+)
+RUN_TIMEOUT_S = 420
+"""A whole notebook on a shared 2-core machine: kernel start, load, and a few replies of up to 64 tokens."""
+
+
+def shardbook_run(notebook: Path, output: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "shardbook.kernel.cli", "run", str(notebook), "--nproc", "2", "--output", str(output)],
+        capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False,
+    )
+
+
+def outputs_of(cell, mime: str) -> list[str]:
+    return [out.data[mime] for out in cell.get("outputs", []) if mime in out.get("data", {})]
+
+
+def chat_replies(nb) -> list[str]:
+    """The text/markdown reply shown under each ``%%chat`` cell, in order."""
+    replies = []
+    for cell in nb.cells:
+        if cell.cell_type == "code" and cell.source.startswith("%%chat"):
+            shown = outputs_of(cell, "text/markdown")
+            assert len(shown) == 1, f"{cell.source!r}: expected one markdown reply, got {cell.outputs}"
+            replies.append(shown[0])
+    return replies
+
+
+def normalized(text: str) -> str:
+    return " ".join(text.split())
+
+
+class MarkdownOutputs(html.parser.HTMLParser):
+    """The visible text of each output nbconvert rendered from text/markdown (not markdown cells, widget state or scripts)."""
+
+    def __init__(self):
+        super().__init__()
+        self.texts: list[str] = []
+        self._depth = 0  # open divs inside the current markdown output; 0 when outside one
+
+    def handle_starttag(self, tag, attrs):
+        if tag != "div":
+            return
+        attributes = dict(attrs)
+        if self._depth:
+            self._depth += 1
+        elif attributes.get("data-mime-type") == "text/markdown" and "jp-OutputArea-output" in (attributes.get("class") or ""):
+            self._depth = 1
+            self.texts.append("")
+
+    def handle_endtag(self, tag):
+        if tag == "div" and self._depth:
+            self._depth -= 1
+
+    def handle_data(self, data):
+        if self._depth:
+            self.texts[-1] += data
+
+
+def test_notebooks_are_generated_from_make_notebooks(tmp_path):
+    """The committed notebooks are exactly what make_notebooks.py writes: unexecuted, on shardbook-2."""
+    result = subprocess.run([sys.executable, str(NOTEBOOKS / "make_notebooks.py"), str(tmp_path)], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    for name in ("quickstart.ipynb", "inspect.ipynb"):
+        assert (tmp_path / name).read_text() == (NOTEBOOKS / name).read_text(), (
+            f"notebooks/{name} differs from what make_notebooks.py writes; run `python notebooks/make_notebooks.py`"
+        )
+        nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+        nbformat.validate(nb)
+        assert nb.metadata.kernelspec.name == "shardbook-2"
+        assert all(not c.get("outputs") and c.get("execution_count") is None for c in nb.cells if c.cell_type == "code")
+        loads = [c.source for c in nb.cells if c.source.startswith("%load_sharded")]
+        assert loads, f"{name} loads no model"
+        for line in loads:  # notebooks run with their own folder as working directory
+            assert (NOTEBOOKS / line.split()[1]).resolve().is_file(), line
+
+
+@pytest.fixture(scope="module")
+def quickstart(tmp_path_factory):
+    """The quickstart, run once for the tests below: (completed process, executed notebook)."""
+    output = tmp_path_factory.mktemp("quickstart") / "quickstart.ipynb"
+    result = shardbook_run(NOTEBOOKS / "quickstart.ipynb", output)
+    return result, (nbformat.read(output, as_version=4) if output.exists() else None)
+
+
+@pytest.mark.slow
+@needs_smollm2
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_quickstart_runs_and_answers_paris(quickstart):
+    result, nb = quickstart
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    replies = chat_replies(nb)
+    assert len(replies) == 3, replies
+    greedy = replies[:2]  # the two turns about France; the third is sampled
+    assert all("Paris" in reply for reply in greedy), greedy
+    assert replies[2].strip(), "the sampled reply is empty"
+    for reply in replies:  # printed live, as text, by `shardbook run`
+        assert reply.strip() in result.stdout
+    shapes = re.findall(r"rank (\d): q_proj global \(576, 576\), local shard \((\d+), 576\)", result.stdout)
+    assert sorted(shapes) == [("0", "288"), ("1", "288")], result.stdout
+    assert "model.layers.0.self_attn.q_proj.weight" in result.stdout  # the %shards table
+
+
+@pytest.mark.slow
+@needs_smollm2
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_quickstart_html_shows_the_replies(quickstart):
+    """nbconvert's HTML shows each reply as rendered markdown, readable without widget JavaScript."""
+    from nbconvert import HTMLExporter
+
+    result, nb = quickstart
+    assert result.returncode == 0, result.stderr[-5000:]
+    body, _ = HTMLExporter().from_notebook_node(nb)
+    parser = MarkdownOutputs()
+    parser.feed(body)
+    shown = [normalized(text) for text in parser.texts]
+    replies = [normalized(reply) for reply in chat_replies(nb)]
+    assert shown == replies, (shown, replies)
+    assert "Paris" in shown[0]
+
+
+@pytest.mark.slow
+@needs_smollm2
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_inspect_gathers_plots_and_scores(tmp_path):
+    output = tmp_path / "inspect.ipynb"
+    result = shardbook_run(NOTEBOOKS / "inspect.ipynb", output)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert "gathered 2 ranks x 30 layers; identical on every rank: True" in result.stdout
+    assert result.stdout.count("30 hooks registered") == 2
+    nb = nbformat.read(output, as_version=4)
+    images = [png for cell in nb.cells for png in outputs_of(cell, "image/png")]
+    assert len(images) == 1, "the activation plot is missing"
+    [reply] = chat_replies(nb)
+    tables = [t for cell in nb.cells for t in outputs_of(cell, "text/html") if "top alternatives" in t]
+    assert len(tables) == 1
+    probabilities = [float(p) for p in re.findall(r"<tr><td><code>.*?</code></td><td>([01]\.\d{3})</td>", tables[0])]
+    assert len(probabilities) == tables[0].count("<tr>") - 1 >= 2  # a row per generated token, less the header
+    assert all(0 < p <= 1 for p in probabilities)
+    assert "runner-up" in result.stdout
+    assert reply.strip() in result.stdout

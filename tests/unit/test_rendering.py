@@ -1,0 +1,100 @@
+"""Rendering without processes: rank labels, error grouping, the %dist and %shards tables."""
+
+from __future__ import annotations
+
+from shardbook.kernel.pool import Command, Outcome
+from shardbook.magics.dist import dist_text, format_bytes
+from shardbook.magics.errors import RankError, group_errors, outcome_errors, raise_for_outcome, render
+from shardbook.magics.relay import RankRelay
+from shardbook.magics.tables import shards_table
+from shardbook.rankd import protocol
+
+
+class Recorder:
+    def __init__(self):
+        self.out = []
+
+    def stream(self, name, text):
+        self.out.append(("stream", name, text))
+
+    def display(self, data, metadata, transient):
+        self.out.append(("display", data, metadata))
+
+
+def test_label_written_when_the_rank_changes():
+    rec = Recorder()
+    relay = RankRelay(rec, label_ranks=True)
+    for rank, text in [(0, "a\n"), (0, "b\n"), (1, "c\n"), (0, "d\n")]:
+        relay(rank, protocol.STREAM, {"name": "stdout", "text": text})
+    assert "".join(t for _, _, t in rec.out) == "[rank 0]\na\nb\n[rank 1]\nc\n[rank 0]\nd\n"
+
+
+def test_label_starts_on_a_new_line_after_a_partial_line():
+    rec = Recorder()
+    relay = RankRelay(rec, label_ranks=True)
+    relay(0, protocol.STREAM, {"name": "stdout", "text": "no newline"})
+    relay(1, protocol.STREAM, {"name": "stdout", "text": "x\n"})
+    assert "".join(t for _, _, t in rec.out) == "[rank 0]\nno newline\n[rank 1]\nx\n"
+
+
+def test_display_carries_the_rank_and_no_labels_for_a_world_of_one():
+    rec = Recorder()
+    relay = RankRelay(rec, label_ranks=False)
+    relay(0, protocol.RESULT, {"data": {"text/plain": "42"}, "metadata": {}})
+    assert rec.out == [("display", {"text/plain": "42"}, {"rank": 0})]
+
+
+def test_progress_only_from_rank_0():
+    seen = []
+    relay = RankRelay(Recorder(), label_ranks=True, on_progress=seen.append)
+    relay(1, protocol.PROGRESS, {"step": "read", "done": 1, "total": 2})
+    relay(0, protocol.PROGRESS, {"step": "read", "done": 2, "total": 2})
+    assert seen == [{"step": "read", "done": 2, "total": 2}]
+
+
+def outcome(replies, stuck=()):
+    command = Command("c", "exec", sorted({*replies, *stuck}), lambda *a: None, lambda t: None)
+    command.replies.update(replies)
+    return Outcome(command, stuck=list(stuck))
+
+
+def err(ename, evalue):
+    return {"status": "error", "error": {"ename": ename, "evalue": evalue, "traceback": [f"tb {evalue}"]}}
+
+
+def test_same_error_grouped_once_with_its_ranks():
+    groups = group_errors({0: err("E", "x")["error"], 1: err("E", "x")["error"], 2: err("F", "y")["error"]})
+    assert [(ranks, e["ename"]) for ranks, e in groups] == [([0, 1], "E"), ([2], "F")]
+
+
+def test_outcome_ok_raises_nothing_and_failures_raise_a_rank_error():
+    raise_for_outcome(outcome({0: {"status": "ok"}, 1: {"status": "ok"}}))
+    try:
+        raise_for_outcome(outcome({0: {"status": "ok"}, 1: err("ValueError", "bad")}, stuck=[2]))
+    except RankError as e:
+        assert "rank 1: ValueError: bad" in str(e) and "rank 2: RankStuck" in str(e)
+        stb = render(e)
+        assert stb[0] == "RankError: 2 rank(s) failed" and "tb bad" in stb
+    else:
+        raise AssertionError("no RankError")
+
+
+def test_stuck_and_timed_out_ranks_are_errors():
+    o = outcome({0: {"status": "ok"}}, stuck=[1])
+    o.timed_out = True
+    assert outcome_errors(o)[1]["evalue"].startswith("timed out")
+
+
+def test_dist_text_table():
+    rows = [{"rank": 0, "host": "h", "pid": 1, "device": "cpu", "backend": "gloo", "state": "idle", "memory": {"rss": 3 * 2**20}},
+            {"rank": 1, "host": "h", "pid": 2, "device": "cpu", "backend": "gloo", "state": "dead", "dead_reason": "gone", "memory": {}}]
+    lines = dist_text(rows).splitlines()
+    assert lines[0].split() == ["rank", "host", "pid", "device", "backend", "state", "memory"]
+    assert "rss 3.0 MiB" in lines[1] and "dead (gone)" in lines[2]
+    assert format_bytes(512) == "512 B" and format_bytes(3 * 2**30) == "3.0 GiB"
+
+
+def test_shards_table_text():
+    rows = [{"name": "w", "shape": [4, 2], "dtype": "float32", "placement": "S(0)", "local": {0: [2, 2], 1: [2, 2]}}]
+    text = repr(shards_table(rows, 2, "w"))
+    assert text.splitlines()[2].split() == ["w", "[4,", "2]", "float32", "S(0)", "[2,", "2]", "[2,", "2]"]
