@@ -49,8 +49,10 @@ from shardbook.rankd.config import ShardbookConfig, load_config
 from shardbook.rankd.lifetime import die_with_parent
 from shardbook.rankd.world import JobShape, World, init_world
 
+from .failures import describe_failures
 from .fetch import resolve_model_path
 from .kernelspec import Layout
+from .progress import STEP_LABELS
 
 if TYPE_CHECKING:
     from .pool import Outcome
@@ -290,7 +292,7 @@ def load_model(runtime: Runtime, config: ShardbookConfig, model_path: Path, term
 
     def on_output(rank: int, msg_type: str, payload: dict[str, Any]) -> None:
         if rank == 0 and msg_type == protocol.PROGRESS:
-            terminal.progress(f"{payload['step']} {payload['done']}/{payload['total']}")
+            terminal.progress(f"{STEP_LABELS.get(payload['step'], payload['step'])} {payload['done']}/{payload['total']}")
 
     try:
         outcome = load_on_ranks(runtime.pool, config, model_path, on_output, terminal.notice)
@@ -306,18 +308,6 @@ def load_model(runtime: Runtime, config: ShardbookConfig, model_path: Path, term
         f"on {s['world_size']} rank(s) in {s['load_seconds']:.1f} s. /help lists the commands; exit leaves."
     )
     return True
-
-
-def describe_failures(outcome: Outcome) -> str:
-    """Each distinct failure once, with the ranks it happened on."""
-    groups: dict[str, list[int]] = {}
-    for rank, reply in sorted(outcome.replies.items()):
-        if reply.get("status") != "ok":
-            error = reply.get("error") or {}
-            groups.setdefault(f"{error.get('ename', 'Error')}: {error.get('evalue', reply.get('status'))}", []).append(rank)
-    for rank in outcome.stuck:
-        groups.setdefault("did not stop, still busy", []).append(rank)
-    return "; ".join(f"rank {', '.join(map(str, ranks))}: {text}" for text, ranks in groups.items())
 
 
 class Terminal:

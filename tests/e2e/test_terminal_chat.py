@@ -153,7 +153,7 @@ def test_a_model_that_fails_to_load_ends_every_rank(tiny_config, tmp_path):
     encoder = make_tiny_non_causal(tmp_path / "bert")
     result, pids = piped_chat(chat_argv(tiny_config, "--model.model_name_or_path", str(encoder)), ["never answered"], 3)
     assert result.returncode == 1, result.stderr
-    assert "shardbook chat: error: loading failed: rank 0, 1: ValueError: " in result.stderr
+    assert "shardbook chat: error: loading failed: ranks 0, 1: ValueError: " in result.stderr
     assert "not a causal language model" in result.stderr
     assert result.stdout == ""
     assert_all_gone(pids)

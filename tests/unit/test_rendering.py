@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from shardbook.kernel.pool import Command, Outcome
 from shardbook.magics.dist import dist_text, format_bytes
-from shardbook.magics.errors import RankError, group_errors, outcome_errors, raise_for_outcome, render
+from shardbook.kernel.failures import group_errors, outcome_errors
+from shardbook.magics.errors import RankError, raise_for_outcome, render
 from shardbook.magics.relay import RankRelay
 from shardbook.magics.tables import shards_table
 from shardbook.rankd import protocol
