@@ -51,6 +51,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 from jupyter_client.manager import KernelManager
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,11 +66,14 @@ SETUP_ALL = r'''%%all
 import json as _bj, time as _bt, torch as _btorch, torch.distributed as _bdist
 from shardbook.rankd.sharding import reshard_model as _b_reshard
 
-def _bench_raw(messages, n, gathered_probe):
+def _bench_inputs(messages):
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                         return_dict=True, return_tensors="pt")["input_ids"].to(model.device)
-    kw = dict(attention_mask=_btorch.ones_like(ids), do_sample=False, synced_gpus=True,
-              pad_token_id=tokenizer.pad_token_id)
+    return ids, dict(attention_mask=_btorch.ones_like(ids), do_sample=False, synced_gpus=True,
+                     pad_token_id=tokenizer.pad_token_id)
+
+def _bench_raw(messages, n):
+    ids, kw = _bench_inputs(messages)
     stamps = []
     hook = model.register_forward_hook(lambda m, a, o: stamps.append(_bt.perf_counter()))
     try:
@@ -81,24 +85,33 @@ def _bench_raw(messages, n, gathered_probe):
                    ttft_s=stamps[0] - t0, tokens_per_s=(gen - 1) / (t1 - stamps[0]),
                    text=tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True,
                                          clean_up_tokenization_spaces=False))
-        if gathered_probe:
-            stamps.clear()
-            g0 = _bt.perf_counter()
-            model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
-            res["ttft_gathered_s"] = stamps[0] - g0
     finally:
         hook.remove()
         _b_reshard(model)  # as the generate handler does after every turn
     return res
 
+def _bench_gathered(messages):
+    """Time to first token of a 1-token generate that finds every layer gathered (a second call in a row)."""
+    ids, kw = _bench_inputs(messages)
+    stamps = []
+    try:
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)  # gathers every layer
+        hook = model.register_forward_hook(lambda m, a, o: stamps.append(_bt.perf_counter()))
+        g0 = _bt.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        hook.remove()
+    finally:
+        _b_reshard(model)
+    return dict(ttft_gathered_s=stamps[0] - g0)
+
 import threading as _bth
 
-def _bench_raw_thread(messages, n, gathered_probe):
+def _bench_raw_thread(messages, n):
     """The same raw generate, on a worker thread (as the engine runs it)."""
     box = {}
     def work():
         try:
-            box["r"] = _bench_raw(messages, n, gathered_probe)
+            box["r"] = _bench_raw(messages, n)
         except BaseException as e:
             box["e"] = e
     t = _bth.Thread(target=work)
@@ -150,9 +163,12 @@ class Cell:
     msgs: list[dict]
     idle: float
     reply: dict
+    cpu_s: dict[int, float]
+    """CPU seconds (user + system, all threads) each rank's process used from the send to the idle."""
 
     def stdout(self) -> str:
-        return "".join(m["content"]["text"] for m in self.msgs if m["header"]["msg_type"] == "stream")
+        return "".join(m["content"]["text"] for m in self.msgs
+                       if m["header"]["msg_type"] == "stream" and m["content"]["name"] == "stdout")
 
     def marked(self, marker: str) -> dict:
         for line in self.stdout().splitlines():
@@ -178,9 +194,20 @@ class Kernel:
         self.kc = self.km.client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=120)
+        self.procs: dict[int, psutil.Process] = {}
+        pids = self.ok("%%all\nimport os as _bos, torch.distributed as _bd\nprint('PID', _bd.get_rank(), _bos.getpid())")
+        for line in pids.stdout().splitlines():
+            if line.startswith("PID "):
+                rank, pid = map(int, line.split()[1:])
+                self.procs[rank] = psutil.Process(pid)
+
+    def cpu(self) -> dict[int, float]:
+        times = {rank: proc.cpu_times() for rank, proc in self.procs.items()}
+        return {rank: t.user + t.system for rank, t in times.items()}
 
     def run(self, code: str, timeout: float = 600) -> Cell:
         """Send the cell; read IOPub only (no shell polling in between) until idle, then the reply."""
+        cpu0 = self.cpu()
         sent = time.perf_counter()
         msg_id = self.kc.execute(code)
         deadline, msgs = sent + timeout, []
@@ -198,10 +225,11 @@ class Kernel:
                 continue
             msgs.append(msg)
         idle = time.perf_counter()
+        cpu1 = self.cpu()
         while True:
             reply = self.kc.get_shell_msg(timeout=max(0.01, deadline - time.perf_counter()))
             if reply["parent_header"].get("msg_id") == msg_id:
-                return Cell(sent, msgs, idle, reply)
+                return Cell(sent, msgs, idle, reply, {r: cpu1[r] - cpu0[r] for r in cpu0})
 
     def ok(self, code: str, timeout: float = 600) -> Cell:
         cell = self.run(code, timeout)
@@ -280,7 +308,7 @@ def run_chat(kernel: Kernel, n: int, output: str, question: str) -> dict:
         "ttft_frontend_s": first - cell.sent, "first_chunk_rank0_s": (info["chunk_at"] or [float("nan")])[0] - cell.sent,
         "cell_s": cell.idle - cell.sent, "stream_s": last - first, "widget_updates": updates,
         "chunks": len(info["chunks"]), "msgs_streaming": count, "msgs_per_s": mean_rate, "msgs_max_1s": worst,
-        "msgs_total": len(cell.msgs), "text_lost": lost,
+        "msgs_total": len(cell.msgs), "text_lost": lost, "cpu_s": cell.cpu_s,
     }
 
 
@@ -291,15 +319,16 @@ def run_all(kernel: Kernel, call: str) -> dict:
     if "first" in r:  # same clock: rank 0's prefill end minus the frontend's send
         r["ttft_frontend_s"] = r["first"] - cell.sent
     r["cell_s"] = cell.idle - cell.sent
+    r["cpu_s"] = cell.cpu_s
     return r
 
 
 VARIANTS = {
-    "chat": lambda k, n, count, msgs, probe: run_chat(k, n, "widget", QUESTION),
-    "raw": lambda k, n, count, msgs, probe: run_all(k, f"_bench_raw({msgs!r}, {count}, {probe})"),
-    "raw_thread": lambda k, n, count, msgs, probe: run_all(k, f"_bench_raw_thread({msgs!r}, {count}, False)"),
-    "engine": lambda k, n, count, msgs, probe: run_all(k, f"_bench_engine({msgs!r}, {n}, False)"),
-    "engine_streamer": lambda k, n, count, msgs, probe: run_all(k, f"_bench_engine({msgs!r}, {n}, True)"),
+    "chat": lambda k, n, count, msgs: run_chat(k, n, "widget", QUESTION),
+    "raw": lambda k, n, count, msgs: run_all(k, f"_bench_raw({msgs!r}, {count})"),
+    "raw_thread": lambda k, n, count, msgs: run_all(k, f"_bench_raw_thread({msgs!r}, {count})"),
+    "engine": lambda k, n, count, msgs: run_all(k, f"_bench_engine({msgs!r}, {n}, False)"),
+    "engine_streamer": lambda k, n, count, msgs: run_all(k, f"_bench_engine({msgs!r}, {n}, True)"),
 }
 """chat and raw are the benchmark; the rest (--diagnose) split chat's cost: a worker thread, the engine, its streamer."""
 
@@ -311,14 +340,16 @@ def measure_mode(kernel: Kernel, reshard: bool, n: int, rounds: int, diagnose: b
     print(f"\n## reshard_after_forward={str(reshard).lower()}: loaded in {time.perf_counter() - t:.1f} s; "
           f"{n} tokens, {rounds} rounds of {', '.join(names)} (order rotating) after 1 warm-up each", flush=True)
     warm = run_chat(kernel, n, "widget", QUESTION)
-    count, msgs, probe = warm["generated_tokens"], warm["messages"], not reshard
+    count, msgs = warm["generated_tokens"], warm["messages"]
     for name in names[1:]:
-        VARIANTS[name](kernel, n, count, msgs, probe)
+        VARIANTS[name](kernel, n, count, msgs)
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for i in range(rounds):
         order = names[i % len(names):] + names[:i % len(names)]
         for name in order:
-            runs[name].append(VARIANTS[name](kernel, n, count, msgs, probe))
+            runs[name].append(VARIANTS[name](kernel, n, count, msgs))
+        if not reshard:  # layers stay gathered between steps: what does a turn that finds them gathered cost?
+            runs["raw"][-1]["ttft_gathered_s"] = run_all(kernel, f"_bench_gathered({msgs!r})")["ttft_gathered_s"]
         c, r = runs["chat"][-1], runs["raw"][-1]
         extra = "".join(f" | {name} {runs[name][-1]['tokens_per_s']:.2f} tok/s ttft {runs[name][-1]['ttft_s'] * 1e3:.0f}"
                         for name in names[2:])
@@ -386,7 +417,13 @@ def summarize(mode: dict) -> dict:
         "msgs_max_1s": max(c["msgs_max_1s"] for c in chats), "msgs_per_s": med(chats, "msgs_per_s"),
         "lost": sum(c["text_lost"] for c in chats), "same_text": sum(c["text"] == r["text"] for c, r in zip(chats, raws)),
         "same_tokens": sum(c["generated_tokens"] == r["generated_tokens"] for c, r in zip(chats, raws)),
+        "cpu_ms_per_token": {rank: statistics.median(c["cpu_s"][rank] * 1e3 / c["generated_tokens"] for c in chats)
+                             for rank in chats[0]["cpu_s"]},
+        "cpu_extra_ms_per_token": {rank: paired(chats, raws, lambda c, r: (c["cpu_s"][rank] - r["cpu_s"][rank]) * 1e3
+                                                 / c["generated_tokens"]) for rank in chats[0]["cpu_s"]},
         "variants": {name: {"tps": med(rows, "tokens_per_s"), "ttft": med(rows, "ttft_s"),
+                            "cpu_extra": {rank: paired(rows, raws, lambda x, r: (x["cpu_s"][rank] - r["cpu_s"][rank]) * 1e3
+                                                       / r["generated_tokens"]) for rank in rows[0]["cpu_s"]},
                             "tps_vs_raw": paired(rows, raws, lambda x, r: x["tokens_per_s"] / r["tokens_per_s"]),
                             "ttft_vs_raw": paired(rows, raws, lambda x, r: x["ttft_s"] - r["ttft_s"])}
                      for name, rows in runs.items()},

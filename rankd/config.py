@@ -2,16 +2,13 @@
 
 Precedence is command line > YAML > defaults. Unknown sections and keys are errors that list the
 valid ones; the training sections of MindSpeed YAML files are ignored with a warning, so such a
-file can be reused as it is. Every field carries a one-line docstring that `field_docs` reads back,
+file can be reused as it is. Every field carries a one-line docstring that `config_reference.field_docs` reads back,
 and `config_reference_markdown` renders them as the README's table.
 """
 
-import ast
 import dataclasses
 import difflib
-import inspect
 import logging
-import textwrap
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -471,19 +468,6 @@ def coerce_fields(section_config: object, section: str) -> None:
         setattr(section_config, f.name, coerce(f"{section}.{f.name}", getattr(section_config, f.name), f.type))
 
 
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring written under each field of dataclass `cls`, read from its source with `ast`."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    docs = {}
-    for node, after in zip(body, body[1:]):
-        documented = isinstance(after, ast.Expr) and isinstance(getattr(after.value, "value", None), str)
-        named = isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id in names
-        if named and documented:
-            docs[node.target.id] = " ".join(after.value.value.split())
-    return docs
-
-
 def yaml_text(value: object) -> str:
     """A default value as it is written in YAML."""
     if value is None:
@@ -491,15 +475,3 @@ def yaml_text(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)
-
-
-def config_reference_markdown() -> str:
-    """A markdown table of every config key: section, key, type, default and description."""
-    rows = ["| Section | Key | Type | Default | Description |", "|---|---|---|---|---|"]
-    for section, cls in SECTIONS.items():
-        docs = field_docs(cls)
-        for f in dataclasses.fields(cls):
-            description = docs[f.name].replace("|", "\\|")
-            default = yaml_text(f.default)
-            rows.append(f"| {section} | `{f.name}` | {type_name(f.type)} | `{default}` | {description} |")
-    return "\n".join(rows) + "\n"

@@ -39,6 +39,7 @@ CHROMIUM_ARGS = [
 ]
 STORY = "%%chat --new --max-new-tokens 80\nWrite a short story about a robot."
 SERVER_START_S = 90
+KERNEL_START_S = 180
 LOAD_S = 300
 REPLY_S = 300
 SAMPLE_EVERY_S = 0.05
@@ -212,11 +213,12 @@ def test_chat_reply_grows_live_in_jupyterlab(sync_playwright, jupyterlab):
             executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS,
             viewport={"width": 1280, "height": 900},
         )
+        page = context.pages[0] if context.pages else context.new_page()
         try:
-            page = context.pages[0] if context.pages else context.new_page()
             page.goto(url)
             page.locator(".jp-Notebook").wait_for(timeout=60_000)
-            page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for(timeout=120_000)
+            # The notebook's own kernel, started and idle (the toolbar's indicator reads idle before it exists too).
+            page.locator(".jp-StatusBar-Item", has_text="shardbook (2 ranks, 1 node) | Idle").wait_for(timeout=KERNEL_START_S * 1000)
             page.keyboard.press("Control+b")  # hide the file browser: a wider notebook in the screenshots
 
             load = code_cell(page, "%load_sharded")
@@ -237,6 +239,9 @@ def test_chat_reply_grows_live_in_jupyterlab(sync_playwright, jupyterlab):
             story.locator(".jp-OutputArea-output", has_text="tok/s").wait_for(timeout=30_000)  # the status line
             story.scroll_into_view_if_needed()
             page.screenshot(path=str(final_shot))
+        except Exception:
+            page.screenshot(path=str(ARTIFACTS / "jupyterlab-failure.png"))
+            raise
         finally:
             context.close()
 

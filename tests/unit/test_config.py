@@ -6,14 +6,13 @@ from pathlib import Path
 
 import pytest
 
+from shardbook.rankd.config_reference import config_reference_markdown, field_docs
 from shardbook.rankd.config import (
     SECTIONS,
     InferenceConfig,
     ModelConfig,
     ParallelConfig,
     ShardbookConfig,
-    config_reference_markdown,
-    field_docs,
     load_config,
     parse_overrides,
     validate_for_world,
