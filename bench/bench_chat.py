@@ -81,7 +81,7 @@ def _bench_raw(messages, n):
         out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
         t1 = _bt.perf_counter()
         gen = out.shape[1] - ids.shape[1]
-        res = dict(prompt_tokens=ids.shape[1], generated_tokens=gen, t0=t0, first=stamps[0], t1=t1,
+        res = dict(prompt_tokens=ids.shape[1], generated_tokens=gen, t0=t0, first=stamps[0], t1=t1, steps=stamps,
                    ttft_s=stamps[0] - t0, tokens_per_s=(gen - 1) / (t1 - stamps[0]),
                    text=tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True,
                                          clean_up_tokenization_spaces=False))
@@ -123,7 +123,7 @@ def _bench_raw_thread(messages, n):
 def _bench_engine(messages, n, stream):
     """shardbook's engine without the kernel: rank 0 streams into a list when `stream`."""
     from shardbook.rankd.engine import GenerationRequest, generate
-    chunks = []
+    chunks, t0, steps = [], _bt.perf_counter(), globals().get("_bench_steps", [])  # rank 0's forward ends
     on_text = chunks.append if stream and _bdist.get_rank() == 0 else None
     try:
         r = generate(model, tokenizer, GenerationRequest(messages=messages, max_new_tokens=n, seed=0),
@@ -131,7 +131,7 @@ def _bench_engine(messages, n, stream):
     finally:
         _b_reshard(model)
     return dict(prompt_tokens=r.prompt_tokens, generated_tokens=r.generated_tokens, ttft_s=r.time_to_first_token_s,
-                tokens_per_s=r.tokens_per_s, text=r.text, chunks=len(chunks))
+                tokens_per_s=r.tokens_per_s, text=r.text, chunks=len(chunks), steps=[t for t in steps if t >= t0])
 '''
 
 SETUP_RANK0 = r'''
@@ -149,11 +149,18 @@ if not getattr(_bcv, "_bench_spied", False):
     _bcv._bench_spied = True
 '''
 
+HOOK_RANK0 = r'''
+_bench_steps = []
+_bench_step_hook = model.register_forward_hook(lambda m, a, o: _bench_steps.append(_bt.perf_counter()))
+'''
+"""On rank 0, after each load: the end of every forward, so chat's steps are timed as raw's are."""
+
 READ_CHAT = r'''
 _bc = get_ipython().magics_manager.registry["ChatMagics"].conversation
 print("BENCHCHAT " + _bj.dumps({"resp": _bdc.asdict(_chat), "chunks": _bench_chunks, "chunk_at": _bench_chunk_at,
+      "steps": _bench_steps,
       "messages": ([{"role": "system", "content": _bc.system_prompt}] if _bc.system_prompt else []) + [_bc.turns[-2]]}))
-_bench_chunks.clear(); _bench_chunk_at.clear()
+_bench_chunks.clear(); _bench_chunk_at.clear(); _bench_steps.clear()
 '''
 
 
@@ -301,6 +308,7 @@ def run_chat(kernel: Kernel, n: int, output: str, question: str) -> dict:
         updates = len(view["streams"])
     lost = lost or "".join(info["chunks"]) != text
     count, mean_rate, worst = rate(view["times"], first, last)
+    steps = [t for t in info["steps"] if cell.sent <= t <= cell.idle]  # this cell's forwards only
     return {
         "text": text, "messages": info["messages"], "prompt_tokens": resp["prompt_tokens"],
         "generated_tokens": resp["generated_tokens"], "finish_reason": resp["finish_reason"],
@@ -308,7 +316,7 @@ def run_chat(kernel: Kernel, n: int, output: str, question: str) -> dict:
         "ttft_frontend_s": first - cell.sent, "first_chunk_rank0_s": (info["chunk_at"] or [float("nan")])[0] - cell.sent,
         "cell_s": cell.idle - cell.sent, "stream_s": last - first, "widget_updates": updates,
         "chunks": len(info["chunks"]), "msgs_streaming": count, "msgs_per_s": mean_rate, "msgs_max_1s": worst,
-        "msgs_total": len(cell.msgs), "text_lost": lost, "cpu_s": cell.cpu_s,
+        "msgs_total": len(cell.msgs), "text_lost": lost, "cpu_s": cell.cpu_s, "step_ms": median_step_ms(steps),
     }
 
 
@@ -320,7 +328,15 @@ def run_all(kernel: Kernel, call: str) -> dict:
         r["ttft_frontend_s"] = r["first"] - cell.sent
     r["cell_s"] = cell.idle - cell.sent
     r["cpu_s"] = cell.cpu_s
+    if "steps" in r:
+        r["step_ms"] = median_step_ms(r.pop("steps"))
     return r
+
+
+def median_step_ms(stamps: list[float]) -> float:
+    """Median time between the ends of consecutive forwards (decode steps): robust to bursts of other load."""
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return statistics.median(gaps) * 1e3 if gaps else float("nan")
 
 
 VARIANTS = {
@@ -336,6 +352,7 @@ VARIANTS = {
 def measure_mode(kernel: Kernel, reshard: bool, n: int, rounds: int, diagnose: bool) -> dict:
     t = time.perf_counter()
     kernel.ok(f"%load_sharded {CONFIG} --parallel.reshard_after_forward {str(reshard).lower()}")
+    kernel.ok(HOOK_RANK0)
     names = list(VARIANTS) if diagnose else ["chat", "raw"]
     print(f"\n## reshard_after_forward={str(reshard).lower()}: loaded in {time.perf_counter() - t:.1f} s; "
           f"{n} tokens, {rounds} rounds of {', '.join(names)} (order rotating) after 1 warm-up each", flush=True)
@@ -369,6 +386,7 @@ def measure_tiny(kernel: Kernel, tmp: Path, n: int) -> dict:
 
     path = make_tiny_llama(tmp / "tiny-llama")
     kernel.ok(f"%load_sharded --model.model_name_or_path {path} --parallel.reshard_after_forward false")
+    kernel.ok(HOOK_RANK0)
     print(f"\n## tiny random Llama (limiter check), up to {n} tokens", flush=True)
     run_chat(kernel, n, "widget", TINY_QUESTION)
     out = {}
@@ -403,6 +421,8 @@ def summarize(mode: dict) -> dict:
         "reshard": mode["reshard_after_forward"], "tokens": mode["tokens"], "rounds": len(chats),
         "chat_tps": med(chats, "tokens_per_s"), "raw_tps": med(raws, "tokens_per_s"),
         "tps_ratio": paired(chats, raws, lambda c, r: c["tokens_per_s"] / r["tokens_per_s"]),
+        "chat_step_ms": med(chats, "step_ms"), "raw_step_ms": med(raws, "step_ms"),
+        "step_ratio": paired(chats, raws, lambda c, r: r["step_ms"] / c["step_ms"]),
         "chat_ttft": med(chats, "ttft_s"), "raw_ttft": med(raws, "ttft_s"),
         "chat_ttft_fe": med(chats, "ttft_frontend_s"), "raw_ttft_fe": med(raws, "ttft_frontend_s"),
         "ttft_delta": paired(chats, raws, lambda c, r: c["ttft_s"] - r["ttft_s"]),
@@ -425,6 +445,8 @@ def summarize(mode: dict) -> dict:
                             "cpu_extra": {rank: paired(rows, raws, lambda x, r: (x["cpu_s"][rank] - r["cpu_s"][rank]) * 1e3
                                                        / r["generated_tokens"]) for rank in rows[0]["cpu_s"]},
                             "tps_vs_raw": paired(rows, raws, lambda x, r: x["tokens_per_s"] / r["tokens_per_s"]),
+                            "step_ms": med(rows, "step_ms"),
+                            "step_vs_raw": paired(rows, raws, lambda x, r: r["step_ms"] / x["step_ms"]),
                             "ttft_vs_raw": paired(rows, raws, lambda x, r: x["ttft_s"] - r["ttft_s"])}
                      for name, rows in runs.items()},
     }
@@ -449,10 +471,13 @@ def report(modes: list[dict], tiny: dict | None) -> bool:
         if len(s["variants"]) > 2:
             print(f"\n## where chat's time goes, reshard_after_forward={str(s['reshard']).lower()} "
                   "(kernel-side; vs raw = median of per-round pairs)")
-            print("| variant | tok/s | x raw | TTFT ms | vs raw ms |\n| --- | --- | --- | --- | --- |")
+            print("| variant | tok/s | x raw | median step ms | x raw | TTFT ms | vs raw ms | "
+                  "extra CPU ms/token, rank 0 / rank 1 |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
             for name, v in s["variants"].items():
-                print(f"| {name} | {v['tps']:.2f} | {v['tps_vs_raw']:.3f} | {v['ttft'] * 1e3:.0f} | "
-                      f"{v['ttft_vs_raw'] * 1e3:+.0f} |")
+                cpu = " / ".join(f"{x:+.1f}" for x in v["cpu_extra"].values())
+                print(f"| {name} | {v['tps']:.2f} | {v['tps_vs_raw']:.3f} | {v['step_ms']:.1f} | {v['step_vs_raw']:.3f} | "
+                      f"{v['ttft'] * 1e3:.0f} | "
+                      f"{v['ttft_vs_raw'] * 1e3:+.0f} | {cpu} |")
     ok = True
     print("\n## targets (issue 4)")
     for s in sums:
@@ -472,6 +497,13 @@ def report(modes: list[dict], tiny: dict | None) -> bool:
         for good, line in checks:
             ok &= good
             print(f"{'PASS' if good else 'FAIL'} {mode}: {line}")
+        print(f"INFO {mode}: median decode step (rank 0, forward end to forward end): chat {s['chat_step_ms']:.1f} ms, "
+              f"raw {s['raw_step_ms']:.1f} ms; as a tok/s ratio {s['step_ratio']:.3f} (robust to bursts of other load)")
+        raw_cpu = {rank: c - e for (rank, c), e in zip(s["cpu_ms_per_token"].items(), s["cpu_extra_ms_per_token"].values())}
+        bound = raw_cpu[0] / (raw_cpu[0] + max(0.0, s["cpu_extra_ms_per_token"][0]))
+        print(f"INFO {mode}: CPU per token (whole cell, all threads), chat - raw: "
+              + ", ".join(f"rank {r} {e:+.1f} ms of {raw_cpu[r]:.0f}" for r, e in s["cpu_extra_ms_per_token"].items())
+              + f"; if all of rank 0's extra were on the critical path, tok/s ratio >= {bound:.3f}")
         d = s["overhead_delta"]
         print(f"{'INFO-PASS' if d <= MAX_TTFT_EXTRA_S else 'INFO-FAIL'} {mode}: time to first token outside the "
               f"prefill (send -> frontend, less the prefill): chat {s['chat_overhead'] * 1e3:.0f} ms vs raw "
@@ -498,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens-resharded", type=int, default=16, help="tokens with reshard_after_forward=true (~10x slower)")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--rounds-resharded", type=int, default=4)
-    ap.add_argument("--tiny-tokens", type=int, default=240, help="0 skips the limiter check on a tiny model")
+    ap.add_argument("--tiny-tokens", type=int, default=150, help="0 skips the limiter check on a tiny model")
     ap.add_argument("--diagnose", action="store_true",
                     help="also run raw on a worker thread and the engine with and without its streamer (in %%%%all)")
     ap.add_argument("--json", type=Path, help="also write every measurement here")

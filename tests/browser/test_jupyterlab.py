@@ -43,6 +43,8 @@ KERNEL_START_S = 180
 LOAD_S = 300
 REPLY_S = 300
 SAMPLE_EVERY_S = 0.05
+MID_STREAM_CHARS = 150
+"""The streaming screenshot is taken once the reply is this long (the whole greedy story is about 390)."""
 SMOLLM2 = demo_model_dir("smollm2-135m-instruct")
 
 pytestmark = [
@@ -179,6 +181,10 @@ def run_cell(page, cell) -> None:
     page.keyboard.press("Shift+Enter")
 
 
+def scroll_to_top(cell) -> None:
+    cell.evaluate("element => element.scrollIntoView({block: 'start'})")
+
+
 def sample_reply(page, cell, deadline: float, on_sample) -> list[int]:
     """Lengths of the reply text in the widget, sampled until the markdown reply appears under it."""
     reply = cell.locator(".shardbook-reply")
@@ -227,17 +233,17 @@ def test_chat_reply_grows_live_in_jupyterlab(sync_playwright, jupyterlab):
 
             story = code_cell(page, "Write a short story about a robot.")
             run_cell(page, story)
-            story.scroll_into_view_if_needed()
+            scroll_to_top(load)  # the screenshots show the load summary and the reply under it
 
             def on_sample(lengths):
-                if not streaming_shot.exists() and len(set(lengths) - {0}) >= 3:
+                if not streaming_shot.exists() and len(set(lengths) - {0}) >= 3 and lengths[-1] >= MID_STREAM_CHARS:
                     page.screenshot(path=str(streaming_shot))
 
             lengths = sample_reply(page, story, time.monotonic() + REPLY_S, on_sample)
             widget_text = story.locator(".shardbook-reply").first.text_content()
             markdown_text = story.locator(".jp-RenderedMarkdown").first.inner_text()
             story.locator(".jp-OutputArea-output", has_text="tok/s").wait_for(timeout=30_000)  # the status line
-            story.scroll_into_view_if_needed()
+            scroll_to_top(load)
             page.screenshot(path=str(final_shot))
         except Exception:
             page.screenshot(path=str(ARTIFACTS / "jupyterlab-failure.png"))
@@ -250,6 +256,6 @@ def test_chat_reply_grows_live_in_jupyterlab(sync_playwright, jupyterlab):
     assert lengths == sorted(lengths), f"the reply shrank while streaming: {lengths}"
     assert len(growing) >= 3, f"the reply did not grow in steps before its final length {final}: {lengths}"
     assert normalized(widget_text) == normalized(markdown_text) and len(normalized(widget_text)) > 100, (widget_text, markdown_text)
-    assert streaming_shot.exists()
+    assert streaming_shot.exists(), f"no screenshot while streaming: the reply never reached {MID_STREAM_CHARS} characters before it ended"
     SCREENSHOT.parent.mkdir(exist_ok=True)
     shutil.copyfile(final_shot, SCREENSHOT)
