@@ -88,3 +88,22 @@ def test_unfetched_demo_model_and_use_before_load(fresh_kernel, tmp_path):
     assert ex.status == "error" and "%load_sharded" in ex.stderr()
     ex = handle.run("%load_sharded configs/smollm2-135m.yaml")
     assert ex.status == "error" and "shardbook fetch smollm2-135m-instruct" in ex.stderr()
+
+
+def test_read_failure_on_one_rank_fails_every_rank_cleanly(kernel, tiny):
+    """Simulated on rank 1 only: its reader raises inside torch.distributed.checkpoint."""
+    patch = (
+        "%%rank 1\nimport torch.distributed.checkpoint as dcp\noriginal_read = dcp.HuggingFaceStorageReader.read_data\n"
+        "def broken(self, plan, planner):\n    raise OSError('disk on fire')\n"
+        "dcp.HuggingFaceStorageReader.read_data = broken"
+    )
+    assert kernel.run(patch).status == "ok"
+    try:
+        ex = load(kernel, tiny)
+        shown = ex.error_text() + ex.stderr()
+        assert ex.status == "error"
+        assert "disk on fire" in shown and "rank 1" in shown, shown
+    finally:
+        kernel.run("%%rank 1\ndcp.HuggingFaceStorageReader.read_data = original_read")
+    assert_usable(kernel)
+    assert load(kernel, tiny).status == "ok"

@@ -31,6 +31,9 @@ def test_all_reaches_every_rank_of_both_nodes(jupyter_prefix, tmp_path):
     handle = None
     try:
         handle = KernelHandle("mn")
+        # ready means every follower is connected: the very first cell sees both ranks idle
+        first = handle.run("%dist").of_type("execute_result")[0]["content"]["data"]["text/plain"]
+        assert [line.split()[5] for line in first.splitlines()[1:3]] == ["idle", "idle"], first
         ex = handle.run(
             "%%all\nimport os, torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\n"
             "print('rank', dist.get_rank(), 'of', dist.get_world_size(), 'local', os.environ['LOCAL_RANK'], 'sum', t.item())"
@@ -38,8 +41,6 @@ def test_all_reaches_every_rank_of_both_nodes(jupyter_prefix, tmp_path):
         assert ex.status == "ok", ex.error_text()
         assert "[rank 0]\nrank 0 of 2 local 0 sum 2.0" in ex.stdout()
         assert "[rank 1]\nrank 1 of 2 local 0 sum 2.0" in ex.stdout()
-        table = handle.run("%dist").of_type("execute_result")[0]["content"]["data"]["text/plain"]
-        assert all("idle" in line for line in table.splitlines()[1:3])
     finally:
         if handle is not None:
             handle.stop()
