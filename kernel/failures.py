@@ -5,6 +5,7 @@ Shared by the magics (which render a RankError) and the terminal chat (which pri
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from .pool import Outcome
@@ -37,7 +38,23 @@ def ranks_label(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
+COLLECTIVE_FAILURE = re.compile(r"timed out|timeout|connection reset|connection closed|gloo|nccl|hccl", re.IGNORECASE)
+RESTART_HINT = (
+    "A collective failed or timed out on some ranks, which usually leaves the process group unusable: "
+    "restart the kernel before running anything that communicates between ranks."
+)
+
+
+def restart_hint(errors: dict[int, dict[str, Any]]) -> str | None:
+    """The advice to restart, when a rank's failure came from a collective (the group may be broken)."""
+    if any(COLLECTIVE_FAILURE.search(f"{e.get('ename')}: {e.get('evalue')}") for e in errors.values()):
+        return RESTART_HINT
+    return None
+
+
 def describe_failures(outcome: Outcome) -> str:
     """One line: each distinct failure once, with the ranks it happened on ('' when none failed)."""
-    groups = group_errors(outcome_errors(outcome))
-    return "; ".join(f"{ranks_label(ranks)}: {e.get('ename')}: {e.get('evalue')}" for ranks, e in groups)
+    errors = outcome_errors(outcome)
+    text = "; ".join(f"{ranks_label(ranks)}: {e.get('ename')}: {e.get('evalue')}" for ranks, e in group_errors(errors))
+    hint = restart_hint(errors)
+    return f"{text}. {hint}" if hint else text

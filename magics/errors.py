@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardbook.kernel.failures import describe_failures, group_errors, outcome_errors, ranks_label
+from shardbook.kernel.failures import describe_failures, group_errors, outcome_errors, ranks_label, restart_hint
 from shardbook.kernel.pool import Outcome
 
 MAX_FULL_TRACEBACKS = 3
@@ -40,6 +40,9 @@ def render(error: RankError) -> list[str]:
     hidden = len(error.groups) - MAX_FULL_TRACEBACKS
     if hidden > 0:
         lines.append(f"\n({hidden} more distinct error(s) shown without traceback)")
+    hint = restart_hint({ranks[0]: e for ranks, e in error.groups})
+    if hint:
+        lines.append(f"\n{hint}")
     return lines
 
 

@@ -153,5 +153,6 @@ def test_follower_failure_during_generation_names_the_rank(fresh_kernel, tiny):
     text = ex.error_text() + ex.stderr()
     assert ex.status == "error"
     assert "rank 1" in text and "rank 1 broke at step 3" in text
+    assert "restart the kernel" in text  # rank 0 timed out in a collective: the group is unusable
     dist = handle.run("%dist").of_type("execute_result")[0]["content"]["data"]["text/plain"]
     assert "busy" not in dist

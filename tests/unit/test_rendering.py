@@ -99,3 +99,12 @@ def test_shards_table_text():
     rows = [{"name": "w", "shape": [4, 2], "dtype": "float32", "placement": "S(0)", "local": {0: [2, 2], 1: [2, 2]}}]
     text = repr(shards_table(rows, 2, "w"))
     assert text.splitlines()[2].split() == ["w", "[4,", "2]", "float32", "S(0)", "[2,", "2]", "[2,", "2]"]
+
+
+def test_collective_timeouts_advise_a_restart():
+    from shardbook.kernel.failures import describe_failures
+
+    timed_out = outcome({0: err("GenerationError", "rank 0: gloo Timed out waiting 5000ms"), 1: err("RuntimeError", "boom")})
+    assert "restart the kernel" in describe_failures(timed_out)
+    plain = outcome({0: err("ValueError", "bad"), 1: {"status": "ok"}})
+    assert "restart" not in describe_failures(plain)
