@@ -76,10 +76,20 @@ class LoadMagics(Magics):
         """Show each parameter's global shape, dtype, placement and local shape on every rank. Example::
 
             %shards model.layers.0.self_attn
+
+        With ``reshard_after_forward=False`` the weights stay gathered after a reply; ``%shards``
+        puts every rank back to its shards first (the next reply gathers them again).
         """
         args = parse_argstring(self.shards, line)
         runtime = get_runtime(self.shell)
-        rows = shard_rows(loaded_model(runtime).model, args.prefix)
+        model = loaded_model(runtime).model
+        relay = RankRelay(frontend_for(self.shell), label_ranks=True)
+        try:  # after a reply the weights may still be gathered: back to the shards, on every rank
+            outcome = runtime.pool.run("reshard", {}, list(range(runtime.world.world_size)), relay, relay.notice)
+        except PoolError as e:
+            raise UsageError(str(e)) from e
+        raise_for_outcome(outcome)
+        rows = shard_rows(model, args.prefix)
         if not rows:
             raise UsageError(f"no parameter name starts with {args.prefix!r}; try `%shards model.layers.0`")
         return shards_table(rows, runtime.world.world_size, args.prefix)

@@ -39,7 +39,6 @@ def handle_load(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[str,
 def handle_generate(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[str, Any]:
     """Generate one reply with every rank stepping together; the ``stream_rank`` streams its text."""
     from .engine import GenerationRequest, generate
-    from .sharding import reshard_model
 
     loaded = ctx.state.get("loaded")
     if loaded is None:
@@ -50,11 +49,23 @@ def handle_generate(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[
         sink(protocol.TEXT, {"text": text})
 
     streams = args.get("stream_rank", 0) == ctx.world.rank
-    try:
-        result = generate(
-            loaded.model, loaded.tokenizer, request,
-            device=next(loaded.model.parameters()).device, on_text=on_text if streams else None, stop_event=ctx.stop_event,
-        )
-    finally:
-        reshard_model(loaded.model)
+    result = generate(
+        loaded.model, loaded.tokenizer, request,
+        device=next(loaded.model.parameters()).device, on_text=on_text if streams else None, stop_event=ctx.stop_event,
+    )
     return {"status": "ok", "value": result.to_dict()}
+
+
+@handler("reshard")
+def handle_reshard(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[str, Any]:
+    """Put the model back to its shards on this rank (every rank at once, so the next forward gathers alike).
+
+    With ``reshard_after_forward=False`` the weights stay gathered after a reply, for speed; the
+    parameters are then plain tensors. ``%shards`` reshards first so it reads DTensor metadata.
+    """
+    from .sharding import reshard_model
+
+    loaded = ctx.state.get("loaded")
+    if loaded is not None:
+        reshard_model(loaded.model)
+    return {"status": "ok"}

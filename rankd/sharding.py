@@ -115,8 +115,8 @@ def apply_fsdp(
 def reshard_model(model: nn.Module) -> None:
     """Free the gathered weights ``reshard_after_forward=False`` keeps, back to this rank's shards.
 
-    Purely local (no collective): every rank calls it when a generation ends, so an idle model
-    holds only its shards, ``%shards`` and ``%%all`` see DTensors, and the next forward gathers again.
+    Purely local (no collective), but every rank must do it together: the next forward then
+    all-gathers on every rank alike.
     """
     for module in model.modules():
         if isinstance(module, FSDPModule):

@@ -156,3 +156,10 @@ def test_follower_failure_during_generation_names_the_rank(fresh_kernel, tiny):
     assert "restart the kernel" in text  # rank 0 timed out in a collective: the group is unusable
     dist = handle.run("%dist").of_type("execute_result")[0]["content"]["data"]["text/plain"]
     assert "busy" not in dist
+
+
+def test_shards_after_a_reply_shows_the_shards_again(loaded):
+    assert loaded.run("%%chat --output text --max-new-tokens 5\nhi").status == "ok"
+    table = loaded.run("%shards model.layers.0.self_attn.q_proj").of_type("execute_result")[0]["content"]["data"]["text/plain"]
+    assert "S(0)" in table and "[32, 64]" in table
+    assert loaded.run("%%chat --output text --max-new-tokens 5\nagain").status == "ok"
