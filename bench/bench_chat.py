@@ -13,8 +13,9 @@ which of the two goes first:
 * ``raw``   a ``%%all`` cell: every rank runs ``model.generate(ids, attention_mask=..., max_new_tokens=n,
             min_new_tokens=n, do_sample=False, synced_gpus=True)`` on the same chat-template prompt, no
             streamer, timed with the engine's definitions (a forward hook); n = chat's
-            ``generated_tokens`` and the texts must match. It ends with ``reshard_model``, as the
-            generate handler does after every turn, so both start from shards only.
+            ``generated_tokens`` and the texts must match. It ends with ``reshard_model`` if and
+            only if the generate handler does so after a turn (checked after the warm-up: are the
+            parameters DTensors again?), so both always start from the same state.
 
 Long rounds (N tokens) give tokens/s; extra short rounds (TTFT_TOKENS tokens) add pairs for time
 to first token, which does not depend on the length. ``perf_counter`` is CLOCK_MONOTONIC, one
@@ -26,7 +27,7 @@ Also measured, to tell chat's cost from this shared machine's noise: the median 
 rank's process per cell (psutil, /proc), where chat's first token spends its time (spies on rank
 0: when ``model.generate`` is called, when the first chunk reaches the main thread), and, with
 layers kept gathered, the time to first token of a generate that finds them still gathered
-(what a user's second ``model.generate`` in a row gets; chat reshards after every turn).
+(what a user's second ``model.generate`` in a row gets).
 ``--diagnose`` adds variants in ``%%all`` that split chat's cost: raw on a worker thread,
 shardbook's engine without and with its streamer.
 
@@ -46,7 +47,6 @@ import html
 import json
 import os
 import queue
-import re
 import shutil
 import statistics
 import subprocess
@@ -71,6 +71,14 @@ MAX_TTFT_EXTRA_S = 0.050
 SETUP_ALL = r'''%%all
 import json as _bj, time as _bt, torch as _btorch, torch.distributed as _bdist
 from shardbook.rankd.sharding import reshard_model as _b_reshard
+from torch.distributed.tensor import DTensor as _BDTensor
+_bench_mirror = True  # raw reshards after itself when the generate handler does (set after a chat turn)
+
+def _bench_detect():
+    """After a %%chat turn: are this rank's parameters shards again (the handler reshards after a turn)?"""
+    global _bench_mirror
+    _bench_mirror = isinstance(next(model.parameters()), _BDTensor)
+    return dict(handler_reshards=_bench_mirror)
 
 def _bench_inputs(messages):
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
@@ -93,7 +101,8 @@ def _bench_raw(messages, n):
                                          clean_up_tokenization_spaces=False))
     finally:
         hook.remove()
-        _b_reshard(model)  # as the generate handler does after every turn
+        if _bench_mirror:  # as the generate handler does after every turn
+            _b_reshard(model)
     return res
 
 def _bench_gathered(messages):
@@ -103,11 +112,14 @@ def _bench_gathered(messages):
     try:
         model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)  # gathers every layer
         hook = model.register_forward_hook(lambda m, a, o: stamps.append(_bt.perf_counter()))
-        g0 = _bt.perf_counter()
-        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
-        hook.remove()
+        try:
+            g0 = _bt.perf_counter()
+            model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        finally:
+            hook.remove()
     finally:
-        _b_reshard(model)
+        if _bench_mirror:
+            _b_reshard(model)
     return dict(ttft_gathered_s=stamps[0] - g0)
 
 import threading as _bth
@@ -135,7 +147,8 @@ def _bench_engine(messages, n, stream):
         r = generate(model, tokenizer, GenerationRequest(messages=messages, max_new_tokens=n, seed=0),
                      device=model.device, on_text=on_text, stop_event=_bth.Event())
     finally:
-        _b_reshard(model)
+        if _bench_mirror:
+            _b_reshard(model)
     return dict(prompt_tokens=r.prompt_tokens, generated_tokens=r.generated_tokens, ttft_s=r.time_to_first_token_s,
                 tokens_per_s=r.tokens_per_s, text=r.text, chunks=len(chunks), steps=[t for t in steps if t >= t0])
 '''
@@ -342,7 +355,8 @@ def run_chat(kernel: Kernel, n: int, output: str, question: str) -> dict:
         "start_s": gen[0][0] - cell.sent, "relay_s": chunk0 - gen[0][1],
         "cell_s": cell.idle - cell.sent, "stream_s": last - first, "widget_updates": updates,
         "chunks": len(info["chunks"]), "msgs_streaming": count, "msgs_per_s": mean_rate, "msgs_max_1s": worst,
-        "msgs_total": len(cell.msgs), "text_lost": lost, "cpu_s": cell.cpu_s, "faults": cell.faults, "step_ms": median_step_ms(steps),
+        "msgs_total": len(cell.msgs), "text_lost": lost, "cpu_s": cell.cpu_s, "faults": cell.faults,
+        "step_ms": median_step_ms(steps),
     }
 
 
@@ -373,7 +387,7 @@ VARIANTS = {
     "engine": lambda k, n, count, msgs: run_all(k, f"_bench_engine({msgs!r}, {n}, False)"),
     "engine_streamer": lambda k, n, count, msgs: run_all(k, f"_bench_engine({msgs!r}, {n}, True)"),
 }
-"""chat and raw are the benchmark; the rest (--diagnose) split chat's cost: a worker thread, the engine, its streamer."""
+"""chat and raw are the benchmark; the rest (--diagnose) split chat's cost: worker thread, engine, streamer."""
 
 
 def measure_mode(kernel: Kernel, reshard: bool, n: int, rounds: int, diagnose: bool, ttft_rounds: int) -> dict:
@@ -385,6 +399,9 @@ def measure_mode(kernel: Kernel, reshard: bool, n: int, rounds: int, diagnose: b
           f"{n} tokens, {rounds} rounds of {', '.join(names)} (order rotating) after 1 warm-up each", flush=True)
     warm = run_chat(kernel, n, "widget", QUESTION)
     count, msgs = warm["generated_tokens"], warm["messages"]
+    handler_reshards = run_all(kernel, "_bench_detect()")["handler_reshards"]
+    print(f"  after a %%chat turn the parameters are {'shards again' if handler_reshards else 'still gathered'}: "
+          f"raw {'reshards' if handler_reshards else 'does not reshard'} after itself too", flush=True)
     for name in names[1:]:
         VARIANTS[name](kernel, n, count, msgs)
     runs: dict[str, list[dict]] = {name: [] for name in names}
@@ -415,7 +432,8 @@ def measure_mode(kernel: Kernel, reshard: bool, n: int, rounds: int, diagnose: b
     if ttft_rounds:
         print(f"  + {ttft_rounds} short rounds ({TTFT_TOKENS} tokens) for time to first token: chat "
               f"{med(short['chat'], 'ttft_s') * 1e3:.0f} ms, raw {med(short['raw'], 'ttft_s') * 1e3:.0f} ms", flush=True)
-    return {"reshard_after_forward": reshard, "tokens": count, "requested": n, "runs": runs, "short": short}
+    return {"reshard_after_forward": reshard, "handler_reshards": handler_reshards, "tokens": count, "requested": n,
+            "runs": runs, "short": short}
 
 
 def measure_tiny(kernel: Kernel, tmp: Path, n: int) -> dict:
@@ -564,6 +582,7 @@ def report(modes: list[dict], tiny: dict | None) -> bool:
     if tiny:
         for output, c in tiny.items():
             good = c["msgs_max_1s"] <= MAX_MSGS_PER_S and not c["text_lost"]
+            ok &= good
             print(f"{'PASS' if good else 'FAIL'} tiny model, --output {output}, {c['tokens_per_s']:.0f} tok/s: "
                   f"at most {c['msgs_max_1s']} messages in any 1 s, text {'LOST' if c['text_lost'] else 'complete'}")
     print("NOT RUN: the GPU part of the issue (no accelerator in this run)")
@@ -574,10 +593,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--modes", default="false,true", help="reshard_after_forward modes, in order")
     ap.add_argument("--tokens", type=int, default=64, help="tokens with layers kept gathered (false)")
-    ap.add_argument("--tokens-resharded", type=int, default=16, help="tokens with reshard_after_forward=true (~10x slower)")
+    ap.add_argument("--tokens-resharded", type=int, default=16,
+                    help="tokens with reshard_after_forward=true (~10x slower)")
     ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--rounds-resharded", type=int, default=4)
-    ap.add_argument("--ttft-rounds", type=int, default=12, help=f"extra short ({TTFT_TOKENS}-token) pairs for time to first token")
+    ap.add_argument("--rounds-resharded", type=int, default=6)
+    ap.add_argument("--ttft-rounds", type=int, default=12,
+                    help=f"extra short ({TTFT_TOKENS}-token) pairs for time to first token")
     ap.add_argument("--ttft-rounds-resharded", type=int, default=6)
     ap.add_argument("--tiny-tokens", type=int, default=150, help="0 skips the limiter check on a tiny model")
     ap.add_argument("--diagnose", action="store_true",

@@ -56,23 +56,34 @@ class WidgetChatView:
 
 
 class TextChatView:
-    """Chunks written to stdout as they come; the status line after the reply."""
+    """Chunks written to stdout, at most ``MAX_UPDATES_PER_S`` writes a second; the status line after."""
 
     def __init__(self, stream=None):
         self.stream = stream or sys.stdout
         self.text = ""
+        self._written = 0
+        self._last_write = 0.0
 
     def add(self, chunk: str) -> None:
         self.text += chunk
-        self.stream.write(chunk)
-        self.stream.flush()
+        if time.monotonic() - self._last_write >= 1 / MAX_UPDATES_PER_S:
+            self._write_pending()
+
+    def _write_pending(self) -> None:
+        if self._written < len(self.text):
+            self.stream.write(self.text[self._written:])
+            self.stream.flush()
+            self._written = len(self.text)
+        self._last_write = time.monotonic()
 
     def finish(self, status: str, final_text: str) -> None:
-        if final_text.startswith(self.text) and final_text != self.text:
-            self.stream.write(final_text[len(self.text):])
+        if final_text.startswith(self.text):
+            self.text = final_text
+        self._write_pending()
         self.stream.write(f"\n[{status}]\n")
         self.stream.flush()
 
     def fail(self, why: str) -> None:
+        self._write_pending()
         self.stream.write("\n")
         self.stream.flush()

@@ -74,6 +74,13 @@ def test_widget_updates_are_rate_limited(loaded):
     assert len(updates) <= 25 * span + 3, f"{len(updates)} updates in {span:.2f} s"
 
 
+def test_text_output_is_rate_limited_too(loaded):
+    ex = loaded.run("%%chat --output text --max-new-tokens 150\ncount to one hundred", timeout=120)
+    streams = [m for m in ex.of_type("stream") if m["content"]["name"] == "stdout"]
+    span = streams[-1]["received_at"] - streams[0]["received_at"]
+    assert len(streams) <= 25 * span + 3, f"{len(streams)} stream messages in {span:.2f} s"
+
+
 def test_text_output_history_and_turns(loaded):
     first = loaded.run("%%chat --output text --max-new-tokens 12\nfirst question")
     assert first.status == "ok" and len(first.of_type("stream")) >= 2
