@@ -51,6 +51,7 @@ class Channel:
         self._wake_recv.bind(address)
         self._wake_send = ctx.socket(zmq.PAIR)
         self._wake_send.connect(address)
+        self._sent = threading.Condition()
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -63,6 +64,15 @@ class Channel:
         self._outbox.append((msg_type, content, ident))
         with self._wake_lock:
             self._wake_send.send(b"", zmq.NOBLOCK)
+
+    def wait_sent(self, timeout_s: float = 0.05) -> None:
+        """Block until the I/O thread has sent everything queued (or ``timeout_s`` passes).
+
+        A caller that goes on to compute holds the GIL, which would keep the I/O thread from
+        sending for up to a switch interval; rank 0 waits here so the followers start first.
+        """
+        with self._sent:
+            self._sent.wait_for(lambda: not self._outbox, timeout_s)
 
     def close(self, linger_s: float = 1.0) -> None:
         """Send what is queued (up to ``linger_s``), stop the thread and close the sockets."""
@@ -100,7 +110,7 @@ class Channel:
 
     def _flush_outbox(self) -> None:
         while self._outbox:
-            msg_type, content, ident = self._outbox.popleft()
+            msg_type, content, ident = self._outbox[0]
             try:
                 self.session.send(self.socket, msg_type, content, ident=ident)
             except zmq.ZMQError as e:
@@ -108,6 +118,9 @@ class Channel:
                     self._on_unreachable(ident)
                 else:
                     log.warning("control plane: could not send %s: %s", msg_type, e)
+            self._outbox.popleft()
+        with self._sent:
+            self._sent.notify_all()
 
     def _receive_all(self) -> None:
         while self.socket.poll(0):
