@@ -6,7 +6,6 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, argument_group, magic_arguments, parse_argstring
 
-from shardbook.kernel.chat import ChatModel, ChatStream, GenerationFailed
 from shardbook.kernel.conversation import Conversation
 from shardbook.kernel.pool import PoolError
 from shardbook.kernel.runtime import get_runtime
@@ -97,6 +96,9 @@ class ChatMagics(Magics):
             print(self.conversation.history_text())
 
     def _reply(self, text: str, args):
+        # imported on first use: it brings in transformers, which the kernel's start need not wait for
+        from shardbook.kernel.chat import ChatModel, ChatStream, GenerationFailed
+
         try:
             runtime = get_runtime(self.shell)
             model = ChatModel(runtime)

@@ -12,7 +12,6 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from shardbook.kernel.models import load_on_ranks, prepare_load
 from shardbook.kernel.pool import PoolError
 from shardbook.kernel.runtime import get_runtime
-from shardbook.rankd.shards import shard_rows
 
 from .errors import raise_for_outcome
 from .progress import progress_view
@@ -89,6 +88,8 @@ class LoadMagics(Magics):
         except PoolError as e:
             raise UsageError(str(e)) from e
         raise_for_outcome(outcome)
+        from shardbook.rankd.shards import shard_rows  # torch.distributed.tensor: imported on first use
+
         rows = shard_rows(model, args.prefix)
         if not rows:
             raise UsageError(f"no parameter name starts with {args.prefix!r}; try `%shards model.layers.0`")
