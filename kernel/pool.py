@@ -24,13 +24,12 @@ from shardbook.rankd import protocol
 from shardbook.rankd.channel import Channel
 from shardbook.rankd.handlers import STOPPED_BY_EVENT, RankContext, dispatch
 from shardbook.rankd.lifetime import pid_alive
-from shardbook.rankd.world import World, memory_in_use
+from shardbook.rankd.world import CONNECT_TIMEOUT_S, World, memory_in_use
 
 log = logging.getLogger(__name__)
 
 PING_S = 0.5
 HEARTBEAT_TIMEOUT_S = float(os.environ.get("SHARDBOOK_HEARTBEAT_TIMEOUT", "5"))
-CONNECT_TIMEOUT_S = float(os.environ.get("SHARDBOOK_CONNECT_TIMEOUT", "120"))
 INTERRUPT_GRACE_S = float(os.environ.get("SHARDBOOK_INTERRUPT_GRACE", "3"))
 STRAGGLER_NOTICE_S = 3.0
 

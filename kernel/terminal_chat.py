@@ -212,7 +212,7 @@ def run_follower_rank(world: World) -> int:
 
 def follower_key(world: World) -> bytes:
     """The key from the environment, else from the file rank 0 published in the store."""
-    from shardbook.rankd.follower import CONNECT_TIMEOUT_S
+    from shardbook.rankd.world import CONNECT_TIMEOUT_S
 
     key = protocol.key_from_environment()
     if key:

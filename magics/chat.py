@@ -97,14 +97,14 @@ class ChatMagics(Magics):
 
     def _reply(self, text: str, args):
         # imported on first use: it brings in transformers, which the kernel's start need not wait for
-        from shardbook.kernel.chat import ChatModel, ChatStream, GenerationFailed
+        from shardbook.kernel.chat import SETTINGS, ChatModel, ChatStream, GenerationFailed
 
         try:
             runtime = get_runtime(self.shell)
             model = ChatModel(runtime)
             if self.conversation.system_prompt is None and runtime.ctx0.state.get("config") is not None:
                 self.conversation.system_prompt = runtime.ctx0.state["config"].inference.system_prompt
-            settings = {k: getattr(args, k) for k in ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "repetition_penalty", "seed")}
+            settings = {k: getattr(args, k) for k in SETTINGS if k != "want_scores"}
             request = model.build_request(self.conversation.request_messages(text), want_scores=args.scores, **settings)
         except (PoolError, ValueError) as e:
             raise UsageError(str(e)) from e

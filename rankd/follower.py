@@ -24,13 +24,12 @@ from . import protocol
 from .capture import make_follower_shell
 from .channel import Channel
 from .handlers import STOPPED_BY_EVENT, RankContext, dispatch
-from .world import World, memory_in_use
+from .world import CONNECT_TIMEOUT_S, World, memory_in_use
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.5
 RANK0_SILENCE_S = float(os.environ.get("SHARDBOOK_RANK0_TIMEOUT", "10"))
-CONNECT_TIMEOUT_S = float(os.environ.get("SHARDBOOK_CONNECT_TIMEOUT", "120"))
 SHUTDOWN_GRACE_S = 1.0
 
 

@@ -17,6 +17,8 @@ from typing import Any, Callable
 log = logging.getLogger(__name__)
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")
+CONNECT_TIMEOUT_S = float(os.environ.get("SHARDBOOK_CONNECT_TIMEOUT", "120"))
+"""How long ranks wait for each other at start-up (store rendezvous, rank 0's endpoint, every follower)."""
 BACKEND_FOR_DEVICE = {"cpu": "gloo", "cuda": "cuda:nccl,cpu:gloo", "npu": "npu:hccl,cpu:gloo"}
 
 
@@ -173,7 +175,7 @@ def wait_for_every_rank(store: Any, world_size: int) -> None:
     to a few seconds; on a busy machine ranks start further apart than that. Arriving here first,
     under the generous start-up deadline, keeps the two concerns apart.
     """
-    deadline = time.monotonic() + float(os.environ.get("SHARDBOOK_CONNECT_TIMEOUT", "120"))
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S
     store.add("shardbook/arrived", 1)
     while store.add("shardbook/arrived", 0) < world_size:
         if time.monotonic() > deadline:

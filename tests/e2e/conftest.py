@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from jupyter_client.manager import KernelManager
 
+from shardbook.rankd.lifetime import pid_alive
 from tests.driver import execute
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,11 +88,8 @@ def fresh_kernel(jupyter_prefix):
 
 
 def gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
+    """The process ended (a zombie not yet reaped counts as ended)."""
+    return not pid_alive(pid)
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.1):
