@@ -5,8 +5,9 @@ cache and the modules every method needs are imported (a cold import of transfor
 code adds about 1 s to every method). Per rank it measures the load time, the time to the end
 of a first 4-token forward, and the memory above the rank's own baseline taken after imports
 and process-group set-up: peak private memory (RssAnon, sampled every 2 ms by the parent
-process so sampling takes no time from the ranks) and peak total resident memory (VmHWM,
-reset through /proc/self/clear_refs; it also counts the mapped pages of the safetensors files).
+process in a first, untimed round: the sampler is a busy third process on a 2-core machine)
+and peak total resident memory (VmHWM, reset through /proc/self/clear_refs; it also counts the
+mapped pages of the safetensors files). Times are the best of the timed rounds that follow.
 
     python bench/bench_load.py                      # the demo model, 2 ranks
     python bench/bench_load.py --model DIR --ranks 2 --repeat 3
@@ -59,10 +60,16 @@ def anon_bytes(pid: int) -> int | None:
     return None
 
 
-def load_once(method: str, model_dir: Path):
-    """One load by `method`; returns the model (kept alive until measured)."""
+def load_once(method: str, model_dir: Path) -> tuple[object, dict[str, float]]:
+    """One load by `method`: the model (kept alive until measured) and the seconds each part took."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    started = time.monotonic()
+    parts: dict[str, float] = {}
+
+    def part_done(name: str) -> None:
+        parts[name] = time.monotonic() - started - sum(parts.values())
 
     if method == "sharded":
         import types
@@ -73,9 +80,14 @@ def load_once(method: str, model_dir: Path):
             model=types.SimpleNamespace(model_name_or_path=str(model_dir), dtype="float32", trust_remote_code=False),
             parallel=types.SimpleNamespace(fsdp_size=-1, ep_size=1, reshard_after_forward=None),
         )
-        return load_sharded(config, device="cpu").model
+        on_step = lambda step, done, total: done == total and part_done(step)  # noqa: E731
+        model = load_sharded(config, device="cpu", progress=on_step).model
+        part_done("summary")
+        return model, parts
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    part_done("model")
     AutoTokenizer.from_pretrained(model_dir)
+    part_done("tokenizer")
     if method == "full_then_shard":
         import torch.distributed as dist
 
@@ -83,7 +95,8 @@ def load_once(method: str, model_dir: Path):
 
         mesh = init_mesh("cpu", (dist.get_world_size(),), ("shard",))
         apply_fsdp(model, mesh, reshard_after_forward=False, on_group=lambda done, total: None)
-    return model
+        part_done("shard")
+    return model, parts
 
 
 def warm_imports(model_dir: Path) -> None:
@@ -113,7 +126,7 @@ def rank_main(rank: int, world: int, store: str, method: str, model_dir: str, re
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # restart VmHWM from the current RSS
     started = time.monotonic()
-    model = load_once(method, Path(model_dir))
+    model, parts = load_once(method, Path(model_dir))
     loaded = time.monotonic()
     after = proc_status()
     with torch.no_grad():  # the first forward pages in lazily mapped weights and gathers sharded ones
@@ -124,6 +137,7 @@ def rank_main(rank: int, world: int, store: str, method: str, model_dir: str, re
             "started": started,
             "loaded": loaded,
             "seconds": loaded - started,
+            "parts": parts,
             "ready_seconds": time.monotonic() - started,
             "baseline_anon": baseline["RssAnon"],
             "end_anon": after["RssAnon"],
@@ -134,8 +148,11 @@ def rank_main(rank: int, world: int, store: str, method: str, model_dir: str, re
     dist.destroy_process_group()
 
 
-def run_method(method: str, world: int, model_dir: Path) -> list[dict]:
-    """Run `method` on `world` fresh ranks while this process samples their RssAnon every 2 ms."""
+def run_method(method: str, world: int, model_dir: Path, sample: bool) -> list[dict]:
+    """Run `method` on `world` fresh ranks; with `sample`, this process samples their RssAnon every 2 ms.
+
+    Sampling is a third busy process on a 2-core machine, so timed rounds run without it.
+    """
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -149,6 +166,12 @@ def run_method(method: str, world: int, model_dir: Path) -> list[dict]:
         rows: list[dict] = []
         deadline = time.monotonic() + 600
         while len(rows) < world and time.monotonic() < deadline:
+            if not sample:
+                try:
+                    rows.append(results.get(timeout=1.0))
+                except queue.Empty:
+                    pass
+                continue
             for rank, proc in enumerate(procs):
                 anon = anon_bytes(proc.pid)
                 if anon is not None:
@@ -185,7 +208,7 @@ def report(figures: dict[str, list[dict]], world: int, model_dir: Path) -> None:
         f"model {model_dir.name} in float32: {total / MIB:.0f} MiB, largest tensor {largest / MIB:.0f} MiB; "
         f"{world} ranks, 1 thread each"
     )
-    print("times: best round; memory: above each rank's baseline after imports, largest over rounds")
+    print("times: best timed round; memory: above each rank's baseline after imports (private: the sampled round)")
     header = ("method", "ranks", "load s", "+1st forward s", "peak anon MiB/rank", "peak RSS MiB/rank")
     print("{:<16} {:>5} {:>7} {:>15} {:>19} {:>18}".format(*header))
     for method, rows in figures.items():
@@ -194,6 +217,10 @@ def report(figures: dict[str, list[dict]], world: int, model_dir: Path) -> None:
         seconds = max(row["seconds"] for row in rows)
         ready = max(row["ready_seconds"] for row in rows)
         print(f"{method:<16} {len(rows):>5} {seconds:>7.2f} {ready:>15.2f} {anon / MIB:>19.0f} {rss / MIB:>18.0f}")
+    print("where the time went (slowest rank of the best round, ms):")
+    for method, rows in figures.items():
+        slowest = max(rows, key=lambda row: row["seconds"])
+        print(f"  {method:<16} " + ", ".join(f"{name} {1000 * s:.0f}" for name, s in slowest["parts"].items()))
     sharded, single, full = (figures[m] for m in METHODS)
     time_of = lambda rows: max(row["seconds"] for row in rows)  # noqa: E731
     anon_of = lambda rows: max(row["peak_anon"] for row in rows)  # noqa: E731
@@ -211,26 +238,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=demo_model_dir(), help="checkpoint directory")
     parser.add_argument("--ranks", type=int, default=2, help="ranks for the sharded methods")
-    parser.add_argument("--repeat", type=int, default=3, help="rounds over the methods; times are the best round's")
+    parser.add_argument("--repeat", type=int, default=3, help="timed rounds over the methods; times are the best round's")
     args = parser.parse_args()
     if not (args.model / "config.json").is_file():
         sys.exit(f"no checkpoint at {args.model}: run `shardbook fetch smollm2-135m-instruct` or pass --model")
     sys.path.insert(0, str(REPO_ROOT))
     for file in args.model.glob("*.safetensors"):  # every method then reads from the page cache
         file.read_bytes()
-    rounds: dict[str, list[list[dict]]] = {method: [] for method in METHODS}
-    for _ in range(args.repeat):  # methods interleaved, so load from other processes hits each alike
+    timed: dict[str, list[list[dict]]] = {method: [] for method in METHODS}
+    sampled: dict[str, list[dict]] = {}
+    for round_index in range(args.repeat + 1):  # methods interleaved, so load from other processes hits each alike
         for method in METHODS:
-            rounds[method].append(run_method(method, 1 if method == "from_pretrained" else args.ranks, args.model))
-    report({method: best_round(runs) for method, runs in rounds.items()}, args.ranks, args.model)
+            world = 1 if method == "from_pretrained" else args.ranks
+            if round_index == 0:  # the memory round, with the sampler
+                sampled[method] = run_method(method, world, args.model, sample=True)
+            else:
+                timed[method].append(run_method(method, world, args.model, sample=False))
+    report({method: best_round(timed[method], sampled[method]) for method in METHODS}, args.ranks, args.model)
 
 
-def best_round(runs: list[list[dict]]) -> list[dict]:
-    """The round whose slowest rank was fastest, with the largest memory figures seen in any round."""
+def best_round(runs: list[list[dict]], memory: list[dict]) -> list[dict]:
+    """The timed round whose slowest rank was fastest, with the sampled round's peak private memory
+    and the largest total resident memory seen in any round."""
     best = min(runs, key=lambda rows: max(row["seconds"] for row in rows))
     for rank, row in enumerate(best):
-        for key in ("peak_anon", "peak_rss"):
-            row[key] = max(rows[rank][key] for rows in runs)
+        row["peak_anon"] = memory[rank]["peak_anon"]
+        row["peak_rss"] = max(rows[rank]["peak_rss"] for rows in [*runs, memory])
     return best
 
 

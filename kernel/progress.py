@@ -9,7 +9,6 @@ STEP_LABELS = {
     "config": "reading config",
     "skeleton": "building skeleton",
     "shard": "sharding layers",
-    "materialise": "allocating shards",
     "read": "reading weights",
     "finalise": "finishing",
 }
@@ -39,8 +38,8 @@ class TextProgress:
 
 
 def percent(step: str, done: int, total: int) -> int:
-    """Overall percent: each step gets an equal share, reading the weights the largest."""
-    weights = {"config": 5, "skeleton": 5, "shard": 10, "materialise": 10, "read": 60, "finalise": 10}
+    """Overall percent: each step gets a fixed share, reading the weights the largest."""
+    weights = {"config": 15, "skeleton": 10, "shard": 20, "read": 45, "finalise": 10}
     before = sum(weight for name, weight in weights.items() if list(weights).index(name) < list(weights).index(step)) if step in weights else 0
     share = weights.get(step, 0) * (done / total if total else 1)
     return max(0, min(100, int(before + share)))

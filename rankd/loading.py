@@ -2,34 +2,33 @@
 
 `load_sharded` runs identically on every rank of an initialised process group. The steps are
 config -> skeleton (on the meta device) -> shard (FSDP2 per decoder layer, then the root) ->
-materialise (`to_empty`) -> read (torch.distributed.checkpoint with `HuggingFaceStorageReader`,
-each rank reading only its slices) -> finalise (non-persistent buffers, tied weights, eval).
+read (each rank maps the safetensors files and takes only its rows onto its device, see
+`shard_reading`) -> finalise (non-persistent buffers, tied weights, eval).
 No rank ever holds a full copy of the weights while loading.
 
-Failures: a step that fails on one rank makes every rank raise a `ValueError` at the end of
-that step (an all-gather of each rank's outcome), so no rank is left waiting in a later
-collective. The failing rank raises its own error (with the cause chained); the others name it.
+Failures: a step that fails on one rank makes every rank raise a `ValueError` at the next sync
+point (see `load_steps`), so no rank is left waiting in a collective. The failing rank raises
+its own error (with the cause chained); the others name it.
 Before loading again, every rank calls `free_model` on the namespace that holds the old model.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
+import functools
 import gc
 import logging
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.futures import Future
 
 from shardbook.rankd.sharding import (
     apply_fsdp,
@@ -39,29 +38,16 @@ from shardbook.rankd.sharding import (
     reshard_fits,
     reshard_model,
 )
-from shardbook.rankd.summary import full_param_bytes, load_summary
+from shardbook.rankd.shard_reading import plan_reads, read_shards
+from shardbook.rankd.load_steps import LoadSteps
+from shardbook.rankd.summary import full_param_bytes, load_summary, rank_figures
 
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str, int, int], None]
-"""`progress(step, done, total)`; steps in order: config, skeleton, shard, materialise, read, finalise."""
+"""`progress(step, done, total)`; steps in order: config, skeleton, shard, read, finalise."""
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# What each step does, for "rank N could not <...>" messages, and what to check when it fails.
-STEP_WORDS = {
-    "config": ("read the checkpoint's config and tokenizer", "check the path and the files in it"),
-    "skeleton": ("build the model skeleton", "check the config (and trust_remote_code for custom code)"),
-    "memory": ("measure its free memory", "set parallel.reshard_after_forward explicitly"),
-    "materialise": ("allocate its shards", "free memory (free_model) or use more ranks"),
-    "plan": ("match the checkpoint's tensors to the model", "check the checkpoint is complete"),
-    "read": (
-        "read its slices of the checkpoint",
-        "check the safetensors files are complete and readable on every node",
-    ),
-    "finalise": ("finish the model (buffers, tied weights)", "report this with the model's architecture"),
-}
-
-
 @dataclass
 class LoadedModel:
     """What `load_sharded` returns on every rank."""
@@ -105,41 +91,68 @@ def load_sharded(
     if not dist.is_initialized():
         raise ValueError("load_sharded needs a torch.distributed process group: call rankd.world.init_world() first")
     try:
-        return _load(config, torch.device(device), model_path, _Reporter(progress))
+        with _gc_paused():
+            return _load(config, torch.device(device), model_path, _Reporter(progress))
     except Exception as e:
         # A notebook keeps the last traceback: its frames must not pin a half-loaded model.
         _drop_frame_locals(e)
         raise
 
 
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Hold off the cyclic garbage collector while loading.
+
+    The tokenizer's JSON and the module tree are hundreds of thousands of new objects; each batch
+    of them sets off a collection that walks every object the kernel holds, which doubled the
+    config step (0.13 -> 0.31 s with SmolLM2 in a process that had loaded once before).
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _load(config: Any, device: torch.device, model_path: str | Path | None, report: "_Reporter") -> LoadedModel:
-    """The steps of `load_sharded`, in order, each agreed by every rank before the next."""
+    """The steps of `load_sharded`, in order, settled with every rank after the skeleton and after the read."""
     started = time.perf_counter()
-    ckpt = _agreed("config", lambda: _read_config(config, model_path, device))
-    report("config", 1, 1)
-    model = _agreed("skeleton", lambda: _build_skeleton(ckpt))
+    steps = LoadSteps()
+    ckpt = steps.run("config", _read_config, config, model_path, device)
+    if steps.ok:
+        report("config", 1, 1)
+    model = steps.run("skeleton", _build_skeleton, ckpt)
+    if steps.ok:
+        report("skeleton", 1, 1)
     architecture = type(model).__name__  # fully_shard renames the class to FSDP<name>
-    report("skeleton", 1, 1)
-    mesh = init_mesh(device.type, ckpt.mesh_shape, ckpt.mesh_axes)
-    views = _agreed("memory", lambda: reshard_fits(full_param_bytes(model), device), gather=True)
+    views = steps.settle(steps.run("memory", _memory_view, model, device))
     reshard, reason = choose_reshard_after_forward(config.parallel.reshard_after_forward, views)
-    apply_fsdp(model, mesh, reshard, on_group=lambda done, total: report("shard", done, total))
-    _agreed("materialise", lambda: model.to_empty(device=device))
-    report("materialise", 1, 1)
-    _read_weights(model, ckpt.path, report)
-    _agreed("finalise", lambda: _finalise(model, ckpt, device))
-    report("finalise", 1, 1)
+    mesh = init_mesh(device.type, ckpt.mesh_shape, ckpt.mesh_axes)
+    steps.run("shard", apply_fsdp, model, mesh, reshard, functools.partial(report, "shard"))
+    targets = steps.run("plan", plan_reads, model, ckpt.path)
+    steps.run("read", read_shards, model, targets, device, functools.partial(report, "read"))
+    steps.run("finalise", _finalise, model, ckpt, device)
+    if steps.ok:
+        report("finalise", 1, 1)
+    every = steps.settle(rank_figures(model, device, time.perf_counter() - started) if steps.ok else None)
     summary = load_summary(
         model,
+        every,
         architecture=architecture,
         path=str(ckpt.path),
         mesh=mesh,
         device=device,
-        load_seconds=time.perf_counter() - started,
         reshard_after_forward=reshard,
         reshard_reason=reason,
     )
     return LoadedModel(model=model, tokenizer=ckpt.tokenizer, summary=summary)
+
+
+def _memory_view(model: nn.Module, device: torch.device) -> tuple[bool, str]:
+    """Whether the gathered model fits this rank's memory, and why (for the reshard choice)."""
+    return reshard_fits(full_param_bytes(model), device)
 
 
 def free_model(
@@ -162,39 +175,6 @@ def free_model(
         getattr(torch, device.type).empty_cache()
 
 
-def _agreed(step: str, fn: Callable[[], Any], *, gather: bool = False) -> Any:
-    """Run `fn` on this rank; if it failed on any rank, raise on every rank. `gather` returns all ranks' results."""
-    error: Exception | None = None
-    result = None
-    try:
-        result = fn()
-    except Exception as e:  # every failure must reach the all-gather below, or the others hang
-        error = e
-    outcomes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, (None if error is None else _describe(error), result if gather else None))
-    failures = {rank: message for rank, (message, _) in enumerate(outcomes) if message is not None}
-    if failures:
-        _raise_for(step, failures, error)
-    return [value for _, value in outcomes] if gather else result
-
-
-def _raise_for(step: str, failures: dict[int, str], error: BaseException | None) -> None:
-    """Raise this rank's share of a failed step: its own error, or a pointer to the rank(s) that failed.
-
-    Messages do not name the raising rank (its error reply does), so ranks failing alike read alike.
-    """
-    what, fix = STEP_WORDS[step]
-    if error is not None:
-        if isinstance(error, ValueError):
-            raise error
-        raise ValueError(f"could not {what}: {_describe(error)}; {fix}") from error
-    first = min(failures)
-    raise ValueError(
-        f"loading stopped because rank(s) {sorted(failures)} could not {what} "
-        f"(rank {first}: {failures[first]}); {fix}"
-    )
-
-
 def _drop_frame_locals(error: BaseException | None) -> None:
     """Clear the local variables of the finished frames in `error`'s traceback and in its causes."""
     seen: set[int] = set()
@@ -202,10 +182,6 @@ def _drop_frame_locals(error: BaseException | None) -> None:
         seen.add(id(error))
         traceback.clear_frames(error.__traceback__)
         error = error.__cause__ or error.__context__
-
-
-def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
 
 
 class _Reporter:
@@ -320,65 +296,10 @@ def _build_skeleton(ckpt: _Checkpoint) -> nn.Module:
         )
 
 
-def _read_weights(model: nn.Module, path: Path, report: _Reporter) -> None:
-    """Fill this rank's shards from the safetensors files; DCP reads only the slices each rank owns."""
-    reader = _ReportingReader(str(path), lambda done, total: report("read", done, total))
-    targets = _agreed("plan", lambda: _load_targets(model, reader.read_metadata().state_dict_metadata, path))
-    try:
-        dcp.load(targets, storage_reader=reader)
-    except dcp.CheckpointException as e:  # raised on every rank: DCP gathers each rank's outcome itself
-        failures = {rank: _describe(exc) for rank, (exc, _trace) in e.failures.items()}
-        mine = e.failures.get(dist.get_rank())
-        _raise_for("read", failures, mine[0] if mine else None)
-
-
-def _load_targets(model: nn.Module, saved: dict[str, Any], path: Path) -> dict[str, torch.Tensor]:
-    """Model tensors keyed as in the files; each tied tensor once, under the name the files use."""
-    by_tensor: dict[int, list[str]] = {}
-    tensors: dict[int, torch.Tensor] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        by_tensor.setdefault(id(tensor), []).append(name)
-        tensors[id(tensor)] = tensor
-    targets, missing = {}, []
-    for key, names in by_tensor.items():
-        found = [name for name in names if name in saved]
-        if found:
-            targets[found[0]] = tensors[key]
-        else:
-            missing.append(" = ".join(names))
-    if missing:
-        raise ValueError(
-            f"{path} lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:3]}; the files hold "
-            f"e.g. {sorted(saved)[:3]}: the checkpoint is incomplete or its names need a conversion "
-            "transformers does on load, which sharded loading does not do"
-        )
-    return targets
-
-
-class _ReportingReader(dcp.HuggingFaceStorageReader):
-    """`HuggingFaceStorageReader` that reads its plan in batches and reports progress after each one."""
-
-    BATCHES = 50
-
-    def __init__(self, path: str, on_batch: Callable[[int, int], None]):
-        super().__init__(path)
-        self.on_batch = on_batch
-
-    def read_data(self, plan: Any, planner: Any) -> Future[None]:
-        items = plan.items
-        size = max(1, -(-len(items) // self.BATCHES))
-        for start in range(0, len(items), size):
-            batch = dataclasses.replace(plan, items=items[start : start + size])
-            super().read_data(batch, planner).wait()
-            self.on_batch(min(start + size, len(items)), len(items))
-        done: Future[None] = Future()
-        done.set_result(None)
-        return done
-
-
 def _finalise(model: nn.Module, ckpt: _Checkpoint, device: torch.device) -> None:
     """Recreate non-persistent buffers, check tied weights, and set the model up for generation."""
     _recreate_buffers(model, device)
+    _require_nothing_on_meta(model)
     if getattr(ckpt.hf_config.get_text_config(), "tie_word_embeddings", False):
         output, input_ = model.get_output_embeddings(), model.get_input_embeddings()
         assert output.weight is input_.weight, "FSDP must keep tied embeddings one parameter"
@@ -407,3 +328,13 @@ def _recreate_buffers(model: nn.Module, device: torch.device) -> None:
             fresh = type(module)(module_config)
         for buffer in buffers:
             setattr(module, buffer, getattr(fresh, buffer))
+
+
+def _require_nothing_on_meta(model: nn.Module) -> None:
+    """Every parameter and buffer came from the files or was recomputed; one still on meta would fail in forward."""
+    left = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if left:
+        raise ValueError(
+            f"{len(left)} tensor(s) are neither in the checkpoint nor recomputed when loading, e.g. {left[:3]}: "
+            "sharded loading supports models whose every parameter and persistent buffer is saved in the files"
+        )

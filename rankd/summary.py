@@ -1,7 +1,8 @@
 """The summary of a sharded load: what was loaded, how it is laid out, and what it costs each rank.
 
-`load_summary` is a collective (it gathers every rank's figures), so every rank calls it and
-every rank returns the same dict; the kernel shows rank 0's.
+Every rank measures its own figures (`rank_figures`); the load gathers them at its last sync
+point, and every rank then builds the same summary from them (`load_summary`, no collective);
+the kernel shows rank 0's.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -27,28 +27,30 @@ def full_param_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def rank_figures(model: nn.Module, device: torch.device, load_seconds: float) -> dict[str, Any]:
+    """This rank's share of the summary: its parameter bytes, its memory and its load time."""
+    return {"local_param_bytes": local_param_bytes(model), "seconds": load_seconds, **memory_in_use(str(device))}
+
+
 def load_summary(
     model: nn.Module,
+    every: list[dict[str, Any]],
     *,
     architecture: str,
     path: str,
     mesh: DeviceMesh,
     device: torch.device,
-    load_seconds: float,
     reshard_after_forward: bool,
     reshard_reason: str,
 ) -> dict[str, Any]:
-    """Architecture, sizes, layout, per-rank memory and the slowest rank's time of a finished load (a collective)."""
-    mine = {"local_param_bytes": local_param_bytes(model), "seconds": load_seconds, **memory_in_use(str(device))}
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    """Architecture, sizes, layout, per-rank memory and the slowest rank's time, from every rank's `rank_figures`."""
     return {
         "architecture": architecture,
         "model_path": path,
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "device": device.type,
-        "world_size": dist.get_world_size(),
+        "world_size": len(every),
         "mesh_shape": list(mesh.shape),
         "mesh_axes": list(mesh.mesh_dim_names or ()),
         "full_param_bytes": full_param_bytes(model),

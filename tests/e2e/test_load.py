@@ -91,11 +91,11 @@ def test_unfetched_demo_model_and_use_before_load(fresh_kernel, tmp_path):
 
 
 def test_read_failure_on_one_rank_fails_every_rank_cleanly(kernel, tiny):
-    """Simulated on rank 1 only: its reader raises inside torch.distributed.checkpoint."""
+    """Simulated on rank 1 only: mapping a checkpoint file raises there."""
     patch = (
-        "%%rank 1\nimport torch.distributed.checkpoint as dcp\noriginal_read = dcp.HuggingFaceStorageReader.read_data\n"
-        "def broken(self, plan, planner):\n    raise OSError('disk on fire')\n"
-        "dcp.HuggingFaceStorageReader.read_data = broken"
+        "%%rank 1\nfrom shardbook.rankd.safetensors_files import MappedFiles\noriginal_view = MappedFiles.view\n"
+        "def broken(self, stored):\n    raise OSError('disk on fire')\n"
+        "MappedFiles.view = broken"
     )
     assert kernel.run(patch).status == "ok"
     try:
@@ -104,6 +104,6 @@ def test_read_failure_on_one_rank_fails_every_rank_cleanly(kernel, tiny):
         assert ex.status == "error"
         assert "disk on fire" in shown and "rank 1" in shown, shown
     finally:
-        kernel.run("%%rank 1\ndcp.HuggingFaceStorageReader.read_data = original_read")
+        kernel.run("%%rank 1\nMappedFiles.view = original_view")
     assert_usable(kernel)
     assert load(kernel, tiny).status == "ok"

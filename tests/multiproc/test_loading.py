@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 import types
 import weakref
@@ -16,7 +17,7 @@ from tests.tiny import make_tiny_llama, make_tiny_non_causal
 
 PROMPT = "What is the capital of France?"
 NUM_TOKENS = 20
-STEPS = ["config", "skeleton", "shard", "materialise", "read", "finalise"]
+STEPS = ["config", "skeleton", "shard", "read", "finalise"]
 
 
 def stand_in_config(path, *, fsdp_size=-1, dtype="float32", reshard=None, ep_size=1):
@@ -80,8 +81,15 @@ def load_and_run(rank, path, parallel: dict, dtype: str = "float32") -> dict:
     steps = []
     loaded = load_sharded(config, device="cpu", progress=lambda step, done, total: steps.append((step, done, total)))
     sharded = layout(loaded.model)  # before running: reshard_after_forward=False leaves the gathered weights registered
+    mapped = mapped_params(loaded.model, Path(path))
     outputs = run_model(loaded.model, loaded.tokenizer, synced=True)
-    return {**outputs, **sharded, "steps": steps, "summary": loaded.summary}
+    return {**outputs, **sharded, "mapped": mapped, "steps": steps, "summary": loaded.summary}
+
+
+def mapped_params(model, path: Path) -> dict[str, bool]:
+    """Per parameter: is this rank's shard a view of a mapped checkpoint file (its storage is the whole file)?"""
+    file_sizes = {file.stat().st_size for file in path.glob("*.safetensors")}
+    return {name: p.to_local().untyped_storage().nbytes() in file_sizes for name, p in model.named_parameters()}
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +116,8 @@ def test_fsdp_matches_single_process(ranks, tiny, tiny_reference):
             assert is_dtensor and placements == ["Shard(dim=0)"], name
             first_half = -(-full[0] // 2)
             assert local == [[first_half, full[0] - first_half][rank], *full[1:]], (rank, name, local, full)
+            # On CPU a shard is the mapped file itself, unless FSDP2 had to pad it (rank 1 of an odd row count).
+            assert result["mapped"][name] == (local[0] == first_half), (rank, name, local, full)
         assert result["tied"]
         torch.testing.assert_close(result["inv_freq"], result["inv_freq_expected"], atol=0, rtol=0)
         assert STEPS == list(dict.fromkeys(step for step, _, _ in result["steps"]))
@@ -146,6 +156,7 @@ def test_hsdp_replicate_two_by_shard_one(ranks, tiny, tiny_reference):
         assert result["summary"]["mesh_axes"] == ["replicate", "shard"]
         for name, (is_dtensor, placements, local, full) in result["params"].items():
             assert is_dtensor and placements == ["Replicate()", "Shard(dim=0)"] and local == full, name
+            assert result["mapped"][name], name
         assert result["tied"]
 
 
@@ -172,13 +183,14 @@ def test_dtype_of_a_bfloat16_checkpoint(ranks, tiny_bf16, requested, dtype):
         assert result["inv_freq"].dtype == torch.float32
         torch.testing.assert_close(result["logits"], reference["logits"], atol=0, rtol=0)
         assert result["tokens"] == reference["tokens"]
+    # Shards in the file's own dtype may be views of it; converted ones are copies.
+    assert any(results[0]["mapped"].values()) == (requested == "auto")
 
 
 def failing_loads(rank, paths: dict) -> dict:
     """Each bad request on both ranks; the messages each rank raised, and whether the group still works."""
-    import torch.distributed.checkpoint as dcp
-
     from shardbook.rankd.loading import load_sharded
+    from shardbook.rankd.safetensors_files import MappedFiles
 
     tiny = paths["tiny"]
     cases = {
@@ -189,18 +201,20 @@ def failing_loads(rank, paths: dict) -> dict:
         "unsupported dtype": (stand_in_config(tiny, dtype="float64"), None),
         "tensor missing from files": (stand_in_config(paths["incomplete"]), None),
         "path missing on rank 1 only": (stand_in_config(tiny), paths["missing"] if rank == 1 else None),
+        "file truncated on rank 1 only": (stand_in_config(tiny), paths["truncated"] if rank == 1 else None),
+        "config does not match weights": (stand_in_config(paths["mismatched"]), None),
     }
     messages = {}
     for case, (config, model_path) in cases.items():
         messages[case] = _message_of(lambda: load_sharded(config, device="cpu", model_path=model_path))
 
-    real_read = dcp.HuggingFaceStorageReader.read_data
+    real_view = MappedFiles.view
 
-    def broken_read(self, plan, planner):
+    def broken_view(self, stored):
         raise OSError("simulated read failure")
 
     if rank == 1:
-        dcp.HuggingFaceStorageReader.read_data = broken_read
+        MappedFiles.view = broken_view
     try:
         kept = None
         try:
@@ -209,7 +223,7 @@ def failing_loads(rank, paths: dict) -> dict:
             kept = e  # as a notebook keeps the last error (sys.last_value)
         messages["read fails on rank 1 only"] = f"{type(kept).__name__}: {kept}"
     finally:
-        dcp.HuggingFaceStorageReader.read_data = real_read
+        MappedFiles.view = real_view
     gc.collect()
     pinned = sum(isinstance(o, torch.nn.Module) and type(o).__name__.endswith("LlamaForCausalLM") for o in gc.get_objects())
     del kept
@@ -236,7 +250,20 @@ def failures(ranks, tiny, tmp_path_factory) -> list[dict]:
     del weights["model.norm.weight"]
     save_file(weights, incomplete / "model.safetensors", metadata={"format": "pt"})
     bert = make_tiny_non_causal(root / "bert")
-    paths = {"tiny": tiny, "missing": root / "nowhere", "bert": bert, "incomplete": incomplete}
+    truncated = make_tiny_llama(root / "truncated")
+    with open(truncated / "model.safetensors", "r+b") as f:
+        f.truncate(f.seek(0, os.SEEK_END) - 1000)
+    mismatched = make_tiny_llama(root / "mismatched")
+    config = json.loads((mismatched / "config.json").read_text())
+    (mismatched / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] * 2}))
+    paths = {
+        "tiny": tiny,
+        "missing": root / "nowhere",
+        "bert": bert,
+        "incomplete": incomplete,
+        "truncated": truncated,
+        "mismatched": mismatched,
+    }
     return ranks(failing_loads, paths, deadline=120)
 
 
@@ -247,6 +274,7 @@ EXPECTED = {
     "expert parallel": ["ep_size=2", "set parallel.ep_size to 1"],
     "unsupported dtype": ["'float64' is not supported", "float32, bfloat16, float16"],
     "tensor missing from files": ["lacks 1 tensor(s)", "model.norm.weight"],
+    "config does not match weights": ["expects [", "the config and the weights do not match"],
 }
 
 
@@ -263,6 +291,14 @@ def test_path_missing_on_one_rank_stops_every_rank(failures):
     rank0, rank1 = (result["messages"]["path missing on rank 1 only"] for result in failures)
     assert "loading stopped because rank(s) [1] could not read the checkpoint's config" in rank0
     assert rank1.startswith("ValueError: ") and "nowhere is not a checkpoint directory" in rank1
+
+
+def test_truncated_file_on_one_rank_stops_every_rank_before_any_read(failures):
+    """A mapped page past the end of a file would kill the rank (SIGBUS): the headers are checked first."""
+    rank0, rank1 = (result["messages"]["file truncated on rank 1 only"] for result in failures)
+    assert "loading stopped because rank(s) [1] could not match the checkpoint's tensors" in rank0
+    assert "is not a complete safetensors file" in rank1 and "(truncated)" in rank1, rank1
+    assert "copy or download the checkpoint again" in rank1
 
 
 def test_read_failure_on_one_rank_stops_every_rank(failures):
