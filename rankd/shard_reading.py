@@ -13,7 +13,7 @@ tensor are therefore one contiguous byte range of the mapped file, and:
 The model stays on the meta device until then (no `to_empty`): each shard is allocated once, here.
 
 This replaces DCP's `HuggingFaceStorageReader`, which reads each slice into a fresh buffer and
-then copies it into place: that read was two thirds of a SmolLM2 load on CPU.
+then copies it into place: that was a third of a SmolLM2 load on CPU (0.2 of 0.6 s).
 """
 
 from __future__ import annotations
