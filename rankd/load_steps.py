@@ -12,10 +12,14 @@ keeps the frames' functions alive, and a lambda's closure would keep the half-lo
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
+
+INTERRUPTED = "the load was interrupted before it finished: no model is loaded; run %load_sharded again"
 
 # What each step does, for "rank N could not <...>" messages, and what to check when it fails.
 STEP_WORDS = {
@@ -33,10 +37,20 @@ STEP_WORDS = {
 }
 
 
-class LoadSteps:
-    """This rank's steps: `run` each in order (skipped after a failure), `settle` at each sync point."""
+class LoadInterrupted(Exception):
+    """The stop event was set: this rank stopped at a safe point (between steps, tensors or layers)."""
 
-    def __init__(self) -> None:
+
+class LoadSteps:
+    """This rank's steps: `run` each in order (skipped after a failure), `settle` at each sync point.
+
+    An interrupt only sets `stop` (rank 0's stop button reaches every rank that way); each rank
+    notices it between steps and at every progress report inside one, never inside a collective,
+    and every rank raises KeyboardInterrupt together at the next `settle`.
+    """
+
+    def __init__(self, stop: threading.Event | None = None) -> None:
+        self.stop = stop
         self.failed_step: str | None = None
         self.error: Exception | None = None
 
@@ -50,20 +64,36 @@ class LoadSteps:
         if self.error is not None:
             return None
         try:
+            self._raise_if_stopped()
             return fn(*args)
         except Exception as e:  # kept for settle: raising now would leave the other ranks waiting there
             self.failed_step, self.error = step, e
             return None
 
+    def progress(self, report: Callable[[str, int, int], None], step: str) -> Callable[[int, int], None]:
+        """A `(done, total)` callback for inside `step`: reports, then stops there if the load was interrupted."""
+        return functools.partial(self._report_in_step, report, step)
+
+    def _report_in_step(self, report: Callable[[str, int, int], None], step: str, done: int, total: int) -> None:
+        report(step, done, total)
+        self._raise_if_stopped()
+
+    def _raise_if_stopped(self) -> None:
+        if self.stop is not None and self.stop.is_set():
+            raise LoadInterrupted(INTERRUPTED)
+
     def settle(self, value: Any = None) -> list[Any]:
         """Every rank's `value`; raises on every rank if a step failed on any (a collective)."""
-        mine = (self.failed_step, None if self.error is None else describe(self.error), value)
+        message = None if self.error is None else describe(self.error)
+        mine = (self.failed_step, message, isinstance(self.error, LoadInterrupted), value)
         outcomes: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(outcomes, mine)
-        failures = {rank: (step, message) for rank, (step, message, _) in enumerate(outcomes) if message is not None}
+        failures = {rank: (step, message) for rank, (step, message, _, _) in enumerate(outcomes) if message is not None}
+        if any(interrupted for _, _, interrupted, _ in outcomes):
+            raise KeyboardInterrupt(INTERRUPTED)  # on every rank alike: each was interrupted, or will be
         if failures:
             self._raise(failures)
-        return [value for _, _, value in outcomes]
+        return [value for _, _, _, value in outcomes]
 
     def _raise(self, failures: dict[int, tuple[str, str]]) -> None:
         """This rank's own error, or a pointer to the rank(s) that failed.

@@ -15,10 +15,10 @@ Before loading again, every rank calls `free_model` on the namespace that holds 
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import logging
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -80,6 +80,7 @@ def load_sharded(
     device: torch.device | str,
     model_path: str | Path | None = None,
     progress: Progress | None = None,
+    stop: threading.Event | None = None,
 ) -> LoadedModel:
     """Load `config.model` sharded over the ranks as `config.parallel` says; call on every rank.
 
@@ -87,13 +88,14 @@ def load_sharded(
     `parallel.{fsdp_size, ep_size, reshard_after_forward}` (a `ShardbookConfig` or any object
     shaped like it). `model_path` is the resolved checkpoint directory (rank 0 resolves demo
     names and sends the path); without it `config.model.model_name_or_path` is used as a path.
+    `stop`, once set, makes every rank stop at its next safe point and raise KeyboardInterrupt.
     """
     if not dist.is_initialized():
         raise ValueError("load_sharded needs a torch.distributed process group: call rankd.world.init_world() first")
     try:
         with _gc_paused():
-            return _load(config, torch.device(device), model_path, _Reporter(progress))
-    except Exception as e:
+            return _load(config, torch.device(device), model_path, _Reporter(progress), stop)
+    except BaseException as e:
         # A notebook keeps the last traceback: its frames must not pin a half-loaded model.
         _drop_frame_locals(e)
         raise
@@ -116,10 +118,12 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _load(config: Any, device: torch.device, model_path: str | Path | None, report: "_Reporter") -> LoadedModel:
+def _load(
+    config: Any, device: torch.device, model_path: str | Path | None, report: "_Reporter", stop: threading.Event | None
+) -> LoadedModel:
     """The steps of `load_sharded`, in order, settled with every rank after the skeleton and after the read."""
     started = time.perf_counter()
-    steps = LoadSteps()
+    steps = LoadSteps(stop)
     ckpt = steps.run("config", _read_config, config, model_path, device)
     if steps.ok:
         report("config", 1, 1)
@@ -130,9 +134,9 @@ def _load(config: Any, device: torch.device, model_path: str | Path | None, repo
     views = steps.settle(steps.run("memory", _memory_view, model, device))
     reshard, reason = choose_reshard_after_forward(config.parallel.reshard_after_forward, views)
     mesh = init_mesh(device.type, ckpt.mesh_shape, ckpt.mesh_axes)
-    steps.run("shard", apply_fsdp, model, mesh, reshard, functools.partial(report, "shard"))
+    steps.run("shard", apply_fsdp, model, mesh, reshard, steps.progress(report, "shard"))
     targets = steps.run("plan", plan_reads, model, ckpt.path)
-    steps.run("read", read_shards, model, targets, device, functools.partial(report, "read"))
+    steps.run("read", read_shards, model, targets, device, steps.progress(report, "read"))
     steps.run("finalise", _finalise, model, ckpt, device)
     if steps.ok:
         report("finalise", 1, 1)

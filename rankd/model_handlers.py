@@ -15,9 +15,13 @@ from .handlers import RankContext, handler
 from .world import load_device
 
 
-@handler("load")
+@handler("load", interrupt="event")
 def handle_load(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[str, Any]:
-    """Free the previous model, then load the configured checkpoint sharded over every rank."""
+    """Free the previous model, then load the configured checkpoint sharded over every rank.
+
+    Interrupted through the stop event only: a KeyboardInterrupt could take one rank out of a
+    sync point that the others still wait in; the load stops every rank at a safe point instead.
+    """
     from .loading import free_model, load_sharded
 
     config = ShardbookConfig.from_dict(args["config"], source="the kernel's load command")
@@ -29,7 +33,9 @@ def handle_load(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[str,
         sink(protocol.PROGRESS, {"step": step, "done": done, "total": total})
 
     device = load_device(config.parallel.device, ctx.world)
-    loaded = load_sharded(config, device=device, model_path=args["model_path"], progress=progress)
+    loaded = load_sharded(
+        config, device=device, model_path=args["model_path"], progress=progress, stop=ctx.stop_event
+    )
     namespace["model"], namespace["tokenizer"] = loaded.model, loaded.tokenizer
     ctx.state.update(loaded=loaded, config=config)
     return {"status": "ok", "value": loaded.summary}

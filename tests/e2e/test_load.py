@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from tests.tiny import make_tiny_llama, make_tiny_non_causal
@@ -106,4 +109,41 @@ def test_read_failure_on_one_rank_fails_every_rank_cleanly(kernel, tiny):
     finally:
         kernel.run("%%rank 1\nMappedFiles.view = original_view")
     assert_usable(kernel)
+    assert load(kernel, tiny).status == "ok"
+
+
+def test_interrupt_during_a_load_stops_every_rank_together(kernel, tiny):
+    """Every rank reads 0.3 s per tensor here, so the interrupt lands while the weights are read."""
+    slow = (
+        "%%all\nimport time\nfrom shardbook.rankd.safetensors_files import MappedFiles\noriginal_view = MappedFiles.view\n"
+        "def slow_view(self, stored):\n    time.sleep(0.3)\n    return original_view(self, stored)\n"
+        "MappedFiles.view = slow_view"
+    )
+    assert kernel.run(slow).status == "ok"
+    reading = threading.Event()
+
+    def on_message(msg):
+        if msg["msg_type"] == "comm_msg" and "reading weights" in str(msg["content"]["data"].get("state", {})):
+            reading.set()
+
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(ex=kernel.run(
+        f"%load_sharded --model.model_name_or_path {tiny}", timeout=120, on_message=on_message
+    )))
+    try:
+        thread.start()
+        assert reading.wait(60), "the load never reached the read"
+        interrupted_at = time.monotonic()
+        kernel.km.interrupt_kernel()
+        thread.join(30)
+        assert time.monotonic() - interrupted_at < 3.0
+    finally:
+        thread.join(60)
+        kernel.run("%%all\nMappedFiles.view = original_view")
+    ex = result["ex"]
+    shown = ex.error_text() + ex.stderr()
+    assert ex.status == "error" and "interrupted" in shown and "%load_sharded" in shown, shown
+    assert "did not stop" not in shown, shown  # no rank left inside a collective
+    assert_usable(kernel)
+    assert kernel.run("%%all\nprint('model' in globals())").stdout().count("False") == 2
     assert load(kernel, tiny).status == "ok"

@@ -314,6 +314,40 @@ def test_failed_load_frees_its_model_and_the_group_still_works(failures, tiny_re
     assert_same_as_reference([result["then"] for result in failures], tiny_reference)
 
 
+def interrupted_loads(rank, path) -> dict:
+    """The stop event set on one rank only, before the load and midway through sharding; then a load that works."""
+    import threading
+
+    from shardbook.rankd.loading import load_sharded
+
+    outcomes = {}
+    for case, stopped_rank, at_step in (("before", 0, None), ("while sharding", 1, "shard")):
+        stop = threading.Event()
+        if rank == stopped_rank and at_step is None:
+            stop.set()
+
+        def progress(step, done, total, stop=stop, at_step=at_step, stopped_rank=stopped_rank):
+            if rank == stopped_rank and step == at_step and done == 1:
+                stop.set()  # as the interrupt message reaching this rank first
+
+        try:
+            load_sharded(stand_in_config(path), device="cpu", progress=progress, stop=stop)
+            outcomes[case] = "loaded"
+        except KeyboardInterrupt as e:
+            outcomes[case] = f"KeyboardInterrupt: {e}"
+    healthy = load_sharded(stand_in_config(path), device="cpu")
+    return {"outcomes": outcomes, "then": run_model(healthy.model, healthy.tokenizer, synced=True)}
+
+
+def test_interrupt_on_one_rank_stops_every_rank_at_a_safe_point(ranks, tiny, tiny_reference):
+    results = ranks(interrupted_loads, tiny, deadline=120)
+    for result in results:
+        for case, outcome in result["outcomes"].items():
+            assert outcome.startswith("KeyboardInterrupt: the load was interrupted"), (case, outcome)
+            assert "run %load_sharded again" in outcome
+    assert_same_as_reference([result["then"] for result in results], tiny_reference)
+
+
 def reload_and_free(rank, path) -> dict:
     from torch.distributed.tensor import DTensor
 
