@@ -27,9 +27,9 @@ class TextProgress:
         if now - self._last < 0.1 and done < total:
             return
         self._last = now
-        percent = percent(step, done, total)
-        bar = "#" * (percent // 5) + "-" * (20 - percent // 5)
-        self.stream.write(f"\r{self.title} [{bar}] {percent:3d}% {STEP_LABELS.get(step, step)} {done}/{total}   ")
+        share = percent(step, done, total)
+        bar = "#" * (share // 5) + "-" * (20 - share // 5)
+        self.stream.write(f"\r{self.title} [{bar}] {share:3d}% {STEP_LABELS.get(step, step)} {done}/{total}   ")
         self.stream.flush()
 
     def close(self, ok: bool) -> None:

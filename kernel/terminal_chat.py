@@ -55,7 +55,6 @@ from .kernelspec import Layout
 from .progress import STEP_LABELS
 
 if TYPE_CHECKING:
-    from .pool import Outcome
     from .runtime import Runtime
 
 PID_FILE_ENV = "SHARDBOOK_CHAT_PIDFILE"

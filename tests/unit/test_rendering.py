@@ -108,3 +108,20 @@ def test_collective_timeouts_advise_a_restart():
     assert "restart the kernel" in describe_failures(timed_out)
     plain = outcome({0: err("ValueError", "bad"), 1: {"status": "ok"}})
     assert "restart" not in describe_failures(plain)
+
+
+def test_text_progress_line_rewritten_in_place_and_closed():
+    import io
+
+    from shardbook.kernel.progress import TextProgress
+
+    stream = io.StringIO()
+    progress = TextProgress("loading", stream=stream)
+    progress.update("read", 45, 90)
+    progress.update("read", 50, 90)  # within 0.1 s of the last line and not the step's end: skipped
+    progress.update("finalise", 1, 1)
+    progress.close(ok=True)
+    lines = stream.getvalue().split("\r")[1:]
+    assert lines[0].startswith("loading [#############-------]  67% reading weights 45/90")
+    assert lines[1].startswith("loading [####################] 100% finishing 1/1") and lines[1].endswith("\n")
+    assert len(lines) == 2
