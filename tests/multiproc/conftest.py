@@ -1,85 +1,20 @@
-"""Multi-process test harness: run a function on N spawned gloo ranks, with a deadline so a hang fails the test.
-
-`run_ranks(fn, *args)` starts `world_size` processes, each joining one gloo process group
-(rendezvous through a FileStore in a temporary directory, so no port is guessed), runs
-`fn(rank, *args)` with one CPU thread, and returns the list of per-rank return values. A rank
-that raises fails the test with its traceback; ranks still running at the deadline are killed
-and the test fails naming them, which is how "no rank hangs" is asserted.
-"""
+"""Fixtures for the multi-process tests: the `ranks` harness (tests/ranks.py)."""
 
 from __future__ import annotations
 
-import multiprocessing
-import pickle
-import queue
 import sys
-import tempfile
-import time
-import traceback
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:  # `tests.tiny` must import in the spawned ranks too
+if str(REPO_ROOT) not in sys.path:  # `tests.ranks` and `tests.tiny` must import here and in the spawned ranks
     sys.path.insert(0, str(REPO_ROOT))
 
-
-def _rank_main(rank: int, world_size: int, store: str, fn, args, results) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
-        # Plain pickle bytes: a queue would pass tensors as shared-memory handles that die with this process.
-        results.put((rank, "ok", pickle.dumps(fn(rank, *args))))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+from tests.ranks import run_ranks  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def ranks():
     """The `run_ranks` function, for tests that spawn process groups."""
     return run_ranks
-
-
-def run_ranks(fn, *args, world_size: int = 2, deadline: float = 90.0) -> list:
-    """`fn(rank, *args)` on `world_size` gloo ranks; their return values in rank order."""
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = str(Path(tmp) / "store")
-        procs = [
-            ctx.Process(target=_rank_main, args=(rank, world_size, store, fn, args, results), daemon=True)
-            for rank in range(world_size)
-        ]
-        for proc in procs:
-            proc.start()
-        outcomes = _collect(results, world_size, deadline)
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-    missing = sorted(set(range(world_size)) - set(outcomes))
-    if missing:
-        pytest.fail(f"rank(s) {missing} did not finish within {deadline:.0f} s (hung in a collective?)")
-    errors = {rank: detail for rank, (status, detail) in outcomes.items() if status == "error"}
-    if errors:
-        pytest.fail("\n".join(f"rank {rank} raised:\n{tb}" for rank, tb in sorted(errors.items())))
-    return [pickle.loads(outcomes[rank][1]) for rank in range(world_size)]
-
-
-def _collect(results, world_size: int, deadline: float) -> dict:
-    outcomes: dict = {}
-    end = time.monotonic() + deadline
-    while len(outcomes) < world_size:
-        try:
-            rank, status, detail = results.get(timeout=max(0.1, end - time.monotonic()))
-        except queue.Empty:
-            break
-        outcomes[rank] = (status, detail)
-    return outcomes
