@@ -26,8 +26,9 @@ Measured: (1) empty broadcast cell, (2) one line printed per rank, (3) 1000
 lines per rank, checked complete and in order per rank before the
 execute_reply, (4) kernel start (``start_kernel``) to the first broadcast
 cell's reply, each system started alone (median of ``--startup-reps`` 3
-fresh starts).  Targets from the issue are printed as
-PASS/FAIL lines.
+fresh starts), and (5) the shutdown of each of those kernels
+(``shutdown_kernel(now=False)``, which sends SIGTERM after 2.5 s).  Targets
+from the issue are printed as PASS/FAIL lines.
 
 The anchors live in their own venv (never in shardbook's): their kernelspecs,
 written to a temporary JUPYTER_PATH, point at that venv's python.  Set it up
@@ -471,6 +472,7 @@ class Live:
         self.cell_timeout = cell_timeout
         self.km = None
         self.kc = None
+        self.shutdown_s: float | None = None  # seconds jupyter_client's shutdown_kernel(now=False) took
 
     def start(self, startup_timeout: float) -> dict:
         """Start, run the start-up cells and the first broadcast; return timings."""
@@ -514,7 +516,9 @@ class Live:
             self.kc.stop_channels()
         if self.km is not None:
             try:
-                self.km.shutdown_kernel(now=False)
+                t0 = time.perf_counter()
+                self.km.shutdown_kernel(now=False)  # jupyter_client's SIGTERM comes 2.5 s in, a SIGKILL at 5 s
+                self.shutdown_s = time.perf_counter() - t0
             except Exception as e:
                 print(f"  [{self.system.key}] shutdown: {e}", flush=True)
         # Reap what this kernel started (by pid), e.g. torchrun followers or
@@ -607,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {s.key:20s} {s.how}")
         print(f"  {'':20s} argv: {' '.join(spec['argv'])}")
 
-    results: dict[str, dict] = {s.key: {"startup": [], "ready": []} for s in systems}
+    results: dict[str, dict] = {s.key: {"startup": [], "ready": [], "shutdown": []} for s in systems}
     failed: dict[str, str] = {}
     start_fails: dict[str, list[str]] = {}  # failed start attempts (not fatal if a retry worked)
     start_tries: dict[str, int] = {}
@@ -631,6 +635,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  FAIL {s.key} start {rep + 1}: {e}\n{live.log_tail()}", flush=True)
             finally:
                 live.stop()
+                if live.shutdown_s is not None:
+                    results[s.key]["shutdown"].append(live.shutdown_s)
     for key, errs in start_fails.items():
         if not results[key]["startup"]:
             failed[key] = f"start-up failed {len(errs)}/{args.startup_reps}: {errs[0]}"
@@ -699,9 +705,10 @@ def main(argv: list[str] | None = None) -> int:
     def p90(key, t):
         return pct(results[key][t], 0.9) if results.get(key, {}).get(t) else float("nan")
 
-    print("\n## results (ms; start-up in s)")
+    print("\n## results (ms; start-up and shutdown in s)")
     hdr = (f"{'system':20s} {'empty med':>9s} {'p90':>7s} {'1-line med':>10s} {'p90':>7s} "
-           f"{'1000-line med':>13s} {'p90':>7s} {'lines ok':>9s} {'start-up s':>10s} {'empty/floor':>11s}")
+           f"{'1000-line med':>13s} {'p90':>7s} {'lines ok':>9s} {'start-up s':>10s} {'shutdown s':>10s} "
+           f"{'empty/floor':>11s}")
     print(hdr)
     print("-" * len(hdr))
     floor_empty = med("floor", "empty") if "floor" in results else float("nan")
@@ -715,18 +722,19 @@ def main(argv: list[str] | None = None) -> int:
         ver1 = results[key].get("one_line_verify", [])
         nok = sum(v["ok"] for v in ver)
         su = statistics.median(results[key]["startup"]) if results[key]["startup"] else float("nan")
+        down = statistics.median(results[key]["shutdown"]) if results[key]["shutdown"] else float("nan")
         ratio = med(key, "empty") / floor_empty if floor_empty == floor_empty else float("nan")
         print(f"{key:20s} {ms(med(key, 'empty')):>9s} {ms(p90(key, 'empty')):>7s} "
               f"{ms(med(key, 'one_line')):>10s} {ms(p90(key, 'one_line')):>7s} "
               f"{ms(med(key, 'big')):>13s} {ms(p90(key, 'big')):>7s} "
-              f"{f'{nok}/{len(ver)}':>9s} {su:>10.2f} {'-' if ratio != ratio else f'{ratio:.2f}x':>11s}")
+              f"{f'{nok}/{len(ver)}':>9s} {su:>10.2f} {down:>10.2f} {'-' if ratio != ratio else f'{ratio:.2f}x':>11s}")
         summary[key] = {
             "empty_med_ms": med(key, "empty") * 1e3, "empty_p90_ms": p90(key, "empty") * 1e3,
             "one_line_med_ms": med(key, "one_line") * 1e3, "one_line_p90_ms": p90(key, "one_line") * 1e3,
             "big_med_ms": med(key, "big") * 1e3, "big_p90_ms": p90(key, "big") * 1e3,
             "big_verified": f"{nok}/{len(ver)}",
             "one_line_verified": f"{sum(v['ok'] for v in ver1)}/{len(ver1)}",
-            "startup_s": su, "startup_all_s": results[key]["startup"],
+            "startup_s": su, "startup_all_s": results[key]["startup"], "shutdown_s": down,
             "start_failures": start_fails.get(key, []), "failed": failed.get(key),
         }
         bad = [v for v in ver + ver1 if not v["ok"]]

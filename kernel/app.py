@@ -8,7 +8,10 @@ runs the follower loop and reads the same connection file for the control-plane 
 
 from __future__ import annotations
 
+import atexit
+import os
 import sys
+from typing import NoReturn
 
 from shardbook.rankd.lifetime import die_with_parent
 from shardbook.rankd.world import JobShape
@@ -28,7 +31,30 @@ def launch_kernel(argv: list[str]) -> None:
     from ipykernel.kernelapp import IPKernelApp
 
     die_with_parent()
-    IPKernelApp.launch_instance(argv=[*argv, "--ext=shardbook.magics"])
+    try:
+        IPKernelApp.launch_instance(argv=[*argv, "--ext=shardbook.magics"])
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise
+    exit_without_teardown()
+
+
+def exit_without_teardown() -> NoReturn:
+    """End rank 0 after a clean kernel shutdown, skipping the interpreter's teardown.
+
+    With torch and transformers imported, CPython's teardown (freeing every module and their
+    objects) took 0.6-1.3 s here. torchrun needs about 1 s more after its last worker exits, and
+    jupyter_client sends SIGTERM 2.5 s after its shutdown request: a kernel that took 2.5 s to end
+    was killed, and torchrun logged the SIGTERM as a failure. The exit handlers (the pool, the
+    connection file, IPython's history, logging) still run first; only the teardown is skipped.
+    """
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            stream.flush()
+        except (AttributeError, ValueError, OSError):  # closed or replaced at shutdown
+            pass
+    os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> int:
