@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import queue
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,3 +76,30 @@ def execute(kc, code: str, timeout: float = 60.0, on_message=None) -> Execution:
         elif msg["msg_type"] != "status":
             messages.append(msg)
     return Execution(reply, messages, reply_at)
+
+
+def interrupt_when(
+    handle, code: str, seen: Callable[[dict[str, Any]], bool], *, wait_s: float = 60.0, timeout: float = 120.0
+) -> tuple[Execution, float]:
+    """Run ``code`` on ``handle`` (a started kernel with ``run`` and ``km``) and interrupt the kernel at
+    the first IOPub message ``seen`` accepts; returns the Execution and the seconds from the
+    interrupt to its reply. Fails if that moment does not come within ``wait_s``."""
+    result: dict[str, Any] = {}
+    spotted = threading.Event()
+
+    def on_message(msg: dict[str, Any]) -> None:
+        if seen(msg):
+            spotted.set()
+
+    thread = threading.Thread(target=lambda: result.update(ex=handle.run(code, timeout=timeout, on_message=on_message)))
+    thread.start()
+    try:
+        assert spotted.wait(wait_s), f"the moment to interrupt {code[:50]!r} never came"
+        interrupted_at = time.monotonic()
+        handle.km.interrupt_kernel()
+        thread.join(timeout)
+        return result["ex"], time.monotonic() - interrupted_at
+    finally:
+        if thread.is_alive():
+            handle.km.interrupt_kernel()
+            thread.join(timeout)

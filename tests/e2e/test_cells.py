@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.driver import interrupt_when
+
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -113,26 +115,15 @@ def test_dist_table(kernel):
 
 
 def test_interrupt_stops_every_rank(kernel):
-    import threading
-    import time
+    printed = []
 
-    started = threading.Event()
+    def both_sleeping(msg):  # each rank prints before it sleeps; interrupt once both have
+        if msg["msg_type"] == "stream":
+            printed.append(msg["content"]["text"])
+        return "".join(printed).count("sleeping") == 2
 
-    def on_message(msg):
-        if msg["msg_type"] == "stream" and "sleeping" in msg["content"]["text"]:
-            started.set()
-
-    result = {}
-    thread = threading.Thread(target=lambda: result.update(ex=kernel.run(
-        "%%all\nimport time\nprint('sleeping', flush=True)\ntime.sleep(60)", timeout=30, on_message=on_message)))
-    thread.start()
-    assert started.wait(20)
-    time.sleep(0.5)
-    t0 = time.monotonic()
-    kernel.km.interrupt_kernel()
-    thread.join(20)
-    elapsed = time.monotonic() - t0
-    ex = result["ex"]
+    code = "%%all\nimport time\nprint('sleeping', flush=True)\ntime.sleep(60)"
+    ex, elapsed = interrupt_when(kernel, code, both_sleeping, wait_s=20, timeout=30)
     assert ex.status == "error"
     assert "ranks 0, 1: KeyboardInterrupt" in ex.error_text()
     assert elapsed < 5, f"interrupt took {elapsed:.1f} s"

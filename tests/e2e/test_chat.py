@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import html
-import threading
-import time
 
 import pytest
 
+from tests.driver import interrupt_when
 from tests.tiny import make_tiny_llama
 
 pytestmark = pytest.mark.timeout(240)
@@ -116,22 +115,12 @@ def test_sampling_is_reproducible_with_a_seed(loaded):
 
 
 def test_interrupt_keeps_partial_reply_and_next_turn_works(loaded):
-    started = threading.Event()
+    def replying(msg):
+        return msg["msg_type"] == "comm_msg" and "shardbook-reply" in str(msg["content"]["data"].get("state", {}).get("value", ""))
 
-    def on_message(msg):
-        if msg["msg_type"] == "comm_msg" and "shardbook-reply" in str(msg["content"]["data"].get("state", {}).get("value", "")):
-            started.set()
-
-    result = {}
     code = "%%chat --max-new-tokens 2000 --do-sample --temperature 2.0\nramble on"
-    thread = threading.Thread(target=lambda: result.update(ex=loaded.run(code, timeout=120, on_message=on_message)))
-    thread.start()
-    assert started.wait(60)
-    t0 = time.monotonic()
-    loaded.km.interrupt_kernel()
-    thread.join(30)
-    assert time.monotonic() - t0 < 2.5
-    ex = result["ex"]
+    ex, seconds = interrupt_when(loaded, code, replying)
+    assert seconds < 2.5
     assert ex.status == "ok", ex.error_text()
     assert "interrupted" in str([m["content"] for m in ex.of_type("comm_msg")][-3:])
     assert "[assistant (interrupted)]" in loaded.run("%chat --history").stdout()

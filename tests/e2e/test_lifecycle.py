@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from tests.driver import interrupt_when
 from tests.e2e.conftest import gone, wait_until
 
 pytestmark = pytest.mark.timeout(180)
@@ -130,21 +131,12 @@ def test_rank0_failing_before_a_collective_does_not_wedge_silently(fresh_kernel)
         "if dist.get_rank() == 0:\n    raise RuntimeError('rank 0 fails first')\n"
         "dist.all_reduce(torch.ones(1))"
     )
-    notice = threading.Event()
 
-    def on_message(msg):
-        if msg["msg_type"] == "stream" and "still running" in msg["content"]["text"]:
-            notice.set()
+    def noticed(msg):
+        return msg["msg_type"] == "stream" and "still running" in msg["content"]["text"]
 
-    result = {}
-    thread = threading.Thread(target=lambda: result.update(ex=handle.run(code, timeout=60, on_message=on_message)))
-    thread.start()
-    assert notice.wait(10), "no notice that rank 1 is waiting in a collective"
-    t0 = time.monotonic()
-    handle.km.interrupt_kernel()
-    thread.join(20)
-    assert time.monotonic() - t0 < 5
-    ex = result["ex"]
+    ex, seconds = interrupt_when(handle, code, noticed, wait_s=10, timeout=60)
+    assert seconds < 5
     assert ex.status == "error"
     assert "did not stop" in ex.stderr() and "process-group timeout" in ex.stderr()
     table = handle.run("%dist").of_type("execute_result")[0]["content"]["data"]["text/plain"]

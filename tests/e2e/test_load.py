@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import threading
-import time
+import contextlib
 
 import pytest
 
+from tests.driver import interrupt_when
 from tests.tiny import make_tiny_llama, make_tiny_non_causal
 
 pytestmark = pytest.mark.timeout(180)
@@ -93,54 +93,41 @@ def test_unfetched_demo_model_and_use_before_load(fresh_kernel, tmp_path):
     assert ex.status == "error" and "shardbook fetch smollm2-135m-instruct" in ex.stderr()
 
 
-def test_read_failure_on_one_rank_fails_every_rank_cleanly(kernel, tiny):
-    """Simulated on rank 1 only: mapping a checkpoint file raises there."""
+@contextlib.contextmanager
+def mapped_view_replaced(kernel, where: str, body: str):
+    """On the ranks ``where`` selects (``%%all``, ``%%rank 1``), reading a mapped tensor runs ``body``
+    (one line; ``original_view`` is the real reader)."""
     patch = (
-        "%%rank 1\nfrom shardbook.rankd.safetensors_files import MappedFiles\noriginal_view = MappedFiles.view\n"
-        "def broken(self, stored):\n    raise OSError('disk on fire')\n"
-        "MappedFiles.view = broken"
+        f"{where}\nfrom shardbook.rankd.safetensors_files import MappedFiles\noriginal_view = MappedFiles.view\n"
+        f"def replaced_view(self, stored):\n    {body}\nMappedFiles.view = replaced_view"
     )
     assert kernel.run(patch).status == "ok"
     try:
-        ex = load(kernel, tiny)
-        shown = ex.error_text() + ex.stderr()
-        assert ex.status == "error"
-        assert "disk on fire" in shown and "rank 1" in shown, shown
+        yield
     finally:
-        kernel.run("%%rank 1\nMappedFiles.view = original_view")
+        kernel.run(f"{where}\nMappedFiles.view = original_view")
+
+
+def test_read_failure_on_one_rank_fails_every_rank_cleanly(kernel, tiny):
+    """Simulated on rank 1 only: mapping a checkpoint file raises there."""
+    with mapped_view_replaced(kernel, "%%rank 1", "raise OSError('disk on fire')"):
+        ex = load(kernel, tiny)
+    shown = ex.error_text() + ex.stderr()
+    assert ex.status == "error"
+    assert "disk on fire" in shown and "rank 1" in shown, shown
     assert_usable(kernel)
     assert load(kernel, tiny).status == "ok"
 
 
 def test_interrupt_during_a_load_stops_every_rank_together(kernel, tiny):
     """Every rank reads 0.3 s per tensor here, so the interrupt lands while the weights are read."""
-    slow = (
-        "%%all\nimport time\nfrom shardbook.rankd.safetensors_files import MappedFiles\noriginal_view = MappedFiles.view\n"
-        "def slow_view(self, stored):\n    time.sleep(0.3)\n    return original_view(self, stored)\n"
-        "MappedFiles.view = slow_view"
-    )
-    assert kernel.run(slow).status == "ok"
-    reading = threading.Event()
 
-    def on_message(msg):
-        if msg["msg_type"] == "comm_msg" and "reading weights" in str(msg["content"]["data"].get("state", {})):
-            reading.set()
+    def reading(msg):
+        return msg["msg_type"] == "comm_msg" and "reading weights" in str(msg["content"]["data"].get("state", {}))
 
-    result = {}
-    thread = threading.Thread(target=lambda: result.update(ex=kernel.run(
-        f"%load_sharded --model.model_name_or_path {tiny}", timeout=120, on_message=on_message
-    )))
-    try:
-        thread.start()
-        assert reading.wait(60), "the load never reached the read"
-        interrupted_at = time.monotonic()
-        kernel.km.interrupt_kernel()
-        thread.join(30)
-        assert time.monotonic() - interrupted_at < 3.0
-    finally:
-        thread.join(60)
-        kernel.run("%%all\nMappedFiles.view = original_view")
-    ex = result["ex"]
+    with mapped_view_replaced(kernel, "%%all", "import time; time.sleep(0.3); return original_view(self, stored)"):
+        ex, seconds = interrupt_when(kernel, f"%load_sharded --model.model_name_or_path {tiny}", reading)
+    assert seconds < 3.0
     shown = ex.error_text() + ex.stderr()
     assert ex.status == "error" and "interrupted" in shown and "%load_sharded" in shown, shown
     assert "did not stop" not in shown, shown  # no rank left inside a collective
