@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardbook.rankd.load_steps import LoadSteps
+from shardbook.rankd.shard_reading import plan_reads, read_shards
 from shardbook.rankd.sharding import (
     apply_fsdp,
     choose_reshard_after_forward,
@@ -38,8 +40,6 @@ from shardbook.rankd.sharding import (
     reshard_fits,
     reshard_model,
 )
-from shardbook.rankd.shard_reading import plan_reads, read_shards
-from shardbook.rankd.load_steps import LoadSteps
 from shardbook.rankd.summary import full_param_bytes, load_summary, rank_figures
 
 log = logging.getLogger(__name__)
