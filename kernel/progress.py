@@ -12,6 +12,8 @@ STEP_LABELS = {
     "read": "reading weights",
     "finalise": "finishing",
 }
+STEP_SHARES = {"config": 15, "skeleton": 10, "shard": 20, "read": 45, "finalise": 10}
+"""Each step's share of the bar, in percent and in the order the steps run (from measured load times)."""
 
 
 class TextProgress:
@@ -29,7 +31,7 @@ class TextProgress:
         self._last = now
         share = percent(step, done, total)
         bar = "#" * (share // 5) + "-" * (20 - share // 5)
-        self.stream.write(f"\r{self.title} [{bar}] {share:3d}% {STEP_LABELS.get(step, step)} {done}/{total}   ")
+        self.stream.write(f"\r{self.title} [{bar}] {share:3d}% {step_text(step, done, total)}   ")
         self.stream.flush()
 
     def close(self, ok: bool) -> None:
@@ -37,9 +39,16 @@ class TextProgress:
         self.stream.flush()
 
 
+def step_text(step: str, done: int, total: int) -> str:
+    """``reading weights 3/6``: the step as people read it, and how far it is."""
+    return f"{STEP_LABELS.get(step, step)} {done}/{total}"
+
+
 def percent(step: str, done: int, total: int) -> int:
-    """Overall percent: each step gets a fixed share, reading the weights the largest."""
-    weights = {"config": 15, "skeleton": 10, "shard": 20, "read": 45, "finalise": 10}
-    before = sum(weight for name, weight in weights.items() if list(weights).index(name) < list(weights).index(step)) if step in weights else 0
-    share = weights.get(step, 0) * (done / total if total else 1)
+    """Overall percent: the shares of the steps before ``step``, plus the finished part of its own."""
+    if step not in STEP_SHARES:
+        return 0
+    steps = list(STEP_SHARES)
+    before = sum(STEP_SHARES[name] for name in steps[: steps.index(step)])
+    share = STEP_SHARES[step] * (done / total if total else 1)
     return max(0, min(100, int(before + share)))

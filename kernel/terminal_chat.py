@@ -52,7 +52,7 @@ from shardbook.rankd.world import JobShape, World, init_world
 from .failures import describe_failures
 from .fetch import resolve_model_path
 from .kernelspec import Layout
-from .progress import STEP_LABELS
+from .progress import step_text
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -291,7 +291,7 @@ def load_model(runtime: Runtime, config: ShardbookConfig, model_path: Path, term
 
     def on_output(rank: int, msg_type: str, payload: dict[str, Any]) -> None:
         if rank == 0 and msg_type == protocol.PROGRESS:
-            terminal.progress(f"{STEP_LABELS.get(payload['step'], payload['step'])} {payload['done']}/{payload['total']}")
+            terminal.progress(step_text(payload["step"], payload["done"], payload["total"]))
 
     try:
         outcome = load_on_ranks(runtime.pool, config, model_path, on_output, terminal.notice)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from shardbook.kernel.progress import STEP_LABELS, TextProgress, percent
+from shardbook.kernel.progress import TextProgress, percent, step_text
 
 
 def widgets_available(shell: Any) -> bool:
@@ -38,7 +38,7 @@ class WidgetProgress:
             return
         self._last = now
         self.bar.value = percent(step, done, total)
-        self.label.value = f"{STEP_LABELS.get(step, step)} {done}/{total}"
+        self.label.value = step_text(step, done, total)
 
     def close(self, ok: bool) -> None:
         self.bar.value = 100 if ok else self.bar.value
