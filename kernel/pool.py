@@ -9,6 +9,7 @@ interrupt (KeyboardInterrupt in rank 0) into an interrupt of every rank running 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import socket
@@ -21,7 +22,7 @@ import zmq
 
 from shardbook.rankd import model_handlers  # noqa: F401  (registers the model commands)
 from shardbook.rankd import protocol
-from shardbook.rankd.channel import Channel
+from shardbook.rankd.channel import Channel, MessageTooLarge, control_socket, log_to_process_stderr
 from shardbook.rankd.handlers import STOPPED_BY_EVENT, RankContext, dispatch
 from shardbook.rankd.lifetime import pid_alive
 from shardbook.rankd.world import CONNECT_TIMEOUT_S, World, memory_in_use
@@ -39,6 +40,15 @@ OnNotice = Callable[[str], None]
 
 class PoolError(RuntimeError):
     """The pool cannot run a command (not connected, a rank dead or still busy)."""
+
+
+def check_timeout(timeout_s: float | None) -> None:
+    """A command's deadline is a positive, finite number of seconds, or None for no deadline."""
+    if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise ValueError(
+            f"a timeout of {timeout_s} s is not a deadline: give a positive number of seconds, "
+            "or leave the timeout out for no limit"
+        )
 
 
 @dataclass
@@ -124,8 +134,9 @@ class Pool:
 
     # --- start-up --------------------------------------------------------------------------
     def _open(self, session: Any) -> None:
+        log_to_process_stderr(__name__)
         bind_host, public_host = control_host(self.world)
-        sock = zmq.Context.instance().socket(zmq.ROUTER)
+        sock = control_socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         port = sock.bind_to_random_port(f"tcp://{bind_host}")
         self.channel = Channel(
@@ -149,7 +160,7 @@ class Pool:
         with self._lock:
             state = self.ranks.get(message.rank)
             if state is None or ident != f"rank-{message.rank}".encode():
-                log.warning("control plane: message claiming rank %s from %r dropped", message.rank, ident)
+                self.channel.dropped.drop("claimed to come from another rank")
                 return
             state.last_seen = time.monotonic()
             if message.type == protocol.HELLO:
@@ -233,15 +244,20 @@ class Pool:
         timeout_s: float | None = None,
     ) -> Outcome:
         """Run a command on ``targets`` (rank 0 in-process) and wait for every reply."""
+        check_timeout(timeout_s)
         self.check_can_run(targets)
         command = Command(protocol.new_id(), kind, sorted(targets), on_output, on_notice)
         with self._lock:
             self.commands[command.id] = command
             self.ctx0.stop_event.clear()
-        content = {"kind": kind, "args": args}
-        for rank in command.targets:
-            if rank != 0:
-                self._send(rank, protocol.COMMAND, content, command.id)
+        try:
+            for rank in command.targets:
+                if rank != 0:
+                    self._send(rank, protocol.COMMAND, {"kind": kind, "args": args}, command.id)
+        except MessageTooLarge as e:  # the same content for every rank: the first send fails, none went out
+            with self._lock:
+                self.commands.pop(command.id, None)
+            raise PoolError(f"the {kind} command was not sent: {e}") from e
         with self._forward_interrupts(command):
             if 0 in command.targets:
                 if self.channel is not None and len(command.targets) > 1:

@@ -20,10 +20,12 @@ from shardbook.rankd import protocol
 from shardbook.rankd.handlers import RankContext
 from shardbook.rankd.world import JobShape, World, init_world
 
-from .pool import Pool
+from .pool import Pool, PoolError
 
 log = logging.getLogger(__name__)
 _runtime: "Runtime | None" = None
+_failure: str | None = None
+"""Why the runtime failed to start, kept for the kernel's life: start-up is tried once."""
 _lock = threading.Lock()
 
 
@@ -67,21 +69,44 @@ def start_runtime(shell: Any, key: bytes | None = None, world: World | None = No
     atexit.register(runtime.close)
     if shape.under_torchrun:
         signal.signal(signal.SIGTERM, _on_sigterm)
-    pool.wait_connected()
+    try:
+        pool.wait_connected()
+    except BaseException:
+        runtime.close()  # tell the followers that did connect to leave, and stop the channel's thread
+        raise
     return runtime
 
 
 def get_runtime(shell: Any = None) -> Runtime:
-    """The runtime, started on first use from ``shell`` (IPython's, when called from a magic)."""
-    global _runtime
+    """The runtime, started on first use from ``shell`` (IPython's, when called from a magic).
+
+    Start-up is tried once: a failure is kept and raised again at once by every later call (a
+    second try would wait the whole connect timeout again, or join a half-made process group).
+    """
+    global _runtime, _failure
     with _lock:
+        if _failure is not None:
+            raise PoolError(_failure)
         if _runtime is None:
             if shell is None:
                 from IPython import get_ipython
 
                 shell = get_ipython()
-            _runtime = start_runtime(shell)
+            try:
+                _runtime = start_runtime(shell)
+            except Exception as e:
+                _failure = startup_failure(e)
+                raise PoolError(_failure) from e
         return _runtime
+
+
+def startup_failure(error: Exception) -> str:
+    """The one paragraph every later magic shows when the pool failed to start."""
+    cause = str(error).rstrip(". ") or type(error).__name__
+    return (
+        f"the rank pool of this kernel failed to start: {cause}. Nothing can run on the ranks of this kernel; "
+        "fix the cause (the Jupyter server's log has every rank's output), then restart the kernel."
+    )
 
 
 def _on_sigterm(signum, frame) -> None:

@@ -10,8 +10,9 @@ log = logging.getLogger(__name__)
 def load_ipython_extension(shell) -> None:
     """Register the magics, then start the runtime (join the job, connect every follower).
 
-    A start-up failure is logged and kept: each magic then raises it as a UsageError, so the
-    kernel stays usable and the cause shows in the notebook rather than only in a server log.
+    A start-up failure is logged and kept: each magic then raises it at once as a UsageError,
+    so the kernel stays usable and the cause shows in the notebook rather than only in a server
+    log; every frontend that connects also gets it on IOPub.
     """
     from shardbook.kernel.runtime import get_runtime
 
@@ -26,5 +27,10 @@ def load_ipython_extension(shell) -> None:
     shell.set_custom_exc((RankError,), show_rank_error)
     try:
         get_runtime(shell)
-    except Exception:
+    except Exception as e:
         log.exception("shardbook: the rank pool failed to start; magics will report the error")
+        kernel = getattr(shell, "kernel", None)
+        if kernel is not None and hasattr(kernel, "shell_handlers"):
+            from .startup import announce_on_connect
+
+            announce_on_connect(kernel, str(e))

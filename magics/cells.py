@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from argparse import ArgumentTypeError
+
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from shardbook.kernel.pool import PoolError
+from shardbook.kernel.pool import PoolError, check_timeout
 from shardbook.kernel.runtime import get_runtime
 
 from .dist import DistTable
@@ -15,10 +17,20 @@ from .ranks import parse_rank_spec
 from .relay import RankRelay, frontend_for
 
 
+def timeout_seconds(text: str) -> float:
+    """``--timeout``'s type: a positive, finite number of seconds."""
+    try:
+        seconds = float(text)
+        check_timeout(seconds)
+    except ValueError as e:
+        raise ArgumentTypeError(f"{text!r}: give a positive number of seconds (leave --timeout out for no limit)") from e
+    return seconds
+
+
 def exec_options(fn):
     """Flags shared by the cell magics that run code on ranks."""
     return argument(
-        "--timeout", type=float, default=None, metavar="S",
+        "--timeout", type=timeout_seconds, default=None, metavar="S",
         help="interrupt the cell on every rank after S seconds (default: no limit)",
     )(fn)
 

@@ -18,9 +18,9 @@ from shardbook.rankd import protocol
 class IOPubFrontend:
     """Publishes stream and display messages on the kernel's IOPub socket (thread-safe)."""
 
-    def __init__(self, kernel: Any):
+    def __init__(self, kernel: Any, parent: dict[str, Any] | None = None):
         self.kernel = kernel
-        self.parent = kernel.get_parent("shell")
+        self.parent = parent if parent is not None else kernel.get_parent("shell")
 
     def _send(self, msg_type: str, content: dict[str, Any]) -> None:
         kernel = self.kernel

@@ -2,14 +2,22 @@
 
 ZeroMQ sockets must not be used from two threads at once, yet both ends of the control plane
 need to send from one thread (the main thread running a cell) while another receives (to notice
-an interrupt or a dead peer). The I/O thread owns the socket; senders append to an outbox and
-wake it through an inproc pipe. The same class serves rank 0 (a ROUTER) and followers (DEALERs).
+an interrupt or a dead peer). The I/O thread owns the socket; senders sign and serialise their
+message in their own thread (so a message too large fails there, with a clear error), append it
+to an outbox and wake the I/O thread through an inproc pipe. The same class serves rank 0 (a
+ROUTER) and followers (DEALERs).
+
+Whatever arrives is untrusted until verified: a message that is malformed, oversized, unsigned or
+badly signed is dropped and logged (kind, frame count and size only, never its bytes), at most a
+few warnings per interval, and the I/O thread goes on.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import os
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -21,6 +29,76 @@ from .protocol import Message, ProtocolError
 log = logging.getLogger(__name__)
 
 OnMessage = Callable[[Message, bytes | None], None]
+MAX_MESSAGE_BYTES = int(float(os.environ.get("SHARDBOOK_MAX_MESSAGE_MB", "32")) * (1 << 20))
+"""Largest frame a control socket accepts (ZMQ_MAXMSGSIZE: a larger one disconnects its sender)."""
+
+
+def log_to_process_stderr(*loggers: str) -> None:
+    """Send these loggers to the process's own stderr (the Jupyter server's log), never into a cell.
+
+    Without a handler, Python writes warnings to ``sys.stderr``, which a kernel captures into the
+    running cell: a flood of bad messages would become a flood of cell output.
+    """
+    for name in (__name__, *loggers):
+        logger = logging.getLogger(name)
+        if not any(getattr(h, "shardbook_process_stderr", False) for h in logger.handlers):
+            handler = logging.StreamHandler(sys.__stderr__)
+            handler.shardbook_process_stderr = True
+            handler.setFormatter(logging.Formatter("[shardbook] %(levelname)s %(name)s: %(message)s"))
+            logger.addHandler(handler)
+            logger.propagate = False
+
+
+class MessageTooLarge(ValueError):
+    """A message over :data:`MAX_MESSAGE_BYTES`: refused before it is sent."""
+
+
+def control_socket(kind: int) -> zmq.Socket:
+    """A control-plane socket that refuses frames over :data:`MAX_MESSAGE_BYTES` (set before bind/connect)."""
+    sock = zmq.Context.instance().socket(kind)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    sock.setsockopt(zmq.LINGER, 1000)
+    return sock
+
+
+class DropLog:
+    """Warnings about dropped messages, without their bytes: ``burst`` per ``window_s``, then a count."""
+
+    def __init__(self, burst: int = 5, window_s: float = 10.0):
+        self.burst, self.window_s = burst, window_s
+        self._window_start = 0.0
+        self._logged = 0
+        self._suppressed = 0
+
+    def drop(self, reason: str, frames: list[bytes] = ()) -> None:
+        now = time.monotonic()
+        self.flush(now)
+        if self._logged < self.burst:
+            self._logged += 1
+            size = sum(len(f) for f in frames)
+            log.warning("control plane: dropped a message that %s (%d frames, %d bytes)", reason, len(frames), size)
+        else:
+            self._suppressed += 1
+
+    def flush(self, now: float) -> None:
+        """Start a new window when the last one is over, reporting how many warnings it held back."""
+        if now - self._window_start < self.window_s:
+            return
+        if self._suppressed:
+            log.warning(
+                "control plane: dropped %d more bad messages in the last %.0f s (warnings are limited to %d per %.0f s)",
+                self._suppressed, now - self._window_start, self.burst, self.window_s,
+            )
+        self._window_start, self._logged, self._suppressed = now, 0, 0
+
+
+def _verification_failure(error: Exception) -> str:
+    """Our own words for why Session refused a message (its exception text quotes the message's bytes)."""
+    text = str(error)
+    for known in ("Unsigned Message", "Duplicate Signature", "Invalid Signature"):
+        if text.startswith(known):
+            return f"failed verification ({known.lower()})"
+    return f"failed verification (malformed: {type(error).__name__})"
 
 
 class Channel:
@@ -45,6 +123,8 @@ class Channel:
         self._tick_s = tick_s
         self._outbox: collections.deque = collections.deque()
         self._wake_lock = threading.Lock()
+        self._serialize_lock = threading.Lock()
+        self.dropped = DropLog()
         ctx = socket.context
         address = f"inproc://{name}-{id(self)}"
         self._wake_recv = ctx.socket(zmq.PAIR)
@@ -60,8 +140,21 @@ class Channel:
         return self
 
     def send(self, msg_type: str, content: dict[str, Any], ident: bytes | None = None) -> None:
-        """Queue a message for the I/O thread; safe from any thread."""
-        self._outbox.append((msg_type, content, ident))
+        """Sign and queue a message for the I/O thread; safe from any thread.
+
+        Raises :class:`MessageTooLarge` in the caller's thread when a frame is over the limit the
+        peer enforces (it would drop the connection).
+        """
+        with self._serialize_lock:  # Session numbers its messages; keep the numbers unique
+            frames = self.session.serialize(self.session.msg(msg_type, content), ident)
+        largest = max(len(f) for f in frames)
+        if largest > MAX_MESSAGE_BYTES:
+            raise MessageTooLarge(
+                f"a {msg_type} message of {largest / (1 << 20):.1f} MiB is over the control plane's limit of "
+                f"{MAX_MESSAGE_BYTES / (1 << 20):.0f} MiB (SHARDBOOK_MAX_MESSAGE_MB): send less at once, or write "
+                "large data to a file and pass its path"
+            )
+        self._outbox.append((msg_type, frames, ident))
         with self._wake_lock:
             self._wake_send.send(b"", zmq.NOBLOCK)
 
@@ -100,6 +193,7 @@ class Channel:
             if self.socket in events:
                 self._receive_all()
             now = time.monotonic()
+            self.dropped.flush(now)
             if now >= next_tick:
                 next_tick = now + self._tick_s
                 self._tick(now)
@@ -110,9 +204,9 @@ class Channel:
 
     def _flush_outbox(self) -> None:
         while self._outbox:
-            msg_type, content, ident = self._outbox[0]
+            msg_type, frames, ident = self._outbox[0]
             try:
-                self.session.send(self.socket, msg_type, content, ident=ident)
+                self.socket.send_multipart(frames)
             except zmq.ZMQError as e:
                 if e.errno == zmq.EHOSTUNREACH and self._on_unreachable and ident is not None:
                     self._on_unreachable(ident)
@@ -125,18 +219,28 @@ class Channel:
     def _receive_all(self) -> None:
         while self.socket.poll(0):
             try:
-                idents, raw = self.session.recv(self.socket, mode=zmq.NOBLOCK)
-            except ValueError as e:  # bad or missing signature, or a malformed frame list
-                log.warning("control plane: dropped a message that failed verification (%s)", e)
-                continue
-            if raw is None:
+                frames = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
                 return
-            try:
-                message = Message.from_session_msg(raw)
-            except (ProtocolError, KeyError, TypeError) as e:
-                log.warning("control plane: dropped a message: %s", e)
-                continue
-            self._dispatch(message, idents[0] if idents else None)
+            parsed = self._parse(frames)
+            if parsed is not None:
+                self._dispatch(*parsed)
+
+    def _parse(self, frames: list[bytes]) -> tuple[Message, bytes | None] | None:
+        """The verified message in ``frames`` and its sender's identity, or None (dropped, logged)."""
+        try:
+            idents, msg_list = self.session.feed_identities(frames)
+        except ValueError:
+            return self.dropped.drop("has no message delimiter", frames)
+        try:
+            raw = self.session.deserialize(msg_list)
+        except Exception as e:  # Session raises ValueError, TypeError, KeyError... on hostile input
+            return self.dropped.drop(_verification_failure(e), frames)
+        try:
+            message = Message.from_session_msg(raw)
+        except ProtocolError as e:
+            return self.dropped.drop(f"is not a shardbook message ({e})", frames)
+        return message, idents[0] if idents else None
 
     def _dispatch(self, message: Message, ident: bytes | None) -> None:
         try:

@@ -22,7 +22,7 @@ import zmq
 from . import model_handlers  # noqa: F401  (registers the model commands)
 from . import protocol
 from .capture import make_follower_shell
-from .channel import Channel
+from .channel import Channel, MessageTooLarge, control_socket
 from .handlers import STOPPED_BY_EVENT, RankContext, dispatch
 from .world import CONNECT_TIMEOUT_S, World, memory_in_use
 
@@ -58,9 +58,8 @@ class Follower:
         self._last_ping = time.monotonic()
         self._last_heartbeat = 0.0
         self._main_thread = threading.main_thread().ident
-        socket = zmq.Context.instance().socket(zmq.DEALER)
+        socket = control_socket(zmq.DEALER)
         socket.setsockopt(zmq.IDENTITY, f"rank-{world.rank}".encode())
-        socket.setsockopt(zmq.LINGER, 1000)
         socket.connect(endpoint)
         self.channel = Channel(socket, session, self._on_message, on_tick=self._on_tick, name=f"follower-{world.rank}")
 
@@ -135,7 +134,10 @@ class Follower:
         finally:
             with self._lock:
                 self.running_id = self.running_kind = None
-        self.send(protocol.DONE, reply, message.id)
+        try:
+            self.send(protocol.DONE, reply, message.id)
+        except MessageTooLarge as e:  # a huge value or traceback: the command must still end
+            self.send(protocol.DONE, {"status": "error", "error": {"ename": "MessageTooLarge", "evalue": str(e), "traceback": []}}, message.id)
 
 
 def run_follower(world: World, session: Any) -> None:

@@ -63,19 +63,23 @@ class Message:
 
     @classmethod
     def from_session_msg(cls, msg: dict[str, Any]) -> "Message":
-        content = msg.get("content") or {}
+        """The message in a verified Session dict; ProtocolError for any other shape (never KeyError...)."""
+        content = msg.get("content")
+        header = msg.get("header")
+        msg_type = header.get("msg_type") if isinstance(header, dict) else None
+        if not isinstance(content, dict) or not isinstance(msg_type, str):
+            raise ProtocolError("no envelope or no message type")
         version = content.get("v")
         if version != PROTOCOL_VERSION:
+            shown = version if type(version) is int and abs(version) < 1000 else "(another format)"
             raise ProtocolError(
-                f"protocol version {version!r} received, {PROTOCOL_VERSION} expected: "
+                f"protocol version {shown} received, {PROTOCOL_VERSION} expected: "
                 "every rank must run the same shardbook version"
             )
-        return cls(
-            type=msg["header"]["msg_type"],
-            id=content.get("id", ""),
-            rank=int(content.get("rank", 0)),
-            payload=content.get("payload") or {},
-        )
+        id_, rank, payload = content.get("id", ""), content.get("rank", 0), content.get("payload") or {}
+        if not isinstance(id_, str) or type(rank) is not int or not isinstance(payload, dict):
+            raise ProtocolError("an envelope field of the wrong type (id must be text, rank an integer, payload a mapping)")
+        return cls(type=msg_type, id=id_, rank=rank, payload=payload)
 
 
 def make_session(key: bytes, signature_scheme: str = "hmac-sha256"):

@@ -87,6 +87,14 @@ def test_bad_rank_spec_is_a_usage_error(kernel, spec, expected):
     assert expected in ex.stderr()
 
 
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf"])
+def test_timeout_must_be_a_positive_number_of_seconds(kernel, value):
+    ex = kernel.run(f"%%all --timeout {value}\nprint('ran')")
+    assert ex.status == "error" and ex.reply["content"]["ename"] == "UsageError"
+    assert "positive number of seconds" in ex.stderr()
+    assert "ran" not in ex.stdout()
+
+
 def test_rank_subset_runs_only_there(kernel):
     ex = kernel.run("%%rank 0-1\nimport torch.distributed as dist\nprint('at', dist.get_rank())")
     assert "at 0" in ex.stdout() and "at 1" in ex.stdout()

@@ -149,3 +149,68 @@ def test_rank0_failing_before_a_collective_does_not_wedge_silently(fresh_kernel)
 
     assert wait_until(rank1_idle, timeout=20, interval=0.5), "the process-group timeout did not free rank 1"
     assert handle.run("%%rank 1\nprint('free')").stdout() == "[rank 1]\nfree\n"
+
+
+ABUSE = """
+import zmq
+from shardbook.kernel.runtime import get_runtime
+from shardbook.rankd import protocol
+endpoint = get_runtime().world.store.get(protocol.CONTROL_KEY).decode()
+attacker = zmq.Context.instance().socket(zmq.DEALER)
+attacker.connect(endpoint)
+for i in range(3000):  # the delimiter alone, and unsigned messages with a payload
+    attacker.send_multipart([b"<IDS|MSG>"] if i % 2 else [b"<IDS|MSG>", b"PAYLOAD" * 100, b"{}", b"{}", b"{}", b"{}"])
+attacker.close(linger=5000)
+print("sent")
+"""
+
+
+def test_control_plane_abuse_neither_breaks_the_pool_nor_reaches_cells(fresh_kernel):
+    """Malformed messages on rank 0's control socket: dropped, logged to the server log only."""
+    handle = fresh_kernel()
+    sent = handle.run(ABUSE)
+    assert sent.stdout() == "sent\n", sent.error_text()
+    after = handle.run("%%all\nprint('alive')", timeout=30)
+    assert after.status == "ok" and after.stdout().count("alive") == 2, after.error_text()
+    for ex in (sent, after):
+        assert "PAYLOAD" not in ex.text() and "dropped" not in ex.text(), ex.text()[:500]
+
+
+NEVER_STARTS = """import os, time
+if os.environ.get("RANK") not in (None, "0"):  # a follower that never reaches shardbook
+    with open(os.path.join(os.path.dirname(__file__), "stuck.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
+"""
+
+
+def iopub_text(kc, parent_id: str, timeout: float) -> str:
+    """The stream text IOPub carries for the request ``parent_id``, until ``timeout`` passes."""
+    deadline, text = time.monotonic() + timeout, ""
+    while time.monotonic() < deadline and not text:
+        try:
+            msg = kc.get_iopub_msg(timeout=0.2)
+        except Exception:  # queue.Empty
+            continue
+        if msg["parent_header"].get("msg_id") == parent_id and msg["msg_type"] == "stream":
+            text += msg["content"]["text"]
+    return text
+
+
+def test_a_rank_that_never_starts_is_reported_at_once_by_every_magic(fresh_kernel, tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(NEVER_STARTS)
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
+    handle = fresh_kernel(SHARDBOOK_CONNECT_TIMEOUT="8", PYTHONPATH=path)
+    try:
+        announced = iopub_text(handle.kc, handle.kc.kernel_info(), timeout=10)
+        assert "only 1 of 2 ranks started" in announced and "restart the kernel" in announced, announced
+        threads = handle.run("import threading; print(threading.active_count())").stdout()
+        for code in ("%%all\nprint(1)", "%dist", "%%rank 1\nprint(1)", "%%all\nprint(2)"):
+            ex = handle.run(code, timeout=6)  # less than the connect timeout: nothing waits for it again
+            assert ex.status == "error", code
+            assert "only 1 of 2 ranks started" in ex.stderr() and "restart the kernel" in ex.stderr(), ex.stderr()
+        assert handle.run("import threading; print(threading.active_count())").stdout() == threads
+    finally:
+        stuck = tmp_path / "stuck.pid"
+        if stuck.exists():
+            os.kill(int(stuck.read_text()), signal.SIGKILL)

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import random
 import threading
 
 import pytest
 import zmq
 
 from shardbook.rankd import protocol
-from shardbook.rankd.channel import Channel
+from shardbook.rankd.channel import Channel, MessageTooLarge, control_socket
 
 
 class Endpoint:
@@ -18,7 +20,7 @@ class Endpoint:
     def __init__(self, key: bytes):
         self.received: list[tuple[protocol.Message, bytes]] = []
         self.got = threading.Event()
-        sock = zmq.Context.instance().socket(zmq.ROUTER)
+        sock = control_socket(zmq.ROUTER)
         self.port = sock.bind_to_random_port("tcp://127.0.0.1")
         self.channel = Channel(sock, protocol.make_session(key), self.on_message, name="test-router").start()
 
@@ -97,7 +99,82 @@ def test_replayed_message_is_dropped(router, caplog):
                 break
             deadline.wait(0.05)
     assert [m.payload["text"] for m, _ in router.received] == ["once", "next"]
-    assert "Duplicate Signature" in caplog.text
+    assert "duplicate signature" in caplog.text
+
+
+def signed(session, header, parent=b"{}", metadata=b"{}", content=b"{}") -> list[bytes]:
+    """Frames that pass the HMAC check but carry whatever the test wants."""
+    parts = [header, parent, metadata, content]
+    return [b"<IDS|MSG>", session.sign(parts), *parts]
+
+
+def malformed_messages(session) -> list[list[bytes]]:
+    """Hostile multipart messages: hand-picked shapes, validly signed nonsense, then random frames."""
+    header = json.dumps({"msg_id": "m", "msg_type": "stream", "username": "x", "session": "s", "date": "", "version": "5.3"}).encode()
+    envelope = lambda **kw: json.dumps({"v": 1, "id": "c", "rank": 1, "payload": {}, **kw}).encode()
+    shapes = [
+        [b"<IDS|MSG>"],  # the Jupyter delimiter alone
+        [b"no delimiter"],
+        [b"<IDS|MSG>", b"sig"],
+        [b"<IDS|MSG>", b"", b"{}", b"{}", b"{}", b"{}"],
+        [b"<IDS|MSG>", b"PAYLOAD" * 1000, b"{}", b"{}", b"{}", b"{}"],
+        [b"<IDS|MSG>"] * 7,
+        signed(session, b"[1, 2]"),
+        signed(session, b"{}"),
+        signed(session, b"\xff\xfe"),
+        signed(session, header, content=b"[1, 2]"),
+        signed(session, header, content=b"not json"),
+        signed(session, header, content=envelope(rank="one")),
+        signed(session, header, content=envelope(payload=[1])),
+        signed(session, header, content=envelope(id=7)),
+        signed(session, header, content=envelope(v="PAYLOAD" * 100)),
+        signed(session, header, content=b'{"v": 1, "payload": "PAYLOAD"}'),
+    ]
+    rng = random.Random(11)
+    pieces = [b"<IDS|MSG>", b"{}", b"[]", b"PAYLOAD", b"", b"\x00" * 5]
+    fuzz = [
+        [rng.choice(pieces) if rng.random() < 0.5 else rng.randbytes(rng.randrange(0, 64)) for _ in range(rng.randrange(1, 9))]
+        for _ in range(400)
+    ]
+    return shapes + fuzz
+
+
+def test_malformed_messages_are_dropped_and_the_channel_lives_on(router, caplog):
+    """Fuzz the I/O thread: nothing malformed may kill it, and its warnings are few and never quote the bytes."""
+    session = protocol.make_session(b"secret")
+    attacker = dealer(router.port, b"rank-1")
+    with caplog.at_level(logging.WARNING):
+        for frames in malformed_messages(session):
+            attacker.send_multipart(frames)
+        session.send(attacker, protocol.STREAM, protocol.envelope({"text": "still here"}, rank=1))
+        assert router.got.wait(10), "the channel stopped receiving after malformed messages"
+    assert [m.payload.get("text") for m, _ in router.received] == ["still here"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "shardbook.rankd.channel"]
+    assert 1 <= len(warnings) <= 6, warnings  # rate-limited: a burst, then a count at the next window
+    assert not any("PAYLOAD" in w or "\\x" in w for w in warnings), warnings
+    attacker.close(0)
+
+
+def test_oversized_frames_are_refused_on_both_sides(monkeypatch):
+    """The socket's limit (ZMQ_MAXMSGSIZE) refuses big frames; a sender learns of its own at once."""
+    from shardbook.rankd import channel as channel_module
+
+    monkeypatch.setattr(channel_module, "MAX_MESSAGE_BYTES", 1 << 16)
+    endpoint = Endpoint(b"secret")
+    try:
+        session = protocol.make_session(b"secret")
+        attacker = dealer(endpoint.port, b"rank-2")
+        attacker.send_multipart([b"<IDS|MSG>", b"A" * (1 << 17), b"{}", b"{}", b"{}", b"{}"])
+        genuine = dealer(endpoint.port, b"rank-1")
+        session.send(genuine, protocol.STREAM, protocol.envelope({"text": "small"}, rank=1))
+        assert endpoint.got.wait(5)
+        assert [m.payload["text"] for m, _ in endpoint.received] == ["small"]
+        with pytest.raises(MessageTooLarge, match="SHARDBOOK_MAX_MESSAGE_MB"):
+            endpoint.channel.send(protocol.STREAM, protocol.envelope({"text": "x" * (1 << 17)}), ident=b"rank-1")
+        attacker.close(0)
+        genuine.close(0)
+    finally:
+        endpoint.channel.close(0)
 
 
 def test_other_protocol_version_is_refused():
