@@ -48,8 +48,8 @@ class LoadMagics(Magics):
             %load_sharded configs/smollm2-135m.yaml --inference.max_new_tokens 64
 
         Afterwards ``model`` and ``tokenizer`` exist in every rank's namespace (see them with
-        ``%%all``), and ``%shards`` shows where each parameter's shards live. Loading again frees
-        the previous model first.
+        ``%%all``), and ``%shards`` shows where each parameter's shards live. Loading again checks
+        the new checkpoint on every rank first and keeps the old model when that check fails.
         """
         args = parse_load_args(self.load_sharded, line)
         try:

@@ -124,10 +124,10 @@ def _load(
     """The steps of `load_sharded`, in order, settled with every rank after the skeleton and after the read."""
     started = time.perf_counter()
     steps = LoadSteps(stop)
-    ckpt = steps.run("config", _read_config, config, model_path, device)
+    ckpt = steps.run("config", read_checkpoint, config, model_path, device)
     if steps.ok:
         report("config", 1, 1)
-    model = steps.run("skeleton", _build_skeleton, ckpt)
+    model = steps.run("skeleton", build_skeleton, ckpt)
     if steps.ok:
         report("skeleton", 1, 1)
     architecture = type(model).__name__  # fully_shard renames the class to FSDP<name>
@@ -204,7 +204,7 @@ class _Reporter:
             self.progress = None
 
 
-def _read_config(config: Any, model_path: str | Path | None, device: torch.device) -> _Checkpoint:
+def read_checkpoint(config: Any, model_path: str | Path | None, device: torch.device) -> _Checkpoint:
     """Validate the request and read the checkpoint's config, tokenizer and generation config."""
     from transformers import AutoConfig, AutoTokenizer
 
@@ -290,7 +290,7 @@ def _generation_config(path: Path, hf_config: Any) -> Any:
     return GenerationConfig.from_model_config(hf_config)
 
 
-def _build_skeleton(ckpt: _Checkpoint) -> nn.Module:
+def build_skeleton(ckpt: _Checkpoint) -> nn.Module:
     """The model with every parameter and buffer on the meta device: shapes only, no memory."""
     from transformers import AutoModelForCausalLM
 

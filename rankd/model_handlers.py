@@ -17,27 +17,23 @@ from .world import load_device
 
 @handler("load", interrupt="event")
 def handle_load(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[str, Any]:
-    """Free the previous model, then load the configured checkpoint sharded over every rank.
+    """Load the configured checkpoint sharded over every rank, in place of the model loaded now (see `reload`).
 
     Interrupted through the stop event only: a KeyboardInterrupt could take one rank out of a
     sync point that the others still wait in; the load stops every rank at a safe point instead.
     """
-    from .loading import free_model, load_sharded
+    from .reload import replace_model
 
     config = ShardbookConfig.from_dict(args["config"], source="the kernel's load command")
-    namespace = ctx.shell.user_ns
-    ctx.state.pop("loaded", None)
-    free_model(namespace, device=ctx.world.device)
 
     def progress(step: str, done: int, total: int) -> None:
         sink(protocol.PROGRESS, {"step": step, "done": done, "total": total})
 
+    def notice(text: str) -> None:
+        sink(protocol.STREAM, {"name": "stderr", "text": f"[shardbook] {text}\n"})
+
     device = load_device(config.parallel.device, ctx.world)
-    loaded = load_sharded(
-        config, device=device, model_path=args["model_path"], progress=progress, stop=ctx.stop_event
-    )
-    namespace["model"], namespace["tokenizer"] = loaded.model, loaded.tokenizer
-    ctx.state.update(loaded=loaded, config=config)
+    loaded = replace_model(ctx, config, device=device, model_path=args["model_path"], progress=progress, notice=notice)
     return {"status": "ok", "value": loaded.summary}
 
 

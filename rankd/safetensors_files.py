@@ -46,7 +46,11 @@ class StoredTensor:
 
 
 def read_index(directory: Path) -> dict[str, StoredTensor]:
-    """Every tensor of every `*.safetensors` file in `directory`, by name, from the headers alone."""
+    """Every tensor of every `*.safetensors` file in `directory`, by name, from the headers alone.
+
+    When the directory has a `*.safetensors.index.json` (a checkpoint split into several files),
+    every file it names must be there and hold the tensors it lists.
+    """
     index: dict[str, StoredTensor] = {}
     for file in sorted(directory.glob("*.safetensors")):
         for name, stored in _read_header(file).items():
@@ -56,7 +60,36 @@ def read_index(directory: Path) -> dict[str, StoredTensor]:
                     "two checkpoints; keep one set of *.safetensors files in it"
                 )
             index[name] = stored
+    for index_file in sorted(directory.glob("*.safetensors.index.json")):
+        _check_weight_map(index_file, index)
     return index
+
+
+def _check_weight_map(index_file: Path, index: dict[str, StoredTensor]) -> None:
+    """The index file's `weight_map` (tensor name -> file name) agrees with the files' headers."""
+    try:
+        weight_map = json.loads(index_file.read_text())["weight_map"]
+        files = set(weight_map.values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(
+            f"{index_file} is not a readable safetensors index ({type(e).__name__}: {e}); copy or download the "
+            "checkpoint again"
+        ) from e
+    missing = sorted(name for name in files if not (index_file.parent / name).is_file())
+    if missing:
+        raise ValueError(
+            f"{index_file.parent} lacks {len(missing)} of the {len(files)} weight file(s) its {index_file.name} "
+            f"names, e.g. {missing[:3]}: the checkpoint is incomplete; copy or download the missing files"
+        )
+    wrong = [name for name, file in weight_map.items() if name not in index or index[name].file.name != file]
+    if wrong:
+        name = wrong[0]
+        found = index[name].file.name if name in index else "no file"
+        raise ValueError(
+            f"{index_file} puts {len(wrong)} tensor(s) where the files' headers do not, e.g. {name} in "
+            f"{weight_map[name]} (found in {found}): the files belong to different checkpoints; copy or "
+            "download the checkpoint again"
+        )
 
 
 def _read_header(file: Path) -> dict[str, StoredTensor]:

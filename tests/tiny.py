@@ -142,3 +142,45 @@ class _seeded:
 
     def __exit__(self, *exc):
         torch.random.set_rng_state(self.state)
+
+
+def make_broken_checkpoints(root: Path) -> dict[str, Path]:
+    """Tiny Llama checkpoints damaged in the ways a failed load must survive, by case name.
+
+    The tokenizer and config are the tiny Llama's unless the case breaks them.
+    """
+    import json
+    import shutil
+
+    root = Path(root)
+    split = make_tiny_llama(root / "split", max_shard_size="40KB")
+    broken = {"empty directory": root / "empty"}
+    broken["empty directory"].mkdir()
+    broken["missing shard"] = _copy(split, root / "missing-shard")
+    sorted(broken["missing shard"].glob("model-*.safetensors"))[1].unlink()
+    broken["corrupted header"] = _copy(split, root / "corrupted-header")
+    with open(sorted(broken["corrupted header"].glob("model-*.safetensors"))[0], "r+b") as f:
+        f.seek(8)
+        f.write(b"#not json#")
+    broken["bin only"] = _copy(split, root / "bin-only")
+    state = {}
+    for file in sorted(broken["bin only"].glob("*.safetensors*")):
+        if file.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state.update(load_file(file))
+        file.unlink()
+    torch.save(state, broken["bin only"] / "pytorch_model.bin")
+    config = json.loads((split / "config.json").read_text())
+    broken["unknown model_type"] = _copy(split, root / "unknown-type")
+    (broken["unknown model_type"] / "config.json").write_text(json.dumps({**config, "model_type": "no-such-model"}))
+    broken["unreadable config.json"] = _copy(split, root / "unreadable-config")
+    (broken["unreadable config.json"] / "config.json").write_text(json.dumps(config)[:-20])
+    shutil.rmtree(split)
+    return broken
+
+
+def _copy(source: Path, target: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(source, target))

@@ -7,7 +7,7 @@ import contextlib
 import pytest
 
 from tests.driver import interrupt_when
-from tests.tiny import make_tiny_llama, make_tiny_non_causal
+from tests.tiny import make_broken_checkpoints, make_tiny_llama, make_tiny_non_causal
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -132,5 +132,23 @@ def test_interrupt_during_a_load_stops_every_rank_together(kernel, tiny):
     assert ex.status == "error" and "interrupted" in shown and "%load_sharded" in shown, shown
     assert "did not stop" not in shown, shown  # no rank left inside a collective
     assert_usable(kernel)
-    assert kernel.run("%%all\nprint('model' in globals())").stdout().count("False") == 2
+    # the model loaded before the interrupted load is still there, on every rank, and still works
+    assert "the loaded model (LlamaForCausalLM from" in shown and "is still loaded" in shown, shown
+    assert_forward_works(kernel)
     assert load(kernel, tiny).status == "ok"
+
+
+def assert_forward_works(kernel):
+    """`model` is loaded on both ranks and runs a forward (a collective over its shards)."""
+    ex = kernel.run("%%all\nimport torch\nwith torch.no_grad():\n    print('logits', tuple(model(torch.tensor([[1, 2, 3]])).logits.shape))")
+    assert ex.status == "ok" and ex.stdout().count("logits (1, 3, 384)") == 2, ex.error_text() + ex.stdout()
+
+
+def test_a_failed_load_keeps_the_model_already_loaded(kernel, tiny, tmp_path):
+    assert load(kernel, tiny).status == "ok"
+    assert kernel.run("%%all\nimport weakref\nbefore = weakref.ref(model)").status == "ok"
+    for case, path in make_broken_checkpoints(tmp_path).items():
+        ex = load(kernel, path)
+        assert ex.status == "error", case
+        assert kernel.run("%%all\nprint('same', model is before())").stdout().count("same True") == 2, case
+    assert_forward_works(kernel)

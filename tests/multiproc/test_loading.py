@@ -344,7 +344,7 @@ def test_interrupt_on_one_rank_stops_every_rank_at_a_safe_point(ranks, tiny, tin
     for result in results:
         for case, outcome in result["outcomes"].items():
             assert outcome.startswith("KeyboardInterrupt: the load was interrupted"), (case, outcome)
-            assert "no model is loaded; load it again" in outcome
+            assert "the new model is not loaded; load it again" in outcome
     assert_same_as_reference([result["then"] for result in results], tiny_reference)
 
 
