@@ -45,13 +45,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from shardbook.rankd import protocol
-from shardbook.rankd.config import ShardbookConfig, load_config
+from shardbook.rankd.config import ShardbookConfig
 from shardbook.rankd.lifetime import die_with_parent
 from shardbook.rankd.world import JobShape, World, init_world
 
 from .failures import describe_failures
-from .fetch import resolve_model_path
 from .kernelspec import Layout
+from .load_command import prepare_load
 from .progress import step_text
 
 if TYPE_CHECKING:
@@ -100,17 +100,11 @@ def run_chat(args: argparse.Namespace) -> int:
     return launch(args)
 
 
-def read_config(args: argparse.Namespace, world_size: int) -> tuple[ShardbookConfig, Path]:
-    """The validated config and the checkpoint directory; ValueError names what to fix."""
-    config = load_config(args.config, args.overrides, world_size=world_size)
-    return config, resolve_model_path(config.model.model_name_or_path)
-
-
 # --- the --nproc launcher -------------------------------------------------------------------
 def launch(args: argparse.Namespace) -> int:
     """Start torchrun in a session of its own, relay Ctrl-C to rank 0, and return torchrun's exit code."""
     layout = Layout(args.nproc)
-    read_config(args, layout.nproc)  # a bad config fails here, before any rank starts
+    prepare_load(args.config, args.overrides, layout.nproc)  # a bad config fails here, before any rank starts
     with tempfile.TemporaryDirectory(prefix="shardbook-chat-") as tmp:
         pid_file = Path(tmp) / "rank0.pid"
         env = {**os.environ, protocol.KEY_ENV: secrets.token_hex(32), PID_FILE_ENV: str(pid_file)}
@@ -178,7 +172,7 @@ def run_rank(args: argparse.Namespace, shape: JobShape) -> int:
     if shape.under_torchrun:
         die_with_parent()
     try:
-        config, model_path = read_config(args, shape.world_size)
+        config, model_path = prepare_load(args.config, args.overrides, shape.world_size)
         check_key_source(shape)
         requested = None if config.parallel.device == "auto" else config.parallel.device
         world = init_world(requested, shape)
@@ -285,7 +279,7 @@ def run_rank0(world: World, config: ShardbookConfig, model_path: Path) -> int:
 
 def load_model(runtime: Runtime, config: ShardbookConfig, model_path: Path, terminal: Terminal) -> bool:
     """Load on every rank with a progress line; False (the failures shown) when any rank failed."""
-    from .models import load_on_ranks
+    from .load_command import load_on_ranks
 
     terminal.info(f"loading {config.model.model_name_or_path} on {runtime.world.world_size} rank(s)")
 

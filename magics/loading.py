@@ -9,7 +9,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from shardbook.kernel.models import load_on_ranks, prepare_load
+from shardbook.kernel.load_command import load_on_ranks, prepare_load
 from shardbook.kernel.pool import PoolError
 from shardbook.kernel.runtime import get_runtime
 
@@ -54,7 +54,7 @@ class LoadMagics(Magics):
         args = parse_load_args(self.load_sharded, line)
         try:
             runtime = get_runtime(self.shell)
-            config, model_path = prepare_load(args.config, args.overrides, runtime.world)
+            config, model_path = prepare_load(args.config, args.overrides, runtime.world.world_size, runtime.world)
         except (ValueError, PoolError) as e:
             raise UsageError(str(e)) from e
         progress = progress_view(self.shell, "loading")
