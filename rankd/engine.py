@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
+from .config import InferenceConfig
 from .streaming import TextDeltaStreamer
 
 log = logging.getLogger(__name__)
@@ -44,23 +45,26 @@ DECODE_KWARGS = {"skip_special_tokens": True, "clean_up_tokenization_spaces": Fa
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One chat turn as rank 0 sends it to every rank: the whole conversation and the sampling settings."""
+    """One chat turn as rank 0 sends it to every rank: the whole conversation and the sampling settings.
+
+    Unset settings take the defaults of the config's `inference` section (`InferenceConfig`).
+    """
 
     messages: list[dict[str, str]]
     """The conversation so far, as `{"role": ..., "content": ...}` dicts; the reply continues it."""
-    max_new_tokens: int = 256
+    max_new_tokens: int = InferenceConfig.max_new_tokens
     """Most tokens to generate (fewer when the model's context is shorter)."""
-    do_sample: bool = False
+    do_sample: bool = InferenceConfig.do_sample
     """Sample the next token (True) or take the most likely one (False, greedy)."""
-    temperature: float = 0.7
+    temperature: float = InferenceConfig.temperature
     """Sampling temperature (only with `do_sample`)."""
-    top_p: float = 0.9
+    top_p: float = InferenceConfig.top_p
     """Nucleus sampling: keep the smallest set of tokens with this much probability; 1.0 keeps all."""
-    top_k: int = 50
+    top_k: int = InferenceConfig.top_k
     """Keep only the `top_k` most likely tokens when sampling; 0 keeps all."""
-    repetition_penalty: float = 1.0
+    repetition_penalty: float = InferenceConfig.repetition_penalty
     """Penalty on tokens already in the text; 1.0 is none."""
-    seed: int | None = None
+    seed: int | None = InferenceConfig.seed
     """Seed every rank samples with; rank 0 chooses one with :meth:`with_seed` when the user gave none."""
     want_scores: bool = False
     """Also return each generated token's probability and its most likely alternatives."""

@@ -334,3 +334,13 @@ def test_every_field_is_documented_and_in_the_reference():
     assert set(field_docs(ShardbookConfig)) == set(SECTIONS)
     assert "| parallel | `reshard_after_forward` | bool or null | `null` |" in table
     assert "| inference | `max_new_tokens` | int | `512` |" in table
+
+
+def test_generation_request_defaults_are_the_inference_sections():
+    """One set of defaults: a request without settings generates as an empty `inference` section says."""
+    from shardbook.rankd.engine import GenerationRequest  # torch and transformers: imported here only
+
+    request, inference = GenerationRequest(messages=[{"role": "user", "content": "Hi"}]), InferenceConfig()
+    shared = [f.name for f in dataclasses.fields(GenerationRequest) if hasattr(inference, f.name)]
+    assert len(shared) == 7
+    assert {name: getattr(request, name) for name in shared} == {name: getattr(inference, name) for name in shared}
