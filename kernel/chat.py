@@ -13,11 +13,12 @@ import asyncio
 import queue
 import threading
 from dataclasses import dataclass, fields
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Iterator, NoReturn
 
 from shardbook.rankd import protocol
 from shardbook.rankd.engine import GenerationRequest, GenerationResult
 
+from .generation_queue import Turn
 from .pool import Outcome, PoolError
 from .runtime import Runtime, get_runtime
 
@@ -53,15 +54,26 @@ class GenerationFailed(RuntimeError):
         self.outcome = outcome
 
 
-class ChatStream:
-    """Iterate to get text chunks as they are generated; ``response`` is set once it is finished."""
+class GenerationCancelled(PoolError):
+    """The reply was cancelled (its cell interrupted, its client gone) while it waited for its turn on the ranks."""
 
-    def __init__(self, runtime: Runtime, request: GenerationRequest, on_notice=None):
+
+class ChatStream:
+    """Iterate to get text chunks as they are generated; ``response`` is set once it is finished.
+
+    The reply first waits for its turn in the runtime's generation queue (``turn``, or a new
+    unbounded one), so %%chat cells and HTTP requests take the ranks one at a time. ``events``
+    receives ``(kind, value)`` pairs from the worker thread (``queue.Queue`` by default;
+    :class:`AsyncChatStream` passes one that feeds an event loop).
+    """
+
+    def __init__(self, runtime: Runtime, request: GenerationRequest, on_notice=None, *, turn: Turn | None = None, events=None):
         self.runtime = runtime
         self.request = request
         self.response: ChatResponse | None = None
-        self._events: queue.Queue = queue.Queue()
-        self._command = None
+        self.turn = turn or runtime.generation_queue.enter("chat")
+        self.turn.on_interrupt = self.interrupt
+        self._events = events if events is not None else queue.Queue()
         self._on_notice = on_notice or (lambda text: None)
         self._thread = threading.Thread(target=self._run, name="shardbook-chat", daemon=True)
         self._thread.start()
@@ -70,7 +82,16 @@ class ChatStream:
         pool = self.runtime.pool
         args = {"request": self.request.to_dict(), "stream_rank": 0}
         try:
-            outcome = pool.run("generate", args, list(range(pool.world.world_size)), self._on_output, self._on_notice)
+            if not self.turn.wait():
+                raise GenerationCancelled(
+                    "the reply was cancelled while it waited for its turn on the ranks (they were busy with another "
+                    "reply, e.g. an HTTP request to %serve); run the cell again to queue it again"
+                )
+            self._events.put(("started", self.turn.waited_s))
+            try:
+                outcome = pool.run("generate", args, list(range(pool.world.world_size)), self._on_output, self._on_notice)
+            finally:
+                self.turn.leave()
             self._events.put(("done", outcome))
         except BaseException as e:  # handed to the consumer, which raises it
             self._events.put(("error", e))
@@ -80,7 +101,9 @@ class ChatStream:
             self._events.put(("text", payload["text"]))
 
     def interrupt(self) -> None:
-        """Stop every rank at its next step; the stream then ends with the partial reply."""
+        """Leave the queue if still waiting; else stop every rank at its next step (the stream ends with the partial reply)."""
+        if self.turn.cancel() or self.turn.state != "running":
+            return
         pool = self.runtime.pool
         self.runtime.ctx0.stop_event.set()
         for command in list(pool.commands.values()):
@@ -98,19 +121,26 @@ class ChatStream:
                 yield value
             elif kind == "error":
                 raise value
-            else:
+            elif kind == "done":
                 self._finish(value)
                 return
 
     def _next_event(self) -> tuple[str, Any]:
         try:
-            return self._events.get(timeout=STREAM_DEADLINE_S)
+            return self._events.get(timeout=self._deadline())
         except queue.Empty:
-            self.interrupt()
-            raise TimeoutError(
-                f"no output from the ranks for {STREAM_DEADLINE_S:.0f} s while generating; every rank was told to "
-                "stop. Check %dist: a busy or dead rank needs a kernel restart."
-            ) from None
+            self._next_event_timed_out()
+
+    def _deadline(self) -> float | None:
+        """No deadline while waiting in line (the turn ahead has its own); STREAM_DEADLINE_S once running."""
+        return None if self.turn.state == "waiting" else STREAM_DEADLINE_S
+
+    def _next_event_timed_out(self) -> NoReturn:
+        self.interrupt()
+        raise TimeoutError(
+            f"no output from the ranks for {STREAM_DEADLINE_S:.0f} s while generating; every rank was told to "
+            "stop. Check %dist: a busy or dead rank needs a kernel restart."
+        ) from None
 
     def _finish(self, outcome: Outcome) -> None:
         if not outcome.ok:
@@ -122,6 +152,47 @@ class ChatStream:
             pass
         assert self.response is not None
         return self.response
+
+
+class _LoopQueue:
+    """What :class:`ChatStream`'s worker thread puts events into, handing them to an asyncio queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item: tuple[str, Any]) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncChatStream(ChatStream):
+    """``async for chunk in stream``: the same stream, awaited on the caller's event loop (no thread per chunk).
+
+    ``started`` is set when the turn begins, ``waited_s`` then says how long it waited in line.
+    """
+
+    def __init__(self, runtime: Runtime, request: GenerationRequest, on_notice=None, *, turn: Turn | None = None):
+        self._loop_queue = _LoopQueue(asyncio.get_running_loop())
+        self.started = asyncio.Event()
+        self.waited_s = 0.0
+        super().__init__(runtime, request, on_notice, turn=turn, events=self._loop_queue)
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        while True:
+            try:
+                kind, value = await asyncio.wait_for(self._loop_queue.queue.get(), self._deadline())
+            except asyncio.TimeoutError:
+                self._next_event_timed_out()
+            if kind == "started":
+                self.waited_s = value
+                self.started.set()
+            elif kind == "text":
+                yield value
+            elif kind == "error":
+                raise value
+            else:
+                self._finish(value)
+                return
 
 
 class ChatModel:
@@ -139,7 +210,7 @@ class ChatModel:
     def __init__(self, runtime: Runtime | None = None):
         self.runtime = runtime or get_runtime()
 
-    def build_request(self, messages: str | list[dict[str, str]], **settings: Any) -> GenerationRequest:
+    def build_request(self, messages: str | list[dict[str, str]], *, stop: list[str] | None = None, **settings: Any) -> GenerationRequest:
         """A request with defaults from the loaded config's ``inference`` section and a seed."""
         config = self.runtime.ctx0.state.get("config")
         if config is None or "loaded" not in self.runtime.ctx0.state:
@@ -151,7 +222,7 @@ class ChatModel:
             messages = [{"role": "user", "content": messages}]
         defaults = {k: getattr(config.inference, k) for k in SETTINGS if hasattr(config.inference, k)}
         given = {k: v for k, v in settings.items() if v is not None}
-        return GenerationRequest(messages=list(messages), **{**defaults, **given}).with_seed()
+        return GenerationRequest(messages=list(messages), stop=list(stop or []), **{**defaults, **given}).with_seed()
 
     def stream_chat(self, messages: str | list[dict[str, str]], *, on_notice=None, **settings: Any) -> ChatStream:
         return ChatStream(self.runtime, self.build_request(messages, **settings), on_notice)
@@ -161,13 +232,12 @@ class ChatModel:
 
     async def achat(self, messages: str | list[dict[str, str]], **settings: Any) -> ChatResponse:
         """``chat`` without blocking the caller's event loop (the ranks are driven from a worker thread)."""
-        stream = self.stream_chat(messages, **settings)
-        return await asyncio.get_running_loop().run_in_executor(None, stream.wait)
+        stream = AsyncChatStream(self.runtime, self.build_request(messages, **settings))
+        async for _ in stream:
+            pass
+        return stream.response
 
     async def astream_chat(self, messages: str | list[dict[str, str]], **settings: Any) -> AsyncIterator[str]:
         """Async iterator of text chunks; the reply's ``ChatResponse`` is not returned (use ``achat``)."""
-        stream = iter(self.stream_chat(messages, **settings))
-        loop = asyncio.get_running_loop()
-        done = object()
-        while (chunk := await loop.run_in_executor(None, next, stream, done)) is not done:
+        async for chunk in AsyncChatStream(self.runtime, self.build_request(messages, **settings)):
             yield chunk

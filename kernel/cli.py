@@ -1,4 +1,4 @@
-"""The ``shardbook`` command line: install, uninstall, list, fetch, run, chat."""
+"""The ``shardbook`` command line: install, uninstall, list, fetch, run, chat, serve."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from . import kernelspec
 from .fetch import add_fetch_parser
 from .runner import add_run_parser
 from .terminal_chat import add_chat_parser
+from .terminal_serve import add_serve_parser
 
 
 def parse_env(items: list[str]) -> dict[str, str]:
@@ -90,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_fetch_parser(sub)
     add_run_parser(sub)
     add_chat_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 

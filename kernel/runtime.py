@@ -13,13 +13,14 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from shardbook.rankd import protocol
 from shardbook.rankd.handlers import RankContext
 from shardbook.rankd.world import JobShape, World, init_world
 
+from .generation_queue import GenerationQueue
 from .pool import Pool, PoolError
 
 log = logging.getLogger(__name__)
@@ -31,13 +32,18 @@ _lock = threading.Lock()
 
 @dataclass
 class Runtime:
-    """The world and pool rank 0 runs commands on."""
+    """The world and pool rank 0 runs commands on, the line generations wait in, and the HTTP server if one runs."""
 
     world: World
     pool: Pool
     ctx0: RankContext
+    generation_queue: GenerationQueue = field(default_factory=GenerationQueue)
+    server: Any = None
+    """The running ``shardbook.kernel.server.Server`` (``%serve``, ``shardbook serve``), else None."""
 
     def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
         self.pool.shutdown()
 
 

@@ -101,8 +101,12 @@ def run_chat(args: argparse.Namespace) -> int:
 
 
 # --- the --nproc launcher -------------------------------------------------------------------
-def launch(args: argparse.Namespace) -> int:
-    """Start torchrun in a session of its own, relay Ctrl-C to rank 0, and return torchrun's exit code."""
+def launch(args: argparse.Namespace, command: list[str] | None = None, graceful_term: bool = False) -> int:
+    """Start torchrun in a session of its own, relay Ctrl-C to rank 0, and return torchrun's exit code.
+
+    Every rank runs ``python -m shardbook COMMAND`` (default: ``chat CONFIG OVERRIDES``); with
+    ``graceful_term`` SIGTERM is relayed to rank 0 as well, which then ends the job itself.
+    """
     layout = Layout(args.nproc)
     prepare_load(args.config, args.overrides, layout.nproc)  # a bad config fails here, before any rank starts
     with tempfile.TemporaryDirectory(prefix="shardbook-chat-") as tmp:
@@ -111,33 +115,33 @@ def launch(args: argparse.Namespace) -> int:
         env.pop(protocol.KEY_FILE_ENV, None)  # it would take precedence over the fresh key
         argv = [
             sys.executable, "-m", "torch.distributed.run", *layout.torchrun_args(),
-            "-m", "shardbook", "chat", args.config, *args.overrides,
+            "-m", "shardbook", *(command or ["chat", args.config, *args.overrides]),
         ]
         torchrun = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=die_with_parent)
-        with relayed_signals(torchrun, pid_file):
+        with relayed_signals(torchrun, pid_file, graceful_term):
             code = torchrun.wait()
     return 128 - code if code < 0 else code  # killed by a signal: the shell's convention
 
 
 @contextmanager
-def relayed_signals(torchrun: subprocess.Popen, pid_file: Path) -> Iterator[None]:
-    """Ctrl-C goes to rank 0 (or ends the job while it starts); SIGTERM and SIGHUP end the job."""
+def relayed_signals(torchrun: subprocess.Popen, pid_file: Path, graceful_term: bool = False) -> Iterator[None]:
+    """Ctrl-C goes to rank 0 (or ends the job while it starts); SIGTERM (unless ``graceful_term``) and SIGHUP end the job."""
 
-    def interrupt(signum, frame) -> None:
+    def relay(signum, frame) -> None:
         pid = read_pid(pid_file)
         if pid is None:
-            print("shardbook chat: interrupted while the ranks start; stopping them", file=sys.stderr)
+            print("shardbook: interrupted while the ranks start; stopping them", file=sys.stderr)
             torchrun.terminate()
             return
         try:
-            os.kill(pid, signal.SIGINT)
+            os.kill(pid, signum)
         except ProcessLookupError:  # rank 0 has already left; torchrun is ending the others
             pass
 
     def stop(signum, frame) -> None:
         torchrun.terminate()
 
-    handlers = {signal.SIGINT: interrupt, signal.SIGTERM: stop, signal.SIGHUP: stop}
+    handlers = {signal.SIGINT: relay, signal.SIGTERM: relay if graceful_term else stop, signal.SIGHUP: stop}
     previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
     try:
         yield
@@ -163,8 +167,11 @@ def maybe_write_pid_file() -> None:
 
 
 # --- every rank -----------------------------------------------------------------------------
-def run_rank(args: argparse.Namespace, shape: JobShape) -> int:
-    """Check the config, join the job, then chat (rank 0) or serve rank 0's commands (the others)."""
+def run_rank(args: argparse.Namespace, shape: JobShape, then=None, name: str = "shardbook chat") -> int:
+    """Check the config, join the job, then chat (rank 0) or serve rank 0's commands (the others).
+
+    ``then(runtime, config, terminal)`` is what rank 0 does once the model is loaded (default: chat).
+    """
     from shardbook.rankd.__main__ import configure_logging
 
     configure_logging(shape.rank)
@@ -184,7 +191,7 @@ def run_rank(args: argparse.Namespace, shape: JobShape) -> int:
         return 2
     if shape.rank > 0:
         return run_follower_rank(world)
-    return run_rank0(world, config, model_path)
+    return run_rank0(world, config, model_path, then or chat_in_terminal, name)
 
 
 def check_key_source(shape: JobShape) -> None:
@@ -249,23 +256,20 @@ class TerminalShell:
     user_ns: dict[str, Any] = field(default_factory=dict)
 
 
-def run_rank0(world: World, config: ShardbookConfig, model_path: Path) -> int:
-    from .chat import ChatModel
-    from .conversation import Conversation
+def run_rank0(world: World, config: ShardbookConfig, model_path: Path, then, name: str) -> int:
     from .pool import PoolError
     from .runtime import start_runtime
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
     maybe_write_pid_file()
-    terminal = Terminal()
+    terminal = Terminal(name)
     runtime = None
     try:
         with control_key(world) as key:
             runtime = start_runtime(TerminalShell(), key=key, world=world)
         if not load_model(runtime, config, model_path, terminal):
             return 1
-        conversation = Conversation(system_prompt=config.inference.system_prompt)
-        return TerminalChat(ChatModel(runtime), conversation, terminal).run()
+        return then(runtime, config, terminal)
     except PoolError as e:
         terminal.error(str(e))
         return 1
@@ -275,6 +279,15 @@ def run_rank0(world: World, config: ShardbookConfig, model_path: Path) -> int:
     finally:
         if runtime is not None:
             runtime.close()
+
+
+def chat_in_terminal(runtime: Runtime, config: ShardbookConfig, terminal: Terminal) -> int:
+    from .chat import ChatModel
+    from .conversation import Conversation
+
+    conversation = Conversation(system_prompt=config.inference.system_prompt)
+    terminal.info("/help lists the commands; exit leaves.")
+    return TerminalChat(ChatModel(runtime), conversation, terminal).run()
 
 
 def load_model(runtime: Runtime, config: ShardbookConfig, model_path: Path, terminal: Terminal) -> bool:
@@ -298,7 +311,7 @@ def load_model(runtime: Runtime, config: ShardbookConfig, model_path: Path, term
     s = outcome.replies[0]["value"]
     terminal.info(
         f"loaded {s['architecture']} ({s['num_parameters'] / 1e6:.1f}M parameters, {s['dtype']}, {s['device']}) "
-        f"on {s['world_size']} rank(s) in {s['load_seconds']:.1f} s. /help lists the commands; exit leaves."
+        f"on {s['world_size']} rank(s) in {s['load_seconds']:.1f} s."
     )
     return True
 
@@ -306,7 +319,8 @@ def load_model(runtime: Runtime, config: ShardbookConfig, model_path: Path, term
 class Terminal:
     """Questions from stdin, replies to stdout; progress, status lines, command output and errors to stderr."""
 
-    def __init__(self):
+    def __init__(self, name: str = "shardbook chat"):
+        self.name = name
         self.interactive = sys.stdin.isatty()
         self.styled = sys.stderr.isatty()
         self._reply_ends_line = True
@@ -343,10 +357,10 @@ class Terminal:
         self._stderr(text)
 
     def notice(self, text: str) -> None:
-        self._stderr(f"shardbook chat: {text}")
+        self._stderr(f"{self.name}: {text}")
 
     def error(self, text: str) -> None:
-        self._stderr(f"shardbook chat: error: {text}")
+        self._stderr(f"{self.name}: error: {text}")
 
     def progress(self, text: str) -> None:
         """One line rewritten in place on a terminal (empty text clears it); nothing elsewhere."""

@@ -20,10 +20,12 @@ def load_ipython_extension(shell) -> None:
     from .chat import ChatMagics
     from .errors import RankError, show_rank_error
     from .loading import LoadMagics
+    from .serve import ServeMagics
 
     shell.register_magics(RankMagics)
     shell.register_magics(LoadMagics)
     shell.register_magics(ChatMagics)
+    shell.register_magics(ServeMagics)
     shell.set_custom_exc((RankError,), show_rank_error)
     try:
         get_runtime(shell)

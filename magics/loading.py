@@ -59,13 +59,17 @@ class LoadMagics(Magics):
             raise UsageError(str(e)) from e
         progress = progress_view(self.shell, "loading")
         relay = RankRelay(frontend_for(self.shell), label_ranks=True, on_progress=lambda p: progress.update(**p))
+        served = runtime.server.model_id() if runtime.server else None
         try:
-            outcome = load_on_ranks(runtime.pool, config, model_path, relay, relay.notice)
+            with runtime.generation_queue.take_turn("load"):  # after the reply in flight (%serve, %%chat)
+                outcome = load_on_ranks(runtime.pool, config, model_path, relay, relay.notice)
         except PoolError as e:
             progress.close(ok=False)
             raise UsageError(str(e)) from e
         progress.close(ok=outcome.ok)
         raise_for_outcome(outcome)
+        if runtime.server is not None:
+            print(f"%serve now serves {runtime.server.model_id()} at {runtime.server.url} (was {served or 'nothing'})")
         return summary_table(outcome.replies[0]["value"])
 
     @magic_arguments()

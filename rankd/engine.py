@@ -23,7 +23,7 @@ import queue
 import secrets
 import threading
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from .config import InferenceConfig
-from .streaming import TextDeltaStreamer
+from .streaming import StopTextFilter, TextDeltaStreamer, find_stop
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,8 @@ class GenerationRequest:
     """Seed every rank samples with; rank 0 chooses one with :meth:`with_seed` when the user gave none."""
     want_scores: bool = False
     """Also return each generated token's probability and its most likely alternatives."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end the reply; the reply (streamed and final) stops just before the first one."""
 
     def __post_init__(self) -> None:
         _check_messages(self.messages)
@@ -78,6 +80,8 @@ class GenerationRequest:
         _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.seed is not None:
             _check(0 <= self.seed < 2**63, f"seed must be in [0, 2**63), got {self.seed}")
+        _check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
+               f"stop must be a list of non-empty strings, got {self.stop!r}")
 
     def with_seed(self) -> "GenerationRequest":
         """This request with a random seed filled in if it has none (rank 0 calls this before sending)."""
@@ -124,7 +128,7 @@ class GenerationResult:
     generated_tokens: int
     """Tokens this rank generated, an end-of-text token included."""
     finish_reason: str
-    """"stop" (end-of-text token), "length" (max_new_tokens or the context) or "interrupted"."""
+    """"stop" (end-of-text token or a stop string), "length" (max_new_tokens or the context) or "interrupted"."""
     time_to_first_token_s: float
     """Seconds from the start of generation to the end of the prompt's forward pass."""
     tokens_per_s: float
@@ -184,6 +188,8 @@ def generate(
     stop = StopOnEvent(stop_event)
     events: queue.Queue = queue.Queue()
     streamer = None
+    if on_text is not None and request.stop:
+        on_text = StopTextFilter(on_text, request.stop)
     if on_text is not None:
         streamer = TextDeltaStreamer(tokenizer, lambda text: events.put(("text", text)), **DECODE_KWARGS)
     worker = _GenerateThread(
@@ -198,6 +204,7 @@ def generate(
             synced_gpus=_world_size() > 1,
             streamer=streamer,
             stopping_criteria=StoppingCriteriaList([stop]),
+            **({"tokenizer": tokenizer} if request.stop else {}),  # transformers' stop_strings need it
         ),
     )
     with _eval_mode(model):
@@ -207,6 +214,8 @@ def generate(
         except KeyboardInterrupt:
             stop_event.set()
             output = _consume(events, on_text, stop_event, timeout_s)
+    if isinstance(on_text, StopTextFilter):
+        on_text.close()
     return _result(tokenizer, request, config, output, prompt_ids.shape[1], stop.fired, worker)
 
 
@@ -258,6 +267,7 @@ def build_generation_config(
         max_new_tokens=max_new_tokens,
         do_sample=request.do_sample,
         repetition_penalty=request.repetition_penalty,
+        stop_strings=request.stop or None,
         num_beams=1,  # one streamed sequence
         num_return_sequences=1,
         use_cache=True,
@@ -353,13 +363,15 @@ def _result(
     worker: _GenerateThread,
 ) -> GenerationResult:
     token_ids = output.sequences[0, num_prompt_tokens:].tolist()
-    if token_ids and token_ids[-1] in (config.eos_token_id or []):
+    text = tokenizer.decode(token_ids, **DECODE_KWARGS)
+    cut = find_stop(text, request.stop)
+    if cut is not None or (token_ids and token_ids[-1] in (config.eos_token_id or [])):
         finish_reason = "stop"
     else:
         finish_reason = "interrupted" if interrupted else "length"
     decoding_s = worker.ended_at - worker.first_step_at
     return GenerationResult(
-        text=tokenizer.decode(token_ids, **DECODE_KWARGS),
+        text=text[:cut],
         prompt_tokens=num_prompt_tokens,
         generated_tokens=len(token_ids),
         finish_reason=finish_reason,

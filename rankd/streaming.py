@@ -77,3 +77,49 @@ class TextDeltaStreamer(BaseStreamer):
     def _send(self, text: str) -> None:
         if text:
             self.sink(text)
+
+
+def find_stop(text: str, stops: list[str]) -> int | None:
+    """Where the earliest of the ``stops`` strings begins in ``text``, or None."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+class StopTextFilter:
+    """Passes streamed text on to ``sink`` up to (never including) the first stop string.
+
+    Text that could be the beginning of a stop string is held back until the next chunk shows
+    whether it is; :meth:`close` sends what is still held back when no stop string came.
+    """
+
+    def __init__(self, sink: Callable[[str], None], stops: list[str]):
+        self.sink = sink
+        self.stops = stops
+        self.text = ""
+        self.num_sent = 0
+        self.stopped = False
+
+    def __call__(self, chunk: str) -> None:
+        if self.stopped:
+            return
+        self.text += chunk
+        cut = find_stop(self.text, self.stops)
+        if cut is not None:
+            self.stopped = True
+            self._send_up_to(cut)
+        else:
+            self._send_up_to(len(self.text) - self._held_back())
+
+    def close(self) -> None:
+        if not self.stopped:
+            self._send_up_to(len(self.text))
+
+    def _held_back(self) -> int:
+        """Length of the longest end of the text that begins some stop string."""
+        return max((n for s in self.stops for n in range(min(len(s) - 1, len(self.text)), 0, -1)
+                    if self.text.endswith(s[:n])), default=0)
+
+    def _send_up_to(self, end: int) -> None:
+        if end > self.num_sent:
+            self.sink(self.text[self.num_sent:end])
+            self.num_sent = end

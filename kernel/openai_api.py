@@ -1,0 +1,214 @@
+"""The OpenAI chat-completions protocol: request bodies checked and translated, replies and errors in its shapes.
+
+Only what the ranks can honour is accepted: ``messages`` (system, developer, user, assistant;
+text content), ``max_tokens`` / ``max_completion_tokens``, ``temperature`` (0 is greedy),
+``top_p``, ``seed``, ``stop``, ``stream`` and ``stream_options.include_usage``. Fields that change
+nothing at their default value (``n: 1``, ``logprobs: false``, ...) pass; any other field or
+value is a 400 naming it, never silently ignored. Unset settings come from the loaded config's
+``inference`` section, as for ``%%chat``.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+HANDLED = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
+           "stream", "stream_options", "user"}
+HARMLESS_DEFAULTS = {
+    "n": (1,), "logprobs": (False,), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "logit_bias": ({},), "parallel_tool_calls": (False, True),
+    "response_format": ({"type": "text"},), "store": (False,), "metadata": ({},),
+}
+"""Fields accepted only at a value that asks for nothing (``None`` always passes)."""
+MAX_STOP_STRINGS = 4
+FINISH_REASONS = {"stop": "stop", "length": "length", "interrupted": "length"}
+"""The engine's finish reasons in OpenAI's words: a reply stopped early (stop button, shutdown) was cut short."""
+
+
+class ApiError(Exception):
+    """A request the server refuses, with its HTTP status and an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code, self.type = status, param, code, type
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A checked chat-completions request: what ``ChatModel.build_request`` takes, and how to answer."""
+
+    model: str
+    messages: list[dict[str, str]]
+    settings: dict[str, Any]
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+
+
+def parse_request(raw: bytes) -> CompletionRequest:
+    """The request in ``raw`` (a JSON body), or ApiError(400) naming the first thing wrong with it."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object with 'model' and 'messages'")
+    check_fields(body)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "'model' is required: the id that GET /v1/models lists", param="model")
+    stream = _typed(body, "stream", bool) or False
+    options = _typed(body, "stream_options", dict) or {}
+    if options and not stream:
+        raise ApiError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
+    if set(options) - {"include_usage"}:
+        raise ApiError(400, f"unsupported stream_options {sorted(set(options) - {'include_usage'})}", param="stream_options")
+    return CompletionRequest(
+        model=model, messages=parse_messages(body.get("messages")), settings=parse_settings(body),
+        stop=parse_stop(body.get("stop")), stream=stream, include_usage=bool(options.get("include_usage")),
+    )
+
+
+def check_fields(body: dict[str, Any]) -> None:
+    for key, value in body.items():
+        if key in HANDLED or value is None:
+            continue
+        if key not in HARMLESS_DEFAULTS:
+            raise ApiError(400, f"unsupported field '{key}': this server does not implement it", param=key)
+        if value not in HARMLESS_DEFAULTS[key]:
+            raise ApiError(400, f"unsupported value for '{key}': only {HARMLESS_DEFAULTS[key][0]!r} is implemented", param=key)
+
+
+def parse_messages(messages: Any) -> list[dict[str, str]]:
+    if messages is None:
+        raise ApiError(400, "'messages' is required: a list of {role, content} objects", param="messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
+    return [parse_message(m, i) for i, m in enumerate(messages)]
+
+
+def parse_message(message: Any, i: int) -> dict[str, str]:
+    param = f"messages[{i}]"
+    if not isinstance(message, dict) or set(message) - {"role", "content"}:
+        raise ApiError(400, f"{param} must be an object with only 'role' and 'content'", param=param)
+    role = message.get("role")
+    if role not in ROLES:
+        raise ApiError(400, f"{param}.role {role!r} is not supported; use one of {sorted(ROLES)}", param=f"{param}.role")
+    content = message.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise ApiError(400, f"{param}.content: only text parts are supported", param=f"{param}.content")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise ApiError(400, f"{param}.content must be a string", param=f"{param}.content")
+    return {"role": ROLES[role], "content": content}
+
+
+def parse_settings(body: dict[str, Any]) -> dict[str, Any]:
+    """Generation settings given in the body, named as ``GenerationRequest`` names them."""
+    settings: dict[str, Any] = {}
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = _typed(body, key, int)
+        if value is not None:
+            if value < 1:
+                raise ApiError(400, f"'{key}' must be at least 1, got {value}", param=key)
+            settings["max_new_tokens"] = value
+            break
+    temperature = _typed(body, "temperature", (int, float))
+    if temperature is not None:
+        if not 0 <= temperature <= 2:
+            raise ApiError(400, f"'temperature' must be in [0, 2], got {temperature}", param="temperature")
+        settings["do_sample"] = temperature > 0
+        if temperature > 0:
+            settings["temperature"] = float(temperature)
+    top_p = _typed(body, "top_p", (int, float))
+    if top_p is not None:
+        if not 0 < top_p <= 1:
+            raise ApiError(400, f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
+        settings["top_p"] = float(top_p)
+    seed = _typed(body, "seed", int)
+    if seed is not None:
+        if not 0 <= seed < 2**63:
+            raise ApiError(400, f"'seed' must be in [0, 2**63), got {seed}", param="seed")
+        settings["seed"] = seed
+    return settings
+
+
+def parse_stop(stop: Any) -> list[str]:
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"'stop' must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them", param="stop")
+    return stops
+
+
+def check_fits_context(context: int | None, num_prompt_tokens: int, max_new_tokens: int | None) -> None:
+    """ApiError(400) when the prompt, or the prompt plus an explicit ``max_tokens``, exceeds the model's context."""
+    if context is None:
+        return
+    wanted = num_prompt_tokens + (max_new_tokens or 1)
+    if wanted > context:
+        raise ApiError(
+            400,
+            f"this model's context is {context} tokens, but the messages take {num_prompt_tokens} and "
+            f"{max_new_tokens or 1} more were requested: shorten the messages or lower max_tokens",
+            param="max_tokens" if max_new_tokens and num_prompt_tokens < context else "messages",
+            code="context_length_exceeded",
+        )
+
+
+# --- replies ------------------------------------------------------------------------------
+def new_completion_id() -> str:
+    return "chatcmpl-" + secrets.token_hex(12)
+
+
+def usage_body(response: Any) -> dict[str, int]:
+    return {
+        "prompt_tokens": response.prompt_tokens,
+        "completion_tokens": response.generated_tokens,
+        "total_tokens": response.prompt_tokens + response.generated_tokens,
+    }
+
+
+def completion_body(completion_id: str, model: str, response: Any) -> dict[str, Any]:
+    message = {"role": "assistant", "content": response.text}
+    return {
+        "id": completion_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": FINISH_REASONS[response.finish_reason], "logprobs": None}],
+        "usage": usage_body(response),
+    }
+
+
+def chunk_body(completion_id: str, model: str, delta: dict[str, str] | None, finish_reason: str | None = None,
+               usage: dict[str, int] | None = None, include_usage: bool = False) -> dict[str, Any]:
+    """One streamed chunk; ``delta=None`` makes the usage chunk (no choices) that ends a stream with include_usage."""
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
+    chunk = {"id": completion_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+             "choices": choices}
+    if include_usage:
+        chunk["usage"] = usage
+    return chunk
+
+
+def models_body(model_id: str | None, created: int) -> dict[str, Any]:
+    data = [] if model_id is None else [{"id": model_id, "object": "model", "created": created, "owned_by": "shardbook"}]
+    return {"object": "list", "data": data}
+
+
+def _typed(body: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+        name = kind.__name__ if isinstance(kind, type) else "number"
+        raise ApiError(400, f"'{key}' must be a {name}, got {json.dumps(value)}", param=key)
+    return value

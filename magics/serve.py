@@ -1,0 +1,91 @@
+"""``%serve``: the loaded model behind an OpenAI-compatible HTTP endpoint, served from inside the kernel."""
+
+from __future__ import annotations
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from shardbook.kernel.generation_queue import GenerationQueue
+from shardbook.kernel.pool import PoolError
+from shardbook.kernel.runtime import get_runtime
+
+
+def install_interrupt_hook(kernel, generation_queue: GenerationQueue) -> None:
+    """Make the kernel's stop button also stop the generation in flight, even when no cell runs.
+
+    An idle ipykernel ignores SIGINT, so an HTTP request in flight would not hear the stop
+    button; wrapping the kernel's ``interrupt_request`` handler reaches it.
+    """
+    if kernel is None or getattr(kernel, "_shardbook_interrupt_hook", False):
+        return
+    for table in (kernel.shell_handlers, kernel.control_handlers):
+        original = table.get("interrupt_request")
+        if original is not None:
+            table["interrupt_request"] = _stopping_first(original, generation_queue)
+    kernel._shardbook_interrupt_hook = True
+
+
+def _stopping_first(original, generation_queue: GenerationQueue):
+    async def interrupt_request(stream, ident, parent):
+        generation_queue.interrupt_running()
+        return await original(stream, ident, parent)
+
+    return interrupt_request
+
+
+@magics_class
+class ServeMagics(Magics):
+    """Serve the loaded model to OpenAI clients."""
+
+    @magic_arguments()
+    @argument("--port", type=int, default=None, help="port to listen on (default 8000; 0 picks a free one)")
+    @argument("--host", default="127.0.0.1", help="address to listen on (default loopback; others need an API key)")
+    @argument("--api-key", help="key clients must send as 'Authorization: Bearer KEY'")
+    @argument("--api-key-file", help="file whose first line is the API key")
+    @argument("--max-waiting", type=int, help="requests that may wait for the model before 429 (default 16)")
+    @argument("--stop", action="store_true", help="stop the server")
+    @argument("--status", action="store_true", help="show the URL, the queue, requests served and errors")
+    @line_magic("serve")
+    def serve(self, line: str):
+        """Serve the model loaded by %load_sharded over an OpenAI-compatible HTTP API. Example::
+
+            %serve --port 8000
+            # then, anywhere on this machine:
+            # OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none").chat.completions.create(...)
+
+        Requests and %%chat cells share one queue (the ranks run one reply at a time); the stop
+        button stops the reply in flight and the server keeps running. ``%serve --status`` and
+        ``%serve --stop``. Loading another model switches what is served.
+        """
+        from shardbook.kernel.server import DEFAULT_PORT, ServeOptions, Server, read_api_key
+
+        args = parse_argstring(self.serve, line)
+        try:
+            runtime = get_runtime(self.shell)
+        except PoolError as e:
+            raise UsageError(str(e)) from e
+        server = runtime.server
+        if args.stop or args.status:
+            if server is None:
+                print("not serving; `%serve` starts a server")
+            elif args.stop:
+                server.stop()
+                print(f"stopped serving at {server.url} ({server.stats.served} requests served)")
+            else:
+                print(server.status_text())
+            return
+        if server is not None:
+            raise UsageError(f"already serving at {server.url}; `%serve --stop` first to change its settings")
+        if args.api_key and args.api_key_file:
+            raise UsageError("give either --api-key or --api-key-file, not both")
+        try:
+            key = read_api_key(args.api_key, args.api_key_file)
+            port = DEFAULT_PORT if args.port is None else args.port
+            options = ServeOptions(host=args.host, port=port, api_key=key, max_waiting=args.max_waiting)
+            server = Server(runtime, options).start()
+        except ValueError as e:
+            raise UsageError(str(e)) from e
+        install_interrupt_hook(getattr(self.shell, "kernel", None), runtime.generation_queue)
+        model = server.model_id() or "(no model loaded yet: %load_sharded one)"
+        print(f"serving {model} at {server.url} (OpenAI chat completions); `%serve --stop` stops it")
