@@ -184,3 +184,15 @@ def _copy(source: Path, target: Path) -> Path:
     import shutil
 
     return Path(shutil.copytree(source, target))
+
+
+def make_long_talker(path: Path) -> Path:
+    """The tiny Llama that never ends a reply by itself (end of text suppressed) and has a long context (4096)."""
+    import json
+
+    path = make_tiny_llama(path)
+    for name, changes in (("config.json", {"max_position_embeddings": 4096}), ("generation_config.json", None)):
+        data = json.loads((path / name).read_text())
+        data.update(changes or {"suppress_tokens": [data["eos_token_id"]]})
+        (path / name).write_text(json.dumps(data))
+    return path

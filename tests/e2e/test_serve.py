@@ -1,0 +1,209 @@
+"""%serve in a real 2-rank kernel: the official openai client, raw HTTP error paths, the shared queue, cancellation."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+
+import pytest
+from openai import OpenAI
+
+from tests.e2e.conftest import wait_until
+from tests.e2e.http_helpers import OpenStream, chat, finish_reason, joined_text, request, server_url
+from tests.tiny import make_long_talker
+
+pytestmark = pytest.mark.timeout(300)
+MODEL = "talker"
+
+
+@pytest.fixture(scope="module")
+def talker(tmp_path_factory):
+    """The tiny model that talks until max_tokens: long replies to stop, deterministic (greedy) text."""
+    return make_long_talker(tmp_path_factory.mktemp("serve") / MODEL)
+
+
+def load(kernel, path) -> str:
+    ex = kernel.run(f"%load_sharded --model.model_name_or_path {path} --inference.system_prompt none", timeout=120)
+    assert ex.status == "ok", ex.error_text() + ex.stderr()
+    return ex.stdout()
+
+
+@pytest.fixture(scope="module")
+def loaded(kernel, talker):
+    load(kernel, talker)
+    return kernel
+
+
+@pytest.fixture
+def serve(loaded):
+    """Start ``%serve --port 0 FLAGS`` in the kernel; every server is stopped after the test."""
+
+    def start(flags: str = "") -> str:
+        ex = loaded.run(f"%serve --port 0 {flags}")
+        assert ex.status == "ok", ex.error_text()
+        return server_url(ex.stdout())
+
+    yield start
+    assert loaded.run("%serve --stop").status == "ok"
+
+
+def cell_reply(ex) -> str:
+    assert ex.status == "ok", ex.error_text() + ex.stderr()
+    return ex.stdout().rsplit("\n[", 1)[0]
+
+
+def test_models_and_replies_through_the_openai_client_streamed_or_whole(loaded, serve):
+    url = serve()
+    client = OpenAI(base_url=url, api_key="unused")
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12)
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 12
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    status = loaded.run("%serve --status").stdout()
+    assert f"serving {MODEL} at {url}" in status and "2 served, 0 errors" in status
+
+
+def test_error_paths_are_openai_errors_naming_the_cause(serve):
+    url = serve()
+    cases = [
+        (request(url, "POST", "/v1/chat/completions", b'{"model": "talker", "messages": ['), 400, None),
+        (request(url, "POST", "/v1/chat/completions", {"model": MODEL}), 400, "messages"),
+        (chat(url, "gpt-4o", "hi"), 404, "model"),
+        (chat(url, MODEL, "hi", max_tokens=5000), 400, "max_tokens"),
+        (chat(url, MODEL, "hi", n=2), 400, "n"),
+        (chat(url, MODEL, "x" * (5 * 1024 * 1024)), 413, None),
+        (request(url, "GET", "/v1/engines"), 404, None),
+    ]
+    for reply, status, param in cases:
+        assert (reply.status, reply.error["param"]) == (status, param), reply.body
+        assert reply.error["message"] and reply.error["type"]
+    assert "not valid JSON" in cases[0][0].error["message"] and "4096" in cases[3][0].error["message"]
+    assert chat(url, MODEL, "hi", max_tokens=2).status == 200
+
+
+def test_other_addresses_need_an_api_key_and_it_is_checked(loaded, serve):
+    refused = loaded.run("%serve --host 0.0.0.0 --port 0")
+    assert refused.status == "error" and "without an API key" in refused.stderr() + refused.error_text()
+    url = serve("--api-key sk-local-test-key")
+    assert chat(url, MODEL, "hi", max_tokens=2).error["code"] == "invalid_api_key"
+    wrong = chat(url, MODEL, "hi", headers={"Authorization": "Bearer sk-local-test-kez"}, max_tokens=2)
+    assert wrong.status == 401 and wrong.error["message"] == "invalid API key"
+    client = OpenAI(base_url=url, api_key="sk-local-test-key")
+    assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2).usage
+    assert request(url, "GET", "/health").body["model"] == MODEL
+
+
+def test_a_full_queue_answers_429_with_retry_after(serve):
+    url = serve("--max-waiting 1")
+    running = OpenStream(url, MODEL, "talk", max_tokens=3000)
+    assert running.next_chunk()
+    waiting = OpenStream(url, MODEL, "talk", max_tokens=3000)
+    assert wait_until(lambda: request(url, "GET", "/health").body["waiting"] == 1, timeout=30)
+    full = chat(url, MODEL, "hi", max_tokens=2)
+    assert full.status == 429 and int(full.headers["Retry-After"]) >= 1 and full.error["type"] == "rate_limit_error"
+    running.drop()
+    assert waiting.next_chunk()  # the waiting one runs next
+    waiting.drop()
+    assert chat(url, MODEL, "hi", max_tokens=2).status == 200
+
+
+def test_a_client_that_leaves_mid_stream_frees_the_ranks_within_2_s(serve):
+    url = serve()
+    leaving = OpenStream(url, MODEL, "talk", max_tokens=3000)
+    for _ in range(3):
+        assert leaving.next_chunk()
+    leaving.drop()
+    nxt = chat(url, MODEL, "hi", max_tokens=3)
+    assert nxt.status == 200 and nxt.body["usage"]["completion_tokens"] == 3
+    assert float(nxt.headers["X-Shardbook-Queue-Wait-Ms"]) < 2000, nxt.headers
+
+
+def test_the_stop_button_stops_the_request_in_flight_and_the_server_stays(loaded, serve):
+    url = serve()
+    stream = OpenStream(url, MODEL, "talk", max_tokens=3000, stream_options={"include_usage": True})
+    assert stream.next_chunk()
+    loaded.km.interrupt_kernel()  # no cell runs: the kernel is idle
+    chunks = stream.read_to_end()
+    assert finish_reason(chunks) == "length" and chunks[-1]["usage"]["completion_tokens"] < 3000
+    assert chat(url, MODEL, "hi", max_tokens=2).status == 200
+    assert loaded.run("1 + 1").status == "ok"
+
+
+def test_chat_cells_and_http_requests_from_two_threads_take_turns_unmixed(loaded, serve):
+    url = serve()
+    cell = "%%chat --new --output text --max-new-tokens 40\nhello there"
+    solo_cell = cell_reply(loaded.run(cell))
+    solo_http = chat(url, MODEL, "count with me", max_tokens=40).body["choices"][0]["message"]["content"]
+    assert solo_cell != solo_http
+    cells, replies = [], []
+
+    def run_cells():
+        cells.extend(cell_reply(loaded.run(cell, timeout=120)) for _ in range(3))
+
+    def run_requests():
+        client = OpenAI(base_url=url, api_key="unused", max_retries=0)
+        for stream in (False, True, False):
+            result = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "count with me"}],
+                                                    max_tokens=40, stream=stream)
+            replies.append(joined_text([c.model_dump() for c in result]) if stream else result.choices[0].message.content)
+
+    blocker = OpenStream(url, MODEL, "talk", max_tokens=3000)  # both threads must queue behind it
+    assert blocker.next_chunk()
+    threads = [threading.Thread(target=run_cells), threading.Thread(target=run_requests)]
+    for t in threads:
+        t.start()
+    assert wait_until(lambda: request(url, "GET", "/health").body["waiting"] == 2, timeout=60)
+    blocker.drop()
+    for t in threads:
+        t.join(240)
+    assert cells == [solo_cell] * 3 and replies == [solo_http] * 3
+
+
+def test_loading_another_model_switches_what_is_served_and_says_so(loaded, serve, talker, tmp_path):
+    url = serve()
+    other = shutil.copytree(talker, tmp_path / "other-talker")
+    try:
+        assert f"%serve now serves other-talker at {url} (was {MODEL})" in load(loaded, other)
+        assert [m["id"] for m in request(url, "GET", "/v1/models").body["data"]] == ["other-talker"]
+        assert chat(url, MODEL, "hi", max_tokens=2).status == 404
+        assert chat(url, "other-talker", "hi", max_tokens=2).status == 200
+    finally:
+        load(loaded, talker)
+
+
+@pytest.mark.slow
+def test_the_demo_model_answers_through_the_openai_client(kernel):
+    from transformers import AutoTokenizer
+
+    from shardbook.kernel.fetch import resolve_model_path
+
+    assert kernel.run("%load_sharded configs/smollm2-135m.yaml", timeout=240).status == "ok"
+    url = server_url(kernel.run("%serve --port 0").stdout())
+    try:
+        client, model = OpenAI(base_url=url, api_key="unused"), "smollm2-135m-instruct"
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+
+        def ask(**fields):
+            return client.chat.completions.create(model=model, messages=question, max_tokens=32, **fields)
+
+        whole = ask()
+        text = whole.choices[0].message.content
+        assert "Paris" in text
+        assert joined_text([c.model_dump() for c in ask(stream=True)]) == text
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model))
+        prompt = tokenizer.apply_chat_template(question, add_generation_prompt=True, tokenize=True, return_dict=True)
+        ended = whole.choices[0].finish_reason == "stop"
+        assert whole.usage.prompt_tokens == len(prompt["input_ids"])
+        assert whole.usage.completion_tokens == len(tokenizer(text, add_special_tokens=False)["input_ids"]) + ended
+        sampled = [ask(temperature=1.0, seed=1234).choices[0].message.content for _ in range(2)]
+        assert sampled[0] == sampled[1]
+        cut = text[: text.index("Paris")]
+        assert ask(stop=["Paris"]).choices[0].message.content == cut
+        assert joined_text([c.model_dump() for c in ask(stop="Paris", stream=True)]) == cut
+    finally:
+        kernel.run("%serve --stop")
