@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
@@ -29,7 +31,9 @@ def install_interrupt_hook(kernel, generation_queue: GenerationQueue) -> None:
 def _stopping_first(original, generation_queue: GenerationQueue):
     async def interrupt_request(stream, ident, parent):
         generation_queue.interrupt_running()
-        return await original(stream, ident, parent)
+        result = original(stream, ident, parent)
+        if inspect.isawaitable(result):
+            await result
 
     return interrupt_request
 
