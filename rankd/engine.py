@@ -32,6 +32,7 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 
 from .config import InferenceConfig
 from .streaming import StopTextFilter, TextDeltaStreamer, find_stop
+from .world import set_current_device
 
 log = logging.getLogger(__name__)
 
@@ -299,7 +300,7 @@ class _GenerateThread(threading.Thread):
             self.events.put(("error", exc))
 
     def _generate(self) -> Any:
-        _set_thread_device(self.device)
+        set_current_device(self.device)
         hook = self.model.register_forward_hook(self._on_step)
         try:
             # no_grad, not inference_mode: with reshard_after_forward=False FSDP2 keeps the
@@ -423,12 +424,6 @@ def _private_rng(device: torch.device) -> Iterator[None]:
     devices = [] if device.type == "cpu" else [device]
     with torch.random.fork_rng(devices=devices, device_type=device.type):
         yield
-
-
-def _set_thread_device(device: torch.device) -> None:
-    """Make `device` this thread's current accelerator (a new thread starts on device 0)."""
-    if device.type != "cpu":
-        torch.get_device_module(device.type).set_device(device)
 
 
 def _rank() -> int:

@@ -158,14 +158,17 @@ def process_group_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=float(os.environ.get("SHARDBOOK_PG_TIMEOUT", "1800")))
 
 
-def set_current_device(device: str) -> None:
-    """Make ``device`` current in the calling thread (CUDA/NPU track the device per thread)."""
+def set_current_device(device: Any) -> None:
+    """Make ``device`` (``cuda:1``, a ``torch.device``) current in the calling thread.
+
+    Accelerators track the current device per thread, and a new thread starts on device 0: the
+    main thread at start-up and every thread that runs model code on a rank call this.
+    """
     import torch
 
-    if device.startswith("cuda"):
-        torch.cuda.set_device(device)
-    elif device.startswith("npu"):
-        torch.npu.set_device(device)
+    device = torch.device(device)
+    if device.type != "cpu":
+        torch.get_device_module(device.type).set_device(device)
 
 
 def wait_for_every_rank(store: Any, world_size: int) -> None:
