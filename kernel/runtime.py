@@ -49,13 +49,8 @@ class Runtime:
 
 def kernel_key(shell: Any) -> tuple[bytes, str]:
     """The control-plane key: an explicit key (multi-node jobs) or the kernel's connection key."""
-    key = protocol.key_from_environment()
-    if key:
-        return key, "hmac-sha256"
     session = getattr(getattr(shell, "kernel", None), "session", None)
-    if session is None or not session.key:
-        return b"", "hmac-sha256"
-    return session.key, session.signature_scheme
+    return protocol.control_key(session=session) or (b"", "hmac-sha256")
 
 
 def start_runtime(shell: Any, key: bytes | None = None, world: World | None = None) -> Runtime:

@@ -195,7 +195,7 @@ def run_rank(args: argparse.Namespace, shape: JobShape, then=None, name: str = "
 
 
 def check_key_source(shape: JobShape) -> None:
-    if not shape.single_node and protocol.key_from_environment() is None:
+    if not shape.single_node and protocol.control_key() is None:
         raise ValueError(
             f"a chat over several nodes needs the same control-plane key on every node: set {protocol.KEY_ENV} "
             f"(e.g. to the output of `python -c 'import secrets; print(secrets.token_hex(32))'`) or "
@@ -214,9 +214,9 @@ def follower_key(world: World) -> bytes:
     """The key from the environment, else from the file rank 0 published in the store."""
     from shardbook.rankd.world import CONNECT_TIMEOUT_S
 
-    key = protocol.key_from_environment()
-    if key:
-        return key
+    found = protocol.control_key()
+    if found is not None:
+        return found[0]
     try:
         world.store.wait([KEY_FILE_STORE_KEY], timedelta(seconds=CONNECT_TIMEOUT_S))
     except RuntimeError as e:
@@ -224,15 +224,15 @@ def follower_key(world: World) -> bytes:
             f"rank {world.rank}: rank 0 did not publish the chat's key file within {CONNECT_TIMEOUT_S:.0f} s; "
             "does rank 0 run `python -m shardbook chat` with the same arguments? Check its output"
         ) from e
-    return protocol.read_key_file(world.store.get(KEY_FILE_STORE_KEY).decode())
+    return protocol.control_key(key_file=world.store.get(KEY_FILE_STORE_KEY).decode())[0]
 
 
 @contextmanager
 def control_key(world: World) -> Iterator[bytes | None]:
     """Rank 0's key: the environment's, else a fresh one in a private file the followers read (see above)."""
-    key = protocol.key_from_environment()
-    if key or world.world_size == 1:
-        yield key
+    found = protocol.control_key()
+    if found is not None or world.world_size == 1:
+        yield None if found is None else found[0]
         return
     key = secrets.token_hex(32).encode()
     fd, path = tempfile.mkstemp(prefix="shardbook-chat-", suffix=".key")  # mode 0600

@@ -20,13 +20,9 @@ from .world import JobShape
 
 def control_key(connection_file: str | None, key_file: str | None) -> tuple[bytes, str]:
     """The HMAC key: an explicit key file, else the environment, else the connection file."""
-    if key_file:
-        return protocol.read_key_file(key_file), "hmac-sha256"
-    key = protocol.key_from_environment()
-    if key:
-        return key, "hmac-sha256"
-    if connection_file:
-        return protocol.read_connection_key(connection_file)
+    found = protocol.control_key(key_file=key_file, connection_file=connection_file)
+    if found is not None:
+        return found
     raise ValueError(
         f"no control-plane key: pass --key-file (a copy of the kernel's key file) or set "
         f"{protocol.KEY_FILE_ENV} / {protocol.KEY_ENV}"

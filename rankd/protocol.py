@@ -117,3 +117,24 @@ def read_key_file(path: str | os.PathLike) -> bytes:
     if not key:
         raise ValueError(f"the key file {path} is empty; run `shardbook install` with --key-file to create one")
     return key.encode()
+
+
+def control_key(
+    *, key_file: str | os.PathLike | None = None, connection_file: str | os.PathLike | None = None, session: Any = None
+) -> tuple[bytes, str] | None:
+    """The control-plane key and signature scheme from the first source that has one, in this order.
+
+    An explicit key file (``--key-file``), then ``$SHARDBOOK_KEY_FILE`` / ``$SHARDBOOK_KEY`` (how
+    followers on other nodes get it), then the kernel's connection file, then a kernel's own
+    ``Session``. None when no source has a key; every rank and command looks its key up here.
+    """
+    if key_file:
+        return read_key_file(key_file), "hmac-sha256"
+    key = key_from_environment()
+    if key:
+        return key, "hmac-sha256"
+    if connection_file:
+        return read_connection_key(connection_file)
+    if session is not None and session.key:
+        return session.key, session.signature_scheme
+    return None

@@ -186,3 +186,23 @@ def test_other_protocol_version_is_refused():
 def test_empty_key_is_refused():
     with pytest.raises(ValueError, match="HMAC key"):
         protocol.make_session(b"")
+
+
+def test_control_key_sources_in_order(tmp_path, monkeypatch):
+    """One look-up for every rank and command: key file, then environment, then connection file, then session."""
+    import types
+
+    from shardbook.rankd.protocol import control_key
+
+    for name in (protocol.KEY_ENV, protocol.KEY_FILE_ENV):
+        monkeypatch.delenv(name, raising=False)
+    key_file, connection = tmp_path / "job.key", tmp_path / "kernel.json"
+    key_file.write_text("from-file\n")
+    connection.write_text(json.dumps({"key": "from-connection", "signature_scheme": "hmac-sha512"}))
+    session = types.SimpleNamespace(key=b"from-session", signature_scheme="hmac-sha384")
+    assert control_key() is None
+    assert control_key(session=session) == (b"from-session", "hmac-sha384")
+    assert control_key(connection_file=connection, session=session) == (b"from-connection", "hmac-sha512")
+    monkeypatch.setenv(protocol.KEY_ENV, "from-env")
+    assert control_key(connection_file=connection, session=session) == (b"from-env", "hmac-sha256")
+    assert control_key(key_file=key_file, connection_file=connection) == (b"from-file", "hmac-sha256")
