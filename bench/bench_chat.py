@@ -1,8 +1,8 @@
 """Chat benchmark (issue 4): ``%%chat`` through jupyter_client against raw ``model.generate``, same sharded model.
 
 One 2-rank shardbook kernel (``shardbook install --nproc 2``) is driven the way a frontend
-drives it (``KernelManager`` + ``BlockingKernelClient``, IOPub read without shell polling in
-between, every message stamped with ``time.perf_counter`` on arrival). For each
+drives it (``KernelManager`` + ``BlockingKernelClient`` through ``tests.driver.execute``, which
+polls IOPub and shell together and stamps every message with ``time.perf_counter`` on arrival). For each
 ``parallel.reshard_after_forward`` mode the demo model is loaded once, then rounds alternate
 which of the two goes first:
 
@@ -46,20 +46,21 @@ import argparse
 import html
 import json
 import os
-import queue
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 from jupyter_client.manager import KernelManager
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tests.driver (the one kernel driver, shared with the tests) and tests.tiny
+from tests.driver import Execution, execute  # noqa: E402
 CONFIG = ROOT / "configs" / "smollm2-135m.yaml"
 QUESTION = "Write a long story about a dragon who learns to fly."
 TTFT_TOKENS = 4
@@ -193,19 +194,13 @@ _bench_chunks.clear(); _bench_chunk_at.clear(); _bench_steps.clear(); _bench_gen
 
 
 @dataclass
-class Cell:
-    sent: float
-    msgs: list[dict]
-    idle: float
-    reply: dict
-    cpu_s: dict[int, float]
-    """CPU seconds (user + system, all threads) each rank's process used from the send to the idle."""
-    faults: dict[int, int]
-    """Minor page faults each rank's process took from the send to the idle."""
+class Cell(Execution):
+    """One cell as `tests.driver.execute` saw it, with what each rank's process spent on it."""
 
-    def stdout(self) -> str:
-        return "".join(m["content"]["text"] for m in self.msgs
-                       if m["header"]["msg_type"] == "stream" and m["content"]["name"] == "stdout")
+    cpu_s: dict[int, float] = field(default_factory=dict)
+    """CPU seconds (user + system, all threads) each rank's process used from the send to the reply."""
+    faults: dict[int, int] = field(default_factory=dict)
+    """Minor page faults each rank's process took from the send to the reply."""
 
     def marked(self, marker: str) -> dict:
         for line in self.stdout().splitlines():
@@ -248,36 +243,17 @@ class Kernel:
         return out
 
     def run(self, code: str, timeout: float = 600) -> Cell:
-        """Send the cell; read IOPub only (no shell polling in between) until idle, then the reply."""
-        cpu0 = self.cpu()
-        sent = time.perf_counter()
-        msg_id = self.kc.execute(code)
-        deadline, msgs = sent + timeout, []
-        while True:
-            try:
-                msg = self.kc.get_iopub_msg(timeout=max(0.01, deadline - time.perf_counter()))
-            except queue.Empty:
-                raise TimeoutError(f"no idle within {timeout} s for {code[:60]!r}") from None
-            msg["received_at"] = time.perf_counter()
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            if msg["header"]["msg_type"] == "status":
-                if msg["content"]["execution_state"] == "idle":
-                    break
-                continue
-            msgs.append(msg)
-        idle = time.perf_counter()
-        cpu1 = self.cpu()
-        while True:
-            reply = self.kc.get_shell_msg(timeout=max(0.01, deadline - time.perf_counter()))
-            if reply["parent_header"].get("msg_id") == msg_id:
-                return Cell(sent, msgs, idle, reply, {r: cpu1[r][0] - cpu0[r][0] for r in cpu0},
-                            {r: cpu1[r][1] - cpu0[r][1] for r in cpu0})
+        """Run the cell as a frontend does (`tests.driver.execute`), measuring each rank's CPU time and faults."""
+        before = self.cpu()
+        ex = execute(self.kc, code, timeout)
+        after = self.cpu()
+        return Cell(**vars(ex), cpu_s={r: after[r][0] - before[r][0] for r in before},
+                    faults={r: after[r][1] - before[r][1] for r in before})
 
     def ok(self, code: str, timeout: float = 600) -> Cell:
         cell = self.run(code, timeout)
         if cell.reply["content"]["status"] != "ok":
-            errs = [m["content"] for m in cell.msgs if m["header"]["msg_type"] == "error"]
+            errs = [m["content"] for m in cell.of_type("error")]
             why = "\n".join(errs[-1]["traceback"]) if errs else cell.reply["content"]
             raise RuntimeError(f"cell failed: {code[:80]!r}\n{why}\n{cell.stdout()[-2000:]}")
         return cell
@@ -301,7 +277,7 @@ def unwrap(value: str) -> str:
 def frontend_view(cell: Cell) -> dict:
     """What a frontend saw: reply-widget values (time, text), markdown, stream text, message times."""
     reply_comm, values, streams, markdown = None, [], [], []
-    for m in cell.msgs:
+    for m in cell.messages:
         kind, content = m["header"]["msg_type"], m["content"]
         state = content.get("data", {}).get("state", {}) if kind in ("comm_open", "comm_msg") else {}
         value = state.get("value")
@@ -314,7 +290,7 @@ def frontend_view(cell: Cell) -> dict:
         elif kind == "display_data" and "text/markdown" in content["data"]:
             markdown.append(content["data"]["text/markdown"])
     return {"values": values, "streams": streams, "markdown": markdown,
-            "times": [m["received_at"] for m in cell.msgs]}
+            "times": [m["received_at"] for m in cell.messages]}
 
 
 def rate(times: list[float], start: float, end: float) -> tuple[int, float, float]:
@@ -344,18 +320,18 @@ def run_chat(kernel: Kernel, n: int, output: str, question: str) -> dict:
         updates = len(view["streams"])
     lost = lost or "".join(info["chunks"]) != text
     count, mean_rate, worst = rate(view["times"], first, last)
-    steps = [t for t in info["steps"] if cell.sent <= t <= cell.idle]  # this cell's forwards only
-    gen = [g for g in info["gen"] if cell.sent <= g[0] <= cell.idle] or [(float("nan"),) * 2]
+    steps = [t for t in info["steps"] if cell.sent_at <= t <= cell.idle_at]  # this cell's forwards only
+    gen = [g for g in info["gen"] if cell.sent_at <= g[0] <= cell.idle_at] or [(float("nan"),) * 2]
     chunk0 = (info["chunk_at"] or [float("nan")])[0]
     return {
         "text": text, "messages": info["messages"], "prompt_tokens": resp["prompt_tokens"],
         "generated_tokens": resp["generated_tokens"], "finish_reason": resp["finish_reason"],
         "ttft_s": resp["time_to_first_token_s"], "tokens_per_s": resp["tokens_per_s"],
-        "ttft_frontend_s": first - cell.sent, "first_chunk_rank0_s": chunk0 - cell.sent,
-        "start_s": gen[0][0] - cell.sent, "relay_s": chunk0 - gen[0][1],
-        "cell_s": cell.idle - cell.sent, "stream_s": last - first, "widget_updates": updates,
+        "ttft_frontend_s": first - cell.sent_at, "first_chunk_rank0_s": chunk0 - cell.sent_at,
+        "start_s": gen[0][0] - cell.sent_at, "relay_s": chunk0 - gen[0][1],
+        "cell_s": cell.idle_at - cell.sent_at, "stream_s": last - first, "widget_updates": updates,
         "chunks": len(info["chunks"]), "msgs_streaming": count, "msgs_per_s": mean_rate, "msgs_max_1s": worst,
-        "msgs_total": len(cell.msgs), "text_lost": lost, "cpu_s": cell.cpu_s, "faults": cell.faults,
+        "msgs_total": len(cell.messages), "text_lost": lost, "cpu_s": cell.cpu_s, "faults": cell.faults,
         "step_ms": median_step_ms(steps),
     }
 
@@ -365,9 +341,9 @@ def run_all(kernel: Kernel, call: str) -> dict:
     cell = kernel.ok(f"%%all\n_r = {call}\nif _bdist.get_rank() == 0:\n    print('BENCHRAW ' + _bj.dumps(_r))")
     r = cell.marked("BENCHRAW")
     if "first" in r:  # same clock: rank 0's prefill end minus the frontend's send
-        r["ttft_frontend_s"] = r["first"] - cell.sent
-        r["start_s"] = r["t0"] - cell.sent
-    r["cell_s"] = cell.idle - cell.sent
+        r["ttft_frontend_s"] = r["first"] - cell.sent_at
+        r["start_s"] = r["t0"] - cell.sent_at
+    r["cell_s"] = cell.idle_at - cell.sent_at
     r["cpu_s"], r["faults"] = cell.cpu_s, cell.faults
     if "steps" in r:
         r["step_ms"] = median_step_ms(r.pop("steps"))
@@ -437,7 +413,6 @@ def measure_mode(kernel: Kernel, reshard: bool, n: int, rounds: int, diagnose: b
 
 
 def measure_tiny(kernel: Kernel, tmp: Path, n: int) -> dict:
-    sys.path.insert(0, str(ROOT))
     from tests.tiny import make_tiny_llama
 
     path = make_tiny_llama(tmp / "tiny-llama")

@@ -1,9 +1,10 @@
 """Kernel round-trip benchmark for issue 2: shardbook against three anchors.
 
 Every system is driven the way a frontend drives it: ``jupyter_client``'s
-``KernelManager`` starts a kernel from a kernelspec, a ``BlockingKernelClient``
-sends ``execute_request`` and reads iopub until ``status: idle`` for that
-``msg_id`` (timed with ``time.perf_counter``).  All systems run in ONE
+``KernelManager`` starts a kernel from a kernelspec, and ``tests.driver.execute``
+(the tests' driver) sends ``execute_request`` through a ``BlockingKernelClient``
+and reads iopub until ``status: idle`` for that ``msg_id`` (timed with
+``time.perf_counter``).  All systems run in ONE
 invocation, measured side by side (the runs of each test are interleaved
 round-robin across the live kernels, in a rotating order), because this
 machine is noisy and only ratios taken together mean much.
@@ -86,6 +87,9 @@ except ImportError:  # ipykernel depends on psutil, so this is rare
     psutil = None
 
 from jupyter_client.manager import KernelManager
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.driver: the kernel driver the tests use
+from tests.driver import Execution, execute  # noqa: E402
 
 WORLD = 2
 BIG_LINES = 1000
@@ -379,62 +383,26 @@ class CellError(RuntimeError):
     pass
 
 
-@dataclass
-class CellResult:
-    seconds: float
-    reply: dict
-    msgs: list[dict]  # iopub messages of this request, up to and including idle
-
-
-def run_cell(kc, code: str, timeout: float) -> CellResult:
-    t0 = time.perf_counter()
-    msg_id = kc.execute(code)
-    msgs = []
-    deadline = t0 + timeout
-    while True:
-        left = deadline - time.perf_counter()
-        if left <= 0:
-            raise CellError(f"no idle within {timeout}s for {code[:40]!r}")
-        try:
-            msg = kc.get_iopub_msg(timeout=left)
-        except Exception:  # queue.Empty
-            continue
-        if msg.get("parent_header", {}).get("msg_id") != msg_id:
-            continue
-        msgs.append(msg)
-        if msg["header"]["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-            break
-    t1 = time.perf_counter()
-    while True:
-        left = deadline - time.perf_counter()
-        if left <= 0:
-            raise CellError(f"no execute_reply for {code[:40]!r}")
-        reply = kc.get_shell_msg(timeout=left)
-        if reply.get("parent_header", {}).get("msg_id") == msg_id:
-            break
-    return CellResult(t1 - t0, reply, msgs)
-
-
-def run_ok(kc, code: str, timeout: float, error_re: re.Pattern | None = None) -> CellResult:
-    res = run_cell(kc, code, timeout)
+def run_ok(kc, code: str, timeout: float, error_re: re.Pattern | None = None) -> Execution:
+    res = execute(kc, code, timeout)
     content = res.reply["content"]
-    errs = [m["content"] for m in res.msgs if m["header"]["msg_type"] == "error"]
+    errs = [m["content"] for m in res.of_type("error")]
     if content.get("status") != "ok" or errs:
         e = errs[0] if errs else content
         raise CellError(f"{code[:40]!r} -> {e.get('ename')}: {str(e.get('evalue'))[:300]}")
     if error_re is not None:
-        m = error_re.search(_stdout_text(res.msgs))
+        m = error_re.search(_stdout_text(res.messages))
         if m:
             raise CellError(f"{code[:40]!r} -> printed {m.group(0)!r}")
     return res
 
 
-def verify_lines(system: System, res: CellResult, n: int) -> dict:
+def verify_lines(system: System, res: Execution, n: int) -> dict:
     """All n lines of every rank, in order, sent before the execute_reply?"""
     reply_date = res.reply["header"]["date"]
-    before = [m for m in res.msgs if m["header"]["date"] <= reply_date]
+    before = [m for m in res.messages if m["header"]["date"] <= reply_date]
     got = system.parse(before)
-    late = len(system.parse(res.msgs)) - len(got)
+    late = len(system.parse(res.messages)) - len(got)
     per_rank: dict[int, list[int]] = {}
     label_ok = 0
     stray = 0
@@ -510,7 +478,7 @@ class Live:
         if self.kc is not None:
             for cell in self.system.teardown_cells:
                 try:
-                    run_cell(self.kc, cell, 30)
+                    execute(self.kc, cell, 30)
                 except Exception as e:
                     print(f"  [{self.system.key}] teardown {cell.splitlines()[0]!r}: {e}", flush=True)
             self.kc.stop_channels()

@@ -2,21 +2,34 @@
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import zmq
+
 
 @dataclass
 class Execution:
-    """What one execute_request produced: the reply and every IOPub message of its cell, in order."""
+    """What one execute_request produced: the reply and every IOPub message of its cell, in order.
+
+    Times are `time.perf_counter()` readings (CLOCK_MONOTONIC): `sent_at` just before the request
+    went out, `idle_at` when the cell's idle status arrived, `reply_at` when its reply did; each
+    message's `received_at` is when it arrived.
+    """
 
     reply: dict[str, Any]
     messages: list[dict[str, Any]] = field(default_factory=list)
+    sent_at: float = 0.0
+    idle_at: float = 0.0
     reply_at: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        """The cell's round trip as a frontend sees it: request sent to the kernel idle again."""
+        return self.idle_at - self.sent_at
 
     @property
     def status(self) -> str:
@@ -44,38 +57,45 @@ class Execution:
 
 
 def execute(kc, code: str, timeout: float = 60.0, on_message=None) -> Execution:
-    """Run ``code``; collect its IOPub messages until the kernel is idle again (deadline ``timeout``)."""
+    """Run ``code``; collect its IOPub messages until the kernel is idle again and its reply (deadline ``timeout``).
+
+    Both channels are watched by one poller, so every message is stamped as it arrives (the
+    benchmarks time round trips of a few milliseconds with this); ``on_message`` sees each IOPub
+    message of the cell as it comes.
+    """
+    iopub, shell = kc.iopub_channel, kc.shell_channel
+    poller = zmq.Poller()
+    for channel in (iopub, shell):
+        poller.register(channel.socket, zmq.POLLIN)
+    sent_at = time.perf_counter()
     msg_id = kc.execute(code)
-    deadline = time.monotonic() + timeout
-    messages: list[dict[str, Any]] = []
-    reply = None
-    reply_at = 0.0
-    idle = False
-    while not (idle and reply is not None):
-        remaining = deadline - time.monotonic()
+    result = Execution(reply={}, sent_at=sent_at)
+    deadline = sent_at + timeout
+    while not (result.idle_at and result.reply):
+        remaining = deadline - time.perf_counter()
         if remaining <= 0:
-            raise TimeoutError(f"no reply/idle within {timeout} s for {code[:60]!r}; got {[m['msg_type'] for m in messages]}")
-        if reply is None:
-            try:
-                candidate = kc.get_shell_msg(timeout=0.01)
-                if candidate["parent_header"].get("msg_id") == msg_id:
-                    reply, reply_at = candidate, time.monotonic()
-            except queue.Empty:
-                pass
-        try:
-            msg = kc.get_iopub_msg(timeout=0.01 if reply is None else min(remaining, 0.5))
-        except queue.Empty:
-            continue
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        msg["received_at"] = time.monotonic()
-        if on_message is not None:
-            on_message(msg)
-        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-            idle = True
-        elif msg["msg_type"] != "status":
-            messages.append(msg)
-    return Execution(reply, messages, reply_at)
+            raise TimeoutError(f"no reply/idle within {timeout} s for {code[:60]!r}; got {[m['msg_type'] for m in result.messages]}")
+        poller.poll(remaining * 1000)
+        while shell.msg_ready():
+            candidate = shell.get_msg(timeout=0)
+            if candidate["parent_header"].get("msg_id") == msg_id:
+                result.reply, result.reply_at = candidate, time.perf_counter()
+        while iopub.msg_ready():
+            _take_iopub(iopub.get_msg(timeout=0), msg_id, result, on_message)
+    return result
+
+
+def _take_iopub(msg: dict[str, Any], msg_id: str, result: Execution, on_message) -> None:
+    if msg["parent_header"].get("msg_id") != msg_id:
+        return
+    msg["received_at"] = time.perf_counter()
+    if on_message is not None:
+        on_message(msg)
+    if msg["msg_type"] == "status":
+        if msg["content"]["execution_state"] == "idle":
+            result.idle_at = msg["received_at"]
+    else:
+        result.messages.append(msg)
 
 
 def interrupt_when(
