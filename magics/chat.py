@@ -45,7 +45,6 @@ class ChatMagics(Magics):
     def __init__(self, shell):
         super().__init__(shell)
         self.conversation = Conversation()
-        self.last_response = None
 
     @magic_arguments()
     @argument_group("reply")
@@ -124,5 +123,4 @@ class ChatMagics(Magics):
         response = stream.response
         view.finish(response.status_line(), response.text)
         self.conversation.add_turn(text, response.text, response.finish_reason)
-        self.last_response = response
         self.shell.user_ns["_chat"] = response

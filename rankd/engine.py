@@ -173,9 +173,10 @@ def generate(
 
     `on_text` receives the reply in whole-character chunks as it is generated (rank 0 passes
     it, followers pass None). Setting `stop_event` (a fresh one per request) stops this rank at
-    the next step; a KeyboardInterrupt while waiting does the same, and the interrupted reply is
-    returned. If no step or token arrives for `timeout_s` seconds, TimeoutError is raised; an
-    exception inside `model.generate` is raised as :class:`GenerationError`.
+    the next step, and the interrupted reply is returned (rank 0's caller sets it when the user
+    interrupts; generation runs in a worker thread there, out of KeyboardInterrupt's reach). If
+    no step or token arrives for `timeout_s` seconds, TimeoutError is raised; an exception inside
+    `model.generate` is raised as :class:`GenerationError`.
     """
     if request.seed is None:
         raise ValueError(
@@ -210,11 +211,7 @@ def generate(
     )
     with _eval_mode(model):
         worker.start()
-        try:
-            output = _consume(events, on_text, stop_event, timeout_s)
-        except KeyboardInterrupt:
-            stop_event.set()
-            output = _consume(events, on_text, stop_event, timeout_s)
+        output = _consume(events, on_text, stop_event, timeout_s)
     if isinstance(on_text, StopTextFilter):
         on_text.close()
     return _result(tokenizer, request, config, output, prompt_ids.shape[1], stop.fired, worker)

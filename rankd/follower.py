@@ -85,7 +85,7 @@ class Follower:
         self.ctx.flush_if_due()
         if now - self._last_heartbeat >= HEARTBEAT_S:
             self._last_heartbeat = now
-            payload = {"memory": memory_in_use(self.world.device), "running": self.running_id}
+            payload = {"memory": memory_in_use(self.world.device)}
             self.send(protocol.HEARTBEAT, payload)
         if now - self._last_ping > RANK0_SILENCE_S:
             self._shutdown(f"rank 0 has been silent for {RANK0_SILENCE_S:.0f} s (kernel gone?)")

@@ -108,9 +108,9 @@ def scenario_generate(model: Any, tokenizer: Any, rank: int, request: dict) -> d
 def scenario_interrupt(model: Any, tokenizer: Any, rank: int, request: dict, stop_after: int, next_request: dict) -> dict:
     """Interrupt mid-generation, at a different step on each rank, then generate again.
 
-    Rank 0 is interrupted the way ipykernel does it (KeyboardInterrupt in the waiting thread,
-    here raised from `on_text` after `stop_after` chunks); a follower by its listener thread
-    setting `stop_event`, here from a forward hook after `stop_after` forwards.
+    Rank 0 is interrupted as the pool does it when the user interrupts (its `stop_event` set while
+    the reply streams, here from `on_text` after `stop_after` chunks); a follower by its listener
+    thread setting `stop_event`, here from a forward hook after `stop_after` forwards.
     """
     stop_event = threading.Event()
     chunks: list[str] = []
@@ -124,7 +124,7 @@ def scenario_interrupt(model: Any, tokenizer: Any, rank: int, request: dict, sto
     def interrupt_after_chunks(text: str) -> None:
         chunks.append(text)
         if len(chunks) == stop_after:
-            raise KeyboardInterrupt
+            stop_event.set()
 
     hook = model.register_forward_hook(count_and_stop) if rank != 0 else None
     on_text = interrupt_after_chunks if rank == 0 else None
