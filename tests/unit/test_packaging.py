@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 import tomllib
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from packaging.requirements import Requirement
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE_DIRS = ("shardbook", "kernel", "magics", "rankd")
 IMPORT_NAMES = {"pyzmq": "zmq", "pyyaml": "yaml", "ipython": "IPython"}
+OPTIONAL_IMPORTS = {"shardbook", "torch_npu"}  # the package itself; the npu extra
 # A private name the package uses -> the distribution that must carry an upper bound for it.
 PRIVATE_USES = {
     "._non_persistent_buffers_set": "torch",
@@ -52,6 +54,12 @@ def test_every_dependency_is_imported_by_the_package():
     imported = imported_modules()
     unused = [name for name in requirements() if IMPORT_NAMES.get(name, name) not in imported]
     assert unused == [], f"declared but never imported: {unused}"
+
+
+def test_every_third_party_import_is_declared():
+    declared = {IMPORT_NAMES.get(name, name.replace("-", "_")) for name in requirements()}
+    third_party = imported_modules() - set(sys.stdlib_module_names) - OPTIONAL_IMPORTS
+    assert sorted(third_party - declared) == [], "imported but not in [project].dependencies"
 
 
 def test_private_apis_in_use_have_an_upper_bound():
