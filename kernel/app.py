@@ -13,7 +13,7 @@ import os
 import sys
 from typing import NoReturn
 
-from shardbook.rankd.lifetime import die_with_parent
+from shardbook.rankd.lifetime import die_with_parent, exit_with_launcher
 from shardbook.rankd.world import JobShape
 
 
@@ -31,6 +31,7 @@ def launch_kernel(argv: list[str]) -> None:
     from ipykernel.kernelapp import IPKernelApp
 
     die_with_parent()
+    exit_with_launcher()
     try:
         IPKernelApp.launch_instance(argv=[*argv, "--ext=shardbook.magics"])
     except SystemExit as e:

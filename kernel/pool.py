@@ -24,13 +24,16 @@ from shardbook.rankd import model_handlers  # noqa: F401  (registers the model c
 from shardbook.rankd import protocol
 from shardbook.rankd.channel import Channel, MessageTooLarge, control_socket, log_to_process_stderr
 from shardbook.rankd.handlers import STOPPED_BY_EVENT, RankContext, dispatch
+from shardbook.rankd.heartbeat import ECHO_KEY, PINGER_KEY, Echo, Pinger, heartbeat_socket, seconds_from_env
 from shardbook.rankd.lifetime import pid_alive
 from shardbook.rankd.world import CONNECT_TIMEOUT_S, World, memory_in_use
 
 log = logging.getLogger(__name__)
 
-PING_S = 0.5
-HEARTBEAT_TIMEOUT_S = float(os.environ.get("SHARDBOOK_HEARTBEAT_TIMEOUT", "5"))
+SILENCE_TIMEOUT_S = seconds_from_env("SHARDBOOK_HEARTBEAT_TIMEOUT", 60.0)
+"""A follower whose process still exists is declared dead only after this long without answering heartbeats."""
+SILENT_S = 3.0
+"""Silence after which %dist shows a rank as silent and a cell waiting for it says so."""
 INTERRUPT_GRACE_S = float(os.environ.get("SHARDBOOK_INTERRUPT_GRACE", "3"))
 STRAGGLER_NOTICE_S = 3.0
 
@@ -61,7 +64,7 @@ class RankState:
     device: str = "?"
     backend: str = "?"
     connected: bool = False
-    last_seen: float = 0.0
+    silent_s: float = 0.0
     memory: dict[str, int] = field(default_factory=dict)
     dead_reason: str | None = None
     local: bool = False
@@ -125,8 +128,9 @@ class Pool:
         self.commands: dict[str, Command] = {}
         self.connected = threading.Event()
         self._lock = threading.RLock()
-        self._last_ping = 0.0
         self.channel: Channel | None = None
+        self._echo: Echo | None = None
+        self._pinger: Pinger | None = None
         if world.world_size == 1:
             self.connected.set()
         else:
@@ -139,10 +143,14 @@ class Pool:
         sock = control_socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         port = sock.bind_to_random_port(f"tcp://{bind_host}")
+        echo, pinger = heartbeat_socket(zmq.ROUTER), heartbeat_socket(zmq.ROUTER)
+        for key, hb_sock in ((ECHO_KEY, echo), (PINGER_KEY, pinger)):
+            self.world.store.set(key, f"tcp://{public_host}:{hb_sock.bind_to_random_port(f'tcp://{bind_host}')}")
+        self._echo, self._pinger = Echo(echo, name="pool-echo").start(), Pinger(pinger)
         self.channel = Channel(
             sock, session, self._on_message, on_tick=self._on_tick, on_unreachable=self._on_unreachable, name="pool"
         ).start()
-        self.world.store.set(protocol.CONTROL_KEY, f"tcp://{public_host}:{port}")
+        self.world.store.set(protocol.CONTROL_KEY, f"tcp://{public_host}:{port}")  # last: followers wait for it
 
     def wait_connected(self, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         """Block until every follower said hello, or raise naming the ranks still missing."""
@@ -162,7 +170,6 @@ class Pool:
             if state is None or ident != f"rank-{message.rank}".encode():
                 self.channel.dropped.drop("claimed to come from another rank")
                 return
-            state.last_seen = time.monotonic()
             if message.type == protocol.HELLO:
                 self._on_hello(state, message.payload)
             elif message.type == protocol.HEARTBEAT:
@@ -193,25 +200,24 @@ class Pool:
 
     def _on_tick(self, now: float) -> None:
         self.ctx0.flush_if_due()
-        if now - self._last_ping >= PING_S:
-            self._last_ping = now
-            for rank in self._followers():
-                self._send(rank, protocol.PING)
+        self._pinger.tick(now, [f"rank-{r}".encode() for r in self._followers()])
         self._check_liveness(now)
 
     def _check_liveness(self, now: float) -> None:
+        """Dead means gone (a local pid that exited) or silent past SHARDBOOK_HEARTBEAT_TIMEOUT; a GIL-bound rank answers."""
         with self._lock:
             for state in self.ranks.values():
                 if state.rank == 0 or not state.connected or state.dead_reason:
                     continue
+                state.silent_s = self._pinger.silence(f"rank-{state.rank}".encode(), now) if self._pinger else 0.0
                 if state.local and state.pid and not pid_alive(state.pid):
                     self._mark_dead(
                         state,
                         f"its process (pid {state.pid}) exited; torchrun now ends every rank of the job, "
                         "so restart the kernel",
                     )
-                elif now - state.last_seen > HEARTBEAT_TIMEOUT_S:
-                    self._mark_dead(state, f"no heartbeat for {now - state.last_seen:.0f} s (hung or unreachable)")
+                elif state.silent_s > SILENCE_TIMEOUT_S:
+                    self._mark_dead(state, _silence_reason(state))
 
     def _on_unreachable(self, ident: bytes) -> None:
         rank = int(ident.decode().split("-", 1)[1])
@@ -291,7 +297,7 @@ class Pool:
 
     def _wait(self, command: Command, timeout_s: float | None) -> Outcome:
         deadline = None if timeout_s is None else command.started + timeout_s
-        noticed = False
+        noticed = silence_noticed = False
         while not command.done.is_set():
             try:
                 if command.done.wait(0.05):
@@ -305,6 +311,8 @@ class Pool:
                 return self._after_interrupt(command, timed_out=True)
             if not noticed:
                 noticed = self._maybe_notice_stragglers(command)
+            if not silence_noticed:
+                silence_noticed = self._maybe_notice_silence(command)
         return Outcome(command, stuck=[])
 
     def _maybe_notice_stragglers(self, command: Command) -> bool:
@@ -317,6 +325,18 @@ class Pool:
             "collective that rank 0 never reached, they are waiting for it: interrupt (the stop button) to "
             "stop them; a rank inside a collective is freed only by the process-group timeout "
             f"({_pg_timeout_text()})."
+        )
+        return True
+
+    def _maybe_notice_silence(self, command: Command) -> bool:
+        """Say so when a rank the cell waits for stops answering heartbeats (stopped, not busy)."""
+        silent = [r for r in command.pending if r != 0 and self.ranks[r].silent_s > SILENT_S]
+        if not silent:
+            return False
+        command.on_notice(
+            f"ranks {_ranks(silent)} have not answered heartbeats for {SILENT_S:.0f} s: stopped, swapping or unreachable "
+            "(a rank that is only busy, even holding the GIL, still answers). The cell waits for them; the stop button "
+            f"interrupts, and a rank silent for {SILENCE_TIMEOUT_S:.0f} s (SHARDBOOK_HEARTBEAT_TIMEOUT) is declared dead."
         )
         return True
 
@@ -361,6 +381,8 @@ class Pool:
             rows = []
             for r, s in sorted(self.ranks.items()):
                 state = "dead" if s.dead_reason else "connecting" if not s.connected else "busy" if r in busy else "idle"
+                if state in ("busy", "idle") and s.silent_s > SILENT_S:
+                    state += f", silent {s.silent_s:.0f} s"
                 rows.append({**vars(s), "state": state})
         return rows
 
@@ -377,6 +399,8 @@ class Pool:
             self._send(rank, protocol.SHUTDOWN)
         self.channel.close(linger_s=0.2)  # loopback or LAN: the shutdown goes out at once
         self.channel = None
+        self._echo.close()
+        self._pinger.close()
 
 
 class _SigintForwarder:
@@ -409,6 +433,19 @@ def _static_facts(world: World) -> dict[str, Any]:
     facts = world.describe()
     facts.pop("rank")
     return facts
+
+
+def _silence_reason(state: RankState) -> str:
+    """Why a rank whose process may still exist is declared dead: its silence, and what it may mean."""
+    where = (
+        f"its process (pid {state.pid}) still exists, so it is stopped (SIGSTOP) or hung outside Python"
+        if state.local
+        else f"its process on {state.host} cannot be checked from here: that node is unreachable, stopped or hung"
+    )
+    return (
+        f"it has not answered heartbeats for {state.silent_s:.0f} s (SHARDBOOK_HEARTBEAT_TIMEOUT = "
+        f"{SILENCE_TIMEOUT_S:.0f} s); {where}. Restart the kernel"
+    )
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -14,7 +14,7 @@ import logging
 import sys
 
 from . import protocol
-from .lifetime import die_with_parent
+from .lifetime import die_with_parent, exit_with_launcher
 from .world import JobShape
 
 
@@ -49,6 +49,7 @@ def follower_main(connection_file: str | None = None, key_file: str | None = Non
         )
         return 2
     die_with_parent()
+    exit_with_launcher()
     key, scheme = control_key(connection_file, key_file)
     run_follower(init_world(shape=shape), protocol.make_session(key, scheme))
     return 0

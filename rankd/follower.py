@@ -1,9 +1,10 @@
 """The follower loop every rank > 0 runs: wait on the control plane, run commands, report back.
 
 Idle followers wait on ZeroMQ, never inside a collective (a person may think for an hour, and
-NCCL/HCCL collectives time out). The channel's I/O thread answers pings, sends heartbeats, turns
-an ``interrupt`` into KeyboardInterrupt in the main thread, and ends the process when rank 0 says
-shut down or stops pinging.
+NCCL/HCCL collectives time out). An echo device answers rank 0's heartbeats without the GIL (see
+``heartbeat``). The channel's I/O thread sends the memory figures for ``%dist``, pings rank 0's
+echo device, turns an ``interrupt`` into KeyboardInterrupt in the main thread, and ends the
+process when rank 0 says shut down or its echo stays silent for ``SHARDBOOK_RANK0_TIMEOUT``.
 """
 
 from __future__ import annotations
@@ -24,17 +25,18 @@ from . import protocol
 from .capture import make_follower_shell
 from .channel import Channel, MessageTooLarge, control_socket
 from .handlers import STOPPED_BY_EVENT, RankContext, dispatch
+from .heartbeat import ECHO_KEY, PINGER_KEY, Echo, Pinger, heartbeat_socket, seconds_from_env
 from .world import CONNECT_TIMEOUT_S, World, memory_in_use
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.5
-RANK0_SILENCE_S = float(os.environ.get("SHARDBOOK_RANK0_TIMEOUT", "10"))
+RANK0_SILENCE_S = seconds_from_env("SHARDBOOK_RANK0_TIMEOUT", 60.0)
 SHUTDOWN_GRACE_S = 1.0
 
 
-def rank0_endpoint(world: World, timeout_s: float = CONNECT_TIMEOUT_S) -> str:
-    """Rank 0's control endpoint, published in the torch.distributed store."""
+def rank0_endpoints(world: World, timeout_s: float = CONNECT_TIMEOUT_S) -> dict[str, str]:
+    """Rank 0's control, echo and pinger endpoints, published in the torch.distributed store."""
     try:
         world.store.wait([protocol.CONTROL_KEY], timedelta(seconds=timeout_s))
     except RuntimeError as e:
@@ -42,30 +44,36 @@ def rank0_endpoint(world: World, timeout_s: float = CONNECT_TIMEOUT_S) -> str:
             f"rank {world.rank}: rank 0 did not publish its control endpoint within {timeout_s:.0f} s; "
             "is the kernel (python -m shardbook.kernel) running as rank 0 of this job?"
         ) from e
-    return world.store.get(protocol.CONTROL_KEY).decode()
+    return {key: world.store.get(key).decode() for key in (protocol.CONTROL_KEY, ECHO_KEY, PINGER_KEY)}
 
 
 class Follower:
     """One follower rank: its channel to rank 0, its shell and its command loop."""
 
-    def __init__(self, world: World, session: Any, endpoint: str):
+    def __init__(self, world: World, session: Any, endpoints: dict[str, str]):
         self.world = world
         self.ctx = RankContext(world=world, shell=make_follower_shell())
         self.inbox: queue.Queue = queue.Queue()
         self.running_id: str | None = None
         self.running_kind: str | None = None
         self._lock = threading.Lock()
-        self._last_ping = time.monotonic()
         self._last_heartbeat = 0.0
         self._main_thread = threading.main_thread().ident
+        identity = f"rank-{world.rank}".encode()
+        echo = heartbeat_socket(zmq.DEALER)
+        echo.setsockopt(zmq.IDENTITY, identity)
+        echo.connect(endpoints[PINGER_KEY])
+        self._echo = Echo(echo, name=f"follower-{world.rank}-echo").start()
+        pinger = heartbeat_socket(zmq.DEALER)
+        pinger.connect(endpoints[ECHO_KEY])
+        self._pinger = Pinger(pinger)
         socket = control_socket(zmq.DEALER)
-        socket.setsockopt(zmq.IDENTITY, f"rank-{world.rank}".encode())
-        socket.connect(endpoint)
+        socket.setsockopt(zmq.IDENTITY, identity)
+        socket.connect(endpoints[protocol.CONTROL_KEY])
         self.channel = Channel(socket, session, self._on_message, on_tick=self._on_tick, name=f"follower-{world.rank}")
 
     # --- I/O thread -------------------------------------------------------------------------
     def _on_message(self, message: protocol.Message, ident: bytes | None) -> None:
-        self._last_ping = time.monotonic()
         if message.type == protocol.INTERRUPT:
             self._interrupt(message.id)
         elif message.type == protocol.SHUTDOWN:
@@ -87,8 +95,13 @@ class Follower:
             self._last_heartbeat = now
             payload = {"memory": memory_in_use(self.world.device)}
             self.send(protocol.HEARTBEAT, payload)
-        if now - self._last_ping > RANK0_SILENCE_S:
-            self._shutdown(f"rank 0 has been silent for {RANK0_SILENCE_S:.0f} s (kernel gone?)")
+        self._pinger.tick(now, [None])
+        silence = self._pinger.silence(None, now)
+        if silence > RANK0_SILENCE_S:
+            self._shutdown(
+                f"rank 0 has not answered heartbeats for {silence:.0f} s (SHARDBOOK_RANK0_TIMEOUT): the kernel is "
+                "gone or stopped, or its node is unreachable"
+            )
 
     def _shutdown(self, why: str) -> None:
         """Leave now: the main thread may be stuck in a collective, so do not wait for it long."""
@@ -142,4 +155,4 @@ class Follower:
 
 def run_follower(world: World, session: Any) -> None:
     """Connect to rank 0 and serve commands until told to stop."""
-    Follower(world, session, rank0_endpoint(world)).run()
+    Follower(world, session, rank0_endpoints(world)).run()

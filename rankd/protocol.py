@@ -21,7 +21,6 @@ PROTOCOL_VERSION = 1
 COMMAND = "command"  # payload: {"kind": handler name, "args": {...}}
 INTERRUPT = "interrupt"  # raise KeyboardInterrupt in the follower running command `id`
 SHUTDOWN = "shutdown"  # leave the follower loop and exit
-PING = "ping"  # rank 0 is alive
 
 # followers -> rank 0
 HELLO = "hello"  # payload: the follower's static facts (host, pid, device, backend)

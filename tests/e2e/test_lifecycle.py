@@ -92,8 +92,13 @@ def test_killed_follower_is_reported_then_restart_works(fresh_kernel):
     assert handle.run("%%all\nprint('alive')").stdout().count("alive") == 2
 
 
-def test_hung_follower_is_dead_in_dist_within_10s(fresh_kernel):
-    handle = fresh_kernel()
+def dist_row(handle, rank: int) -> str:
+    return handle.run("%dist").of_type("execute_result")[0]["content"]["data"]["text/plain"].splitlines()[1 + rank]
+
+
+def test_silent_follower_is_dead_after_the_heartbeat_timeout(fresh_kernel):
+    """A follower stopped longer than SHARDBOOK_HEARTBEAT_TIMEOUT is dead, and the reason says it was silence."""
+    handle = fresh_kernel(SHARDBOOK_HEARTBEAT_TIMEOUT="5")
     pids = handle.rank_pids()
     thread, result, started = run_in_background(handle, "%%all\nimport time\nprint('working', flush=True)\ntime.sleep(60)")
     assert started.wait(20)
@@ -103,9 +108,10 @@ def test_hung_follower_is_dead_in_dist_within_10s(fresh_kernel):
         thread.join(15)
         assert time.monotonic() - stopped_at < 10
         ex = result["ex"]
-        assert ex.status == "error" and "rank 1 died: no heartbeat" in ex.error_text()
-        table = handle.run("%dist").of_type("execute_result")[0]["content"]["data"]["text/plain"]
-        assert "dead" in table.splitlines()[2]
+        assert ex.status == "error" and "rank 1 died: it has not answered heartbeats for 5 s" in ex.error_text()
+        assert f"its process (pid {pids[1]}) still exists" in ex.error_text()
+        assert "ranks 1 have not answered heartbeats for 3 s" in ex.stderr()  # said while the cell waited
+        assert "dead" in dist_row(handle, 1)
         refused = handle.run("%%all\nprint(1)")
         assert refused.status == "error" and "Restart the kernel" in refused.stderr()
     finally:
@@ -113,6 +119,36 @@ def test_hung_follower_is_dead_in_dist_within_10s(fresh_kernel):
     handle.km.restart_kernel(now=True)
     handle.kc.wait_for_ready(timeout=90)
     assert handle.run("%%all\nprint('ok again')").stdout().count("ok again") == 2
+
+
+HOLD_THE_GIL = "import ctypes\nctypes.PyDLL(None).sleep({seconds})  # libc's sleep, called without releasing the GIL\n"
+
+
+def test_ranks_holding_the_gil_are_not_declared_dead(fresh_kernel):
+    """Heartbeats are answered without the GIL: 8 s of GIL-bound code on either side, timeouts of 3 s."""
+    handle = fresh_kernel(SHARDBOOK_HEARTBEAT_TIMEOUT="3", SHARDBOOK_RANK0_TIMEOUT="3")
+    pids = handle.rank_pids()
+    follower = handle.run("%%rank 1\n" + HOLD_THE_GIL.format(seconds=8) + "print('held')", timeout=60)
+    assert follower.status == "ok" and follower.stdout() == "[rank 1]\nheld\n", follower.error_text()
+    rank0 = handle.run(HOLD_THE_GIL.format(seconds=8) + "print('held')", timeout=60)
+    assert rank0.status == "ok" and rank0.stdout() == "held\n"
+    assert handle.rank_pids() == pids
+
+
+def test_a_stopped_follower_comes_back(fresh_kernel):
+    """SIGSTOP for 20 s, then SIGCONT: shown silent meanwhile, then the next cell works (default timeouts)."""
+    handle = fresh_kernel()
+    pids = handle.rank_pids()
+    os.kill(pids[1], signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        assert wait_until(lambda: "silent" in dist_row(handle, 1), timeout=15, interval=0.5)
+        time.sleep(max(0.0, 20 - (time.monotonic() - stopped_at)))  # the length of the stop is the subject
+    finally:
+        os.kill(pids[1], signal.SIGCONT)
+    ex = handle.run("%%all\nprint('back')", timeout=60)
+    assert ex.status == "ok" and ex.stdout().count("back") == 2, ex.error_text()
+    assert wait_until(lambda: dist_row(handle, 1).split()[5:6] == ["idle"], timeout=10, interval=0.5), dist_row(handle, 1)
 
 
 def test_idle_longer_than_the_collective_timeout(fresh_kernel):
@@ -214,3 +250,40 @@ def test_a_rank_that_never_starts_is_reported_at_once_by_every_magic(fresh_kerne
         stuck = tmp_path / "stuck.pid"
         if stuck.exists():
             os.kill(int(stuck.read_text()), signal.SIGKILL)
+
+
+LAUNCHER = """
+import time
+from jupyter_client.manager import KernelManager
+km = KernelManager(kernel_name="sb2")
+km.start_kernel()
+client = km.client()
+client.start_channels()
+client.wait_for_ready(timeout=90)
+print(km.provisioner.process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_every_rank_leaves_when_the_launcher_is_killed(jupyter_prefix):
+    """A Jupyter server SIGKILLed (here: a small launcher process) must not leave torchrun and the ranks behind."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True)
+    leftovers: list[int] = []
+    try:
+        ready = wait_until(lambda: launcher.stdout.readline().strip(), timeout=120)  # blocks until the pid line
+        torchrun = int(ready)
+        leftovers = [torchrun, *(p.pid for p in psutil.Process(torchrun).children())]
+        assert len(leftovers) == 3, leftovers  # torchrun and its two ranks
+        launcher.kill()
+        launcher.wait(10)
+        assert wait_until(lambda: all(gone(p) for p in leftovers), timeout=15), [p for p in leftovers if not gone(p)]
+    finally:
+        launcher.kill()
+        for pid in leftovers:
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
