@@ -24,16 +24,13 @@ from shardbook.rankd import model_handlers  # noqa: F401  (registers the model c
 from shardbook.rankd import protocol
 from shardbook.rankd.channel import Channel, MessageTooLarge, control_socket, log_to_process_stderr
 from shardbook.rankd.handlers import STOPPED_BY_EVENT, RankContext, dispatch
-from shardbook.rankd.heartbeat import ECHO_KEY, PINGER_KEY, Echo, Pinger, heartbeat_socket, seconds_from_env
-from shardbook.rankd.lifetime import pid_alive
+from shardbook.rankd.heartbeat import ECHO_KEY, PINGER_KEY, Echo, Pinger, heartbeat_socket
 from shardbook.rankd.world import CONNECT_TIMEOUT_S, World, memory_in_use
+
+from .liveness import SILENT_S, RankState, judge
 
 log = logging.getLogger(__name__)
 
-SILENCE_TIMEOUT_S = seconds_from_env("SHARDBOOK_HEARTBEAT_TIMEOUT", 60.0)
-"""A follower whose process still exists is declared dead only after this long without answering heartbeats."""
-SILENT_S = 3.0
-"""Silence after which %dist shows a rank as silent and a cell waiting for it says so."""
 INTERRUPT_GRACE_S = float(os.environ.get("SHARDBOOK_INTERRUPT_GRACE", "3"))
 STRAGGLER_NOTICE_S = 3.0
 
@@ -52,22 +49,6 @@ def check_timeout(timeout_s: float | None) -> None:
             f"a timeout of {timeout_s} s is not a deadline: give a positive number of seconds, "
             "or leave the timeout out for no limit"
         )
-
-
-@dataclass
-class RankState:
-    """What rank 0 knows about one rank, for ``%dist`` and for deadlines."""
-
-    rank: int
-    host: str = "?"
-    pid: int | None = None
-    device: str = "?"
-    backend: str = "?"
-    connected: bool = False
-    silent_s: float = 0.0
-    memory: dict[str, int] = field(default_factory=dict)
-    dead_reason: str | None = None
-    local: bool = False
 
 
 @dataclass
@@ -209,15 +190,17 @@ class Pool:
             for state in self.ranks.values():
                 if state.rank == 0 or not state.connected or state.dead_reason:
                     continue
-                state.silent_s = self._pinger.silence(f"rank-{state.rank}".encode(), now) if self._pinger else 0.0
-                if state.local and state.pid and not pid_alive(state.pid):
-                    self._mark_dead(
-                        state,
-                        f"its process (pid {state.pid}) exited; torchrun now ends every rank of the job, "
-                        "so restart the kernel",
-                    )
-                elif state.silent_s > SILENCE_TIMEOUT_S:
-                    self._mark_dead(state, _silence_reason(state))
+                silence = self._pinger.silence(f"rank-{state.rank}".encode(), now) if self._pinger else 0.0
+                dead, notice = judge(state, silence)
+                if dead:
+                    self._mark_dead(state, dead)
+                elif notice:
+                    self._notify_waiting(state.rank, notice)
+
+    def _notify_waiting(self, rank: int, text: str) -> None:
+        for command in list(self.commands.values()):
+            if rank in command.pending:
+                command.on_notice(text)
 
     def _on_unreachable(self, ident: bytes) -> None:
         rank = int(ident.decode().split("-", 1)[1])
@@ -297,7 +280,7 @@ class Pool:
 
     def _wait(self, command: Command, timeout_s: float | None) -> Outcome:
         deadline = None if timeout_s is None else command.started + timeout_s
-        noticed = silence_noticed = False
+        noticed = False
         while not command.done.is_set():
             try:
                 if command.done.wait(0.05):
@@ -311,8 +294,6 @@ class Pool:
                 return self._after_interrupt(command, timed_out=True)
             if not noticed:
                 noticed = self._maybe_notice_stragglers(command)
-            if not silence_noticed:
-                silence_noticed = self._maybe_notice_silence(command)
         return Outcome(command, stuck=[])
 
     def _maybe_notice_stragglers(self, command: Command) -> bool:
@@ -325,18 +306,6 @@ class Pool:
             "collective that rank 0 never reached, they are waiting for it: interrupt (the stop button) to "
             "stop them; a rank inside a collective is freed only by the process-group timeout "
             f"({_pg_timeout_text()})."
-        )
-        return True
-
-    def _maybe_notice_silence(self, command: Command) -> bool:
-        """Say so when a rank the cell waits for stops answering heartbeats (stopped, not busy)."""
-        silent = [r for r in command.pending if r != 0 and self.ranks[r].silent_s > SILENT_S]
-        if not silent:
-            return False
-        command.on_notice(
-            f"ranks {_ranks(silent)} have not answered heartbeats for {SILENT_S:.0f} s: stopped, swapping or unreachable "
-            "(a rank that is only busy, even holding the GIL, still answers). The cell waits for them; the stop button "
-            f"interrupts, and a rank silent for {SILENCE_TIMEOUT_S:.0f} s (SHARDBOOK_HEARTBEAT_TIMEOUT) is declared dead."
         )
         return True
 
@@ -433,19 +402,6 @@ def _static_facts(world: World) -> dict[str, Any]:
     facts = world.describe()
     facts.pop("rank")
     return facts
-
-
-def _silence_reason(state: RankState) -> str:
-    """Why a rank whose process may still exist is declared dead: its silence, and what it may mean."""
-    where = (
-        f"its process (pid {state.pid}) still exists, so it is stopped (SIGSTOP) or hung outside Python"
-        if state.local
-        else f"its process on {state.host} cannot be checked from here: that node is unreachable, stopped or hung"
-    )
-    return (
-        f"it has not answered heartbeats for {state.silent_s:.0f} s (SHARDBOOK_HEARTBEAT_TIMEOUT = "
-        f"{SILENCE_TIMEOUT_S:.0f} s); {where}. Restart the kernel"
-    )
 
 
 def _ranks(ranks: list[int]) -> str:
