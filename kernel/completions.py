@@ -131,7 +131,7 @@ class ChatCompletionsHandler(ApiHandler):
         except QueueFull as e:
             raise ApiError(429, str(e), code="queue_full", type="rate_limit_error",
                            headers={"Retry-After": str(e.retry_after_s)}) from None
-        self.stream = AsyncChatStream(self.server.runtime, generation, turn=turn)
+        self.stream = AsyncChatStream(self.server.runtime, generation, on_notice=log.warning, turn=turn)
         return request, self.stream
 
     async def whole_reply(self, request, stream: AsyncChatStream) -> None:
