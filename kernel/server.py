@@ -3,11 +3,14 @@
 It serves whatever model is loaded (``runtime.ctx0.state``), so a new ``%load_sharded`` switches
 what is served, and its requests wait in the runtime's generation queue with ``%%chat`` cells.
 
-Why tornado, not starlette + uvicorn: tornado already comes with ipykernel (nothing new to
-install into a kernel environment), runs on an event loop of its own in a thread (so the server
-answers while a cell blocks the kernel's main thread), and in ``bench/bench_http_libs.py`` it
-served a 64-chunk event stream in 0.19x the time of starlette + uvicorn (1.3 against 6.6 ms;
-first chunk 0.5 against 0.8 ms; a JSON GET 0.31 against 0.30 ms; import 0.81x).
+Why tornado, not starlette + uvicorn (``bench/bench_http_libs.py``, 5 runs on this shared 2-core
+machine): both answer in well under the ~100 ms a token takes here. Tornado streamed 64 events
+in 0.2-1.0x starlette + uvicorn's time (1.3-3.9 against 1.7-7.0 ms); its first event (0.5-2.9
+against 0.6-1.1 ms, noisy) and a JSON GET (0.30-0.43 against 0.24-0.30 ms) were a little slower,
+and it imports in 0.7-1.2x the time.
+What decides: tornado already comes with ipykernel (nothing new to install into a kernel's
+environment, no version to reconcile with Jupyter's), and it runs on an event loop of its own in
+a thread, so the server answers while a cell blocks the kernel's main thread.
 """
 
 from __future__ import annotations
