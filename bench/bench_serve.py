@@ -46,11 +46,10 @@ STATUS = re.compile(r"\[(\d+) prompt tokens, (\d+) generated")
 
 def run_chat(kernel: Kernel, n: int) -> dict:
     cell = kernel.ok(f"%%chat --new --output text --max-new-tokens {n}\n{QUESTION}")
-    texts = [(m["received_at"], m["content"]["text"]) for m in cell.msgs
-             if m["header"]["msg_type"] == "stream" and m["content"]["name"] == "stdout"]
+    texts = [(m["received_at"], m["content"]["text"]) for m in cell.of_type("stream") if m["content"]["name"] == "stdout"]
     live = [t for t, text in texts if text.strip() and not STATUS.search(text)]
     tokens = int(STATUS.search(cell.stdout()).group(2))
-    return {"text": cell.stdout().rsplit("\n[", 1)[0], "tokens": tokens, **timing(cell.sent, live, tokens)}
+    return {"text": cell.stdout().rsplit("\n[", 1)[0], "tokens": tokens, **timing(cell.sent_at, live, tokens)}
 
 
 def run_http(url: str, n: int) -> dict:
