@@ -35,7 +35,7 @@ def summary_table(summary: dict[str, Any]) -> Table:
         ["parameters", f"{summary['num_parameters'] / 1e6:.1f} M ({format_bytes(summary['full_param_bytes'])})"],
         ["dtype / device", f"{summary['dtype']} / {summary['device']}"],
         ["mesh", f"{mesh} ({summary['world_size']} ranks)"],
-        ["reshard_after_forward", f"{summary['reshard_after_forward']} — {summary['reshard_reason']}"],
+        ["decode", f"{summary['decode']} — {summary['decode_reason']}"],
         ["load time", f"{summary['load_seconds']:.2f} s"],
     ]
     for rank, local in enumerate(summary["local_param_bytes"]):

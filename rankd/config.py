@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "npu")
+DECODE_LAYOUTS = ("auto", "tp", "gather", "reshard")
 INFER_BACKENDS = ("huggingface",)
 BOOL_WORDS = {
     "true": True, "yes": True, "on": True, "1": True,
@@ -72,8 +73,10 @@ class ParallelConfig:
     """Expert-parallel size for mixture-of-experts models; only 1 is supported yet."""
     ep_fsdp_size: int = 1
     """FSDP size inside each expert-parallel group; only 1 is supported yet."""
+    decode: str = "auto"
+    """Forward layout: tp (weights stay sharded, activations move), gather, reshard, or auto (gather if it fits)."""
     reshard_after_forward: bool | None = None
-    """true frees gathered weights after each layer (less memory, slower); false keeps them; null: loader picks."""
+    """MindSpeed's switch, kept for its YAMLs: true means decode reshard, false decode gather; null says nothing."""
     device: str = "auto"
     """Device type: auto (npu if torch_npu has devices, else cuda, else cpu), cpu, cuda or npu."""
 
@@ -89,10 +92,30 @@ class ParallelConfig:
             f"(got {self.ep_size} and {self.ep_fsdp_size}); experts are then sharded by FSDP like every other layer",
         )
         check_choice("parallel.device", self.device, DEVICES)
+        check_choice("parallel.decode", self.decode, DECODE_LAYOUTS)
+        self.decode = decode_from_reshard_flag(self.decode, self.reshard_after_forward)
 
     def fsdp_size_for(self, world_size: int) -> int:
         """The FSDP axis size in a job of `world_size` ranks (-1 resolves to all of them)."""
         return world_size if self.fsdp_size == -1 else self.fsdp_size
+
+
+def decode_from_reshard_flag(decode: str, reshard_after_forward: bool | None) -> str:
+    """`decode` with MindSpeed's `reshard_after_forward` folded in (true: reshard, false: gather), noting the mapping."""
+    if reshard_after_forward is None:
+        return decode
+    implied = "reshard" if reshard_after_forward else "gather"
+    require(
+        decode in ("auto", implied),
+        f"parallel.reshard_after_forward={yaml_text(reshard_after_forward)} means parallel.decode {implied}, "
+        f"but parallel.decode is {decode}: remove one of them (parallel.decode is the one to keep)",
+    )
+    if decode == "auto":
+        logger.warning(
+            "parallel.reshard_after_forward=%s: using parallel.decode %s (the layout it names)",
+            yaml_text(reshard_after_forward), implied,
+        )
+    return implied
 
 
 @dataclass
@@ -159,7 +182,7 @@ class ShardbookConfig:
         """A three-line summary for logs and banners."""
         model, parallel, inference = self.model, self.parallel, self.inference
         fsdp = "every rank" if parallel.fsdp_size == -1 else parallel.fsdp_size
-        reshard = yaml_text(parallel.reshard_after_forward).replace("null", "loader decides")
+        layout = "loader decides" if parallel.decode == "auto" else parallel.decode
         decoding = "greedy"
         if inference.do_sample:
             decoding = (
@@ -167,7 +190,7 @@ class ShardbookConfig:
             )
         return (
             f"model: {model.model_name_or_path} (dtype {model.dtype})\n"
-            f"parallel: fsdp_size={fsdp}, reshard_after_forward={reshard}, device={parallel.device}\n"
+            f"parallel: fsdp_size={fsdp}, decode={layout}, device={parallel.device}\n"
             f"inference: {inference.infer_backend}, {decoding}, max_new_tokens={inference.max_new_tokens}"
         )
 

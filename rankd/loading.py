@@ -31,15 +31,9 @@ import torch.distributed as dist
 from torch import nn
 
 from shardbook.rankd.load_steps import LoadSteps
-from shardbook.rankd.shard_reading import plan_reads, read_shards
-from shardbook.rankd.sharding import (
-    apply_fsdp,
-    choose_reshard_after_forward,
-    fsdp_mesh_layout,
-    init_mesh,
-    reshard_fits,
-    reshard_model,
-)
+from shardbook.rankd.shard_reading import plan_reads, read_shards, read_tp_slices
+from shardbook.rankd.sharding import apply_fsdp, choose_layout, fsdp_mesh_layout, gather_fits, init_mesh, reshard_model
+from shardbook.rankd.tensor_parallel import shard_tp, tp_unavailable
 from shardbook.rankd.summary import full_param_bytes, load_summary, rank_figures
 
 log = logging.getLogger(__name__)
@@ -57,7 +51,7 @@ class LoadedModel:
     tokenizer: Any
     """The checkpoint's tokenizer (every rank has its own)."""
     summary: dict[str, Any]
-    """Architecture, sizes, mesh, per-rank memory, load time and the reshard choice with its reason."""
+    """Architecture, sizes, mesh, per-rank memory, load time and the decode layout with its reason."""
 
 
 @dataclass
@@ -85,7 +79,7 @@ def load_sharded(
     """Load `config.model` sharded over the ranks as `config.parallel` says; call on every rank.
 
     `config` has `model.{model_name_or_path, dtype, trust_remote_code}` and
-    `parallel.{fsdp_size, ep_size, reshard_after_forward}` (a `ShardbookConfig` or any object
+    `parallel.{fsdp_size, ep_size, decode}` (a `ShardbookConfig` or any object
     shaped like it). `model_path` is the resolved checkpoint directory (rank 0 resolves demo
     names and sends the path); without it `config.model.model_name_or_path` is used as a path.
     `stop`, once set, makes every rank stop at its next safe point and raise KeyboardInterrupt.
@@ -132,31 +126,39 @@ def _load(
         report("skeleton", 1, 1)
     architecture = type(model).__name__  # fully_shard renames the class to FSDP<name>
     views = steps.settle(steps.run("memory", _memory_view, model, device))
-    reshard, reason = choose_reshard_after_forward(config.parallel.reshard_after_forward, views)
+    tp_reason = tp_unavailable(ckpt.hf_config, ckpt.mesh_shape[-1])
+    layout, reason = choose_layout(config.parallel.decode, views, tp_reason)
     mesh = init_mesh(device.type, ckpt.mesh_shape, ckpt.mesh_axes)
-    steps.run("shard", apply_fsdp, model, mesh, reshard, steps.progress(report, "shard"))
-    targets = steps.run("plan", plan_reads, model, ckpt.path)
-    steps.run("read", read_shards, model, targets, device, steps.progress(report, "read"))
+    if layout == "tp":
+        _shard_and_read_tp(steps, report, model, mesh, ckpt, device)
+    else:
+        steps.run("shard", apply_fsdp, model, mesh, layout == "reshard", steps.progress(report, "shard"))
+        targets = steps.run("plan", plan_reads, model, ckpt.path)
+        steps.run("read", read_shards, model, targets, device, steps.progress(report, "read"))
     steps.run("finalise", _finalise, model, ckpt, device)
     if steps.ok:
         report("finalise", 1, 1)
     every = steps.settle(rank_figures(model, device, time.perf_counter() - started) if steps.ok else None)
     summary = load_summary(
-        model,
-        every,
-        architecture=architecture,
-        path=str(ckpt.path),
-        mesh=mesh,
-        device=device,
-        reshard_after_forward=reshard,
-        reshard_reason=reason,
+        model, every, architecture=architecture, path=str(ckpt.path), mesh=mesh, device=device,
+        decode=layout, decode_reason=reason,
     )
     return LoadedModel(model=model, tokenizer=ckpt.tokenizer, summary=summary)
 
 
+def _shard_and_read_tp(steps: LoadSteps, report: "_Reporter", model: nn.Module, mesh, ckpt: "_Checkpoint", device) -> None:
+    """The `tp` layout's shard and read steps: slice the layers, then read each rank's pieces of every weight."""
+    targets = steps.run("plan", plan_reads, model, ckpt.path)  # on the global shapes, before slicing
+    plan = steps.run("shard", shard_tp, model, mesh)
+    if steps.ok:
+        report("shard", 1, 1)
+    rank = mesh.get_local_rank("shard")
+    steps.run("read", read_tp_slices, model, targets, plan, rank, device, steps.progress(report, "read"))
+
+
 def _memory_view(model: nn.Module, device: torch.device) -> tuple[bool, str]:
-    """Whether the gathered model fits this rank's memory, and why (for the reshard choice)."""
-    return reshard_fits(full_param_bytes(model), device)
+    """Whether the gathered model fits this rank's memory, and why (for the layout choice)."""
+    return gather_fits(full_param_bytes(model), device)
 
 
 def free_model(

@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardbook.rankd.safetensors_files import MappedFiles, StoredTensor, read_index
+from shardbook.rankd.tensor_parallel import TPShard
 
 PROGRESS_STEPS = 50
 
@@ -79,20 +80,59 @@ def read_shards(
     model: nn.Module, targets: dict[str, Target], device: torch.device, on_progress: Callable[[int, int], None]
 ) -> None:
     """Replace every target (still on the meta device) by this rank's part of its stored tensor, on `device`."""
-    files = MappedFiles()
     loaded: dict[str, torch.Tensor] = {}
-    every = max(1, len(targets) // PROGRESS_STEPS)
-    for done, target in enumerate(targets.values(), start=1):
-        source = files.view(target.stored)
+    for target, source in _mapped(targets, on_progress):
         if isinstance(target.tensor, DTensor):
             tensor = _local_shard(target.tensor, source, device)
         else:  # a persistent buffer: every rank holds all of it
             tensor = source.to(device=device, dtype=target.tensor.dtype, copy=True)
         loaded.update(dict.fromkeys(target.names, tensor))
-        if done % every == 0 or done == len(targets):
-            on_progress(done, len(targets))
     # FSDP2 hooks load_state_dict(assign=True) to adopt each new local tensor (padding uneven ones).
     model.load_state_dict(loaded, strict=False, assign=True)
+
+
+@torch.no_grad()
+def read_tp_slices(
+    model: nn.Module,
+    targets: dict[str, Target],
+    plan: dict[str, TPShard],
+    rank: int,
+    device: torch.device,
+    on_progress: Callable[[int, int], None],
+) -> None:
+    """Fill a `tp` model: each sliced parameter with rank `rank`'s pieces of `plan`, the others whole."""
+    for target, source in _mapped(targets, on_progress):
+        shard = next((plan[name] for name in target.names if name in plan), None)
+        pieces = shard.pieces[rank] if shard is not None else (range(source.shape[0]),) if source.dim() else ()
+        tensor = _pieces(source, shard.dim if shard else 0, pieces, target.tensor.dtype, device)
+        if isinstance(target.tensor, nn.Parameter):
+            tensor = nn.Parameter(tensor, requires_grad=False)
+            tensor.tp_shard = shard
+        for name in target.names:  # tied names get the one tensor
+            module_name, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(module_name), leaf, tensor)
+
+
+def _mapped(targets: dict[str, Target], on_progress: Callable[[int, int], None]):
+    """Each target with a view of its stored tensor in the mapped files, reporting progress along the way."""
+    files = MappedFiles()
+    every = max(1, len(targets) // PROGRESS_STEPS)
+    for done, target in enumerate(targets.values(), start=1):
+        yield target, files.view(target.stored)
+        if done % every == 0 or done == len(targets):
+            on_progress(done, len(targets))
+
+
+def _pieces(
+    source: torch.Tensor, dim: int, pieces: tuple[range, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """`pieces` of `source` along `dim`, joined; on CPU one range of rows in the file's dtype is the mapping itself."""
+    if not pieces:  # a scalar
+        return source.to(device=device, dtype=dtype, copy=True)
+    parts = [source.narrow(dim, piece.start, len(piece)) for piece in pieces]
+    if len(parts) == 1 and dim == 0 and device.type == "cpu" and source.dtype == dtype:
+        return parts[0]
+    return torch.cat([part.to(device=device, dtype=dtype) for part in parts], dim=dim)
 
 
 def _local_shard(param: DTensor, source: torch.Tensor, device: torch.device) -> nn.Parameter:

@@ -42,7 +42,7 @@ def init_mesh(device_type: str, shape: tuple[int, ...], axes: tuple[str, ...]) -
     return init_device_mesh(device_type, shape, mesh_dim_names=axes)
 
 
-def reshard_fits(full_bytes: int, device: torch.device) -> tuple[bool, str]:
+def gather_fits(full_bytes: int, device: torch.device) -> tuple[bool, str]:
     """This rank's view of the automatic rule: can it keep a full gathered copy of the weights?
 
     Measured on 2 CPU ranks with SmolLM2-135M: keeping layers gathered decodes at 8.6 tok/s,
@@ -58,15 +58,24 @@ def reshard_fits(full_bytes: int, device: torch.device) -> tuple[bool, str]:
     )
 
 
-def choose_reshard_after_forward(requested: bool | None, views: list[tuple[bool, str]]) -> tuple[bool, str]:
-    """Resolve `parallel.reshard_after_forward` from every rank's `reshard_fits` view (same answer on all ranks)."""
-    if requested is not None:
-        return bool(requested), "set by parallel.reshard_after_forward"
+def choose_layout(requested: str, views: list[tuple[bool, str]], tp_unavailable: str | None) -> tuple[str, str]:
+    """Resolve `parallel.decode` (same answer on every rank): the layout and why.
+
+    `views` are every rank's `gather_fits`; `tp_unavailable` says why this model cannot run `tp`
+    (None when it can). `auto` keeps the gathered model when every rank has room for it (fastest),
+    else `tp`, and `reshard` only for a model `tp` does not support.
+    """
+    if requested != "auto":
+        if requested == "tp" and tp_unavailable:
+            raise ValueError(tp_unavailable)
+        return requested, "set by parallel.decode"
     misfits = [rank for rank, (fits, _) in enumerate(views) if not fits]
-    if misfits:
-        first = misfits[0]
-        return True, f"on rank {first} {views[first][1]}: reshard after forward (less memory, slower decoding)"
-    return False, f"{views[0][1]}: keep layers gathered after forward (faster decoding)"
+    if not misfits:
+        return "gather", f"{views[0][1]}: keep layers gathered after forward (fastest decoding)"
+    why = f"on rank {misfits[0]} {views[misfits[0]][1]}"
+    if tp_unavailable:
+        return "reshard", f"{why}, and tensor parallel is not available ({tp_unavailable}): reshard after forward"
+    return "tp", f"{why}: tensor parallel (weights stay in their shards, activations move)"
 
 
 def free_memory_per_rank(device: torch.device) -> int:

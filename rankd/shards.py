@@ -1,4 +1,4 @@
-"""Where each parameter's shards live: global shape, placement and every rank's local shape.
+"""Where each parameter's shards live: global shape, placement and every rank's local shape (FSDP2 or tp).
 
 Computed on one rank from DTensor metadata alone (mesh and placements), without asking the
 others: ``Shard(dim)`` splits like ``torch.chunk`` along a mesh axis, ``Replicate`` keeps it whole.
@@ -10,7 +10,10 @@ from typing import Any
 
 import torch
 from torch import nn
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
+
+from shardbook.rankd.tensor_parallel import TPShard, tp_shard_of
 
 
 def local_shape(global_shape: tuple[int, ...], coordinate: list[int], mesh_shape: tuple[int, ...], placements) -> tuple[int, ...]:
@@ -51,6 +54,9 @@ def shard_rows(model: nn.Module, prefix: str = "") -> list[dict[str, Any]]:
 
 def _row(name: str, param: torch.Tensor) -> dict[str, Any]:
     dtype = str(param.dtype).removeprefix("torch.")
+    tp_shard = tp_shard_of(param)
+    if tp_shard is not None:
+        return _tp_row(name, dtype, tp_shard)
     if not isinstance(param, DTensor):
         return {"name": name, "shape": list(param.shape), "dtype": dtype, "placement": "local (not sharded)", "local": {}}
     mesh = param.device_mesh
@@ -58,3 +64,13 @@ def _row(name: str, param: torch.Tensor) -> dict[str, Any]:
     local = {r: list(local_shape(tuple(param.shape), c, tuple(mesh.shape), param.placements)) for r, c in sorted(coords.items())}
     placement = ", ".join(str(p) for p in param.placements)
     return {"name": name, "shape": list(param.shape), "dtype": dtype, "placement": placement, "local": local}
+
+
+def _tp_row(name: str, dtype: str, shard: TPShard) -> dict[str, Any]:
+    """A `tp` slice: rank r holds the pieces of its place in its tensor-parallel group (groups are consecutive ranks)."""
+    parts = len(shard.pieces)
+    local = {r: list(shard.local_shape(r % parts)) for r in range(dist.get_world_size())}
+    side = "rows" if shard.dim == 0 else "columns"
+    even = len({tuple(shape) for shape in local.values()}) == 1
+    placement = f"tp: {side} (dim {shard.dim}) over {parts} rank(s){'' if even else ', uneven'}"
+    return {"name": name, "shape": list(shard.global_shape), "dtype": dtype, "placement": placement, "local": local}

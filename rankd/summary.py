@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from shardbook.rankd.tensor_parallel import global_numel
 from shardbook.rankd.world import memory_in_use
 
 
@@ -24,7 +25,7 @@ def local_param_bytes(model: nn.Module) -> int:
 
 def full_param_bytes(model: nn.Module) -> int:
     """Bytes of the whole model's parameters, unsharded (tied parameters counted once)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    return sum(global_numel(p) * p.element_size() for p in model.parameters())
 
 
 def rank_figures(model: nn.Module, device: torch.device, load_seconds: float) -> dict[str, Any]:
@@ -40,14 +41,14 @@ def load_summary(
     path: str,
     mesh: DeviceMesh,
     device: torch.device,
-    reshard_after_forward: bool,
-    reshard_reason: str,
+    decode: str,
+    decode_reason: str,
 ) -> dict[str, Any]:
     """Architecture, sizes, layout, per-rank memory and the slowest rank's time, from every rank's `rank_figures`."""
     return {
         "architecture": architecture,
         "model_path": path,
-        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "num_parameters": sum(global_numel(p) for p in model.parameters()),
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "device": device.type,
         "world_size": len(every),
@@ -58,8 +59,8 @@ def load_summary(
         "rss_bytes": [rank["rss"] for rank in every],
         "device_bytes": [rank.get("device") for rank in every],
         "load_seconds": round(max(rank["seconds"] for rank in every), 3),
-        "reshard_after_forward": reshard_after_forward,
-        "reshard_reason": reshard_reason,
+        "decode": decode,
+        "decode_reason": decode_reason,
     }
 
 

@@ -64,9 +64,15 @@ def make_tokenizer():
     return tokenizer
 
 
-def make_tiny_llama(
+def make_tiny_llama(path: Path, **kwargs) -> Path:
+    """Write a random float32 LlamaForCausalLM (see `make_tiny_lm`)."""
+    return make_tiny_lm(path, family="llama", **kwargs)
+
+
+def make_tiny_lm(
     path: Path,
     *,
+    family: str,
     num_layers: int = 2,
     hidden_size: int = 64,
     num_heads: int = 4,
@@ -75,16 +81,17 @@ def make_tiny_llama(
     seed: int = 0,
     max_shard_size: str | None = None,
 ) -> Path:
-    """Write a random float32 LlamaForCausalLM, its tokenizer and generation config to `path`.
+    """Write a random float32 causal LM of `family` (llama, qwen2, qwen3), its tokenizer and generation config.
 
     `max_shard_size` (e.g. "40KB") splits the safetensors into several files with an index.
     """
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     path = Path(path)
     tokenizer = make_tokenizer()
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
-    config = LlamaConfig(
+    config = AutoConfig.for_model(
+        family,
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
@@ -100,7 +107,7 @@ def make_tiny_llama(
         dtype="float32",
     )
     with _seeded(seed):
-        model = LlamaForCausalLM(config).to(torch.float32)
+        model = AutoModelForCausalLM.from_config(config).to(torch.float32)
     model.generation_config = GenerationConfig(
         eos_token_id=eos_id, pad_token_id=tokenizer.pad_token_id, do_sample=False
     )

@@ -1,0 +1,213 @@
+"""The `tp` forward layout: each rank keeps its slice of every large weight, and only activations move.
+
+Column-parallel weights (q/k/v, gate/up, the embedding and lm_head) keep a range of output rows,
+row-parallel ones (o_proj, down_proj) a range of input columns; norms and rotary buffers stay
+whole on every rank. A forward then exchanges activations only: one all-reduce after each
+row-parallel layer, one after the vocab-parallel embedding, and one all-gather of the logits,
+so every rank gets the full logits and `generate` (with `synced_gpus`) picks the same token on
+every rank. No weight is ever gathered: a layer costs two all-reduces of the hidden state
+instead of an all-gather of its weights.
+
+The model stays the transformers model users know: the sliced layers keep their names and
+hooks and are only given a forward of their own (their class becomes a subclass of theirs), and
+attention modules get their local number of query heads per KV head. Parameters are plain local
+tensors (DTensor's dispatch would double the per-token cost on CPU, and its even `torch.chunk`
+split cannot express the uneven head split); each carries a `TPShard` saying which rows or
+columns of which global shape it holds, on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from shardbook.rankd.head_split import HeadShare, balanced_ranges, split_heads, split_mlp_rows
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+"""Families whose decoder layers `plan_tp` knows: Llama (SmolLM2 too), Qwen2 (qkv bias), Qwen3 (q/k norm)."""
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """Which part of a global tensor each rank holds: index ranges along `dim`, per rank."""
+
+    global_shape: tuple[int, ...]
+    dim: int
+    pieces: tuple[tuple[range, ...], ...]
+    """`pieces[r]`: the ranges of `dim` that rank r holds, concatenated in this order."""
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        shape = list(self.global_shape)
+        shape[self.dim] = sum(len(piece) for piece in self.pieces[rank])
+        return tuple(shape)
+
+
+def tp_shard_of(param: torch.Tensor) -> TPShard | None:
+    """The `TPShard` of a tensor-parallel parameter; None for a whole (replicated) or FSDP2 one."""
+    return getattr(param, "tp_shard", None)
+
+
+def global_numel(param: torch.Tensor) -> int:
+    """Elements of the whole parameter, whatever slice of it this rank holds."""
+    shard = tp_shard_of(param)
+    return param.numel() if shard is None else int(torch.Size(shard.global_shape).numel())
+
+
+def tp_unavailable(hf_config, parts: int) -> str | None:
+    """Why `tp` cannot run this model over `parts` ranks (a message naming what to do), or None when it can."""
+    config = hf_config.get_text_config()
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return (
+            f"parallel.decode tp does not support {model_type!r} models yet (it supports "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}): use parallel.decode gather (each rank keeps the whole model "
+            "after the first forward) or reshard (gathers each layer for every token; least memory)"
+        )
+    try:
+        split_heads(config.num_attention_heads, config.num_key_value_heads, parts)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def shard_tp(model: nn.Module, mesh: DeviceMesh) -> dict[str, TPShard]:
+    """Lay `model` (still on meta) out for `tp` over the mesh's shard axis; every sliced parameter's `TPShard`."""
+    group, rank = mesh.get_group("shard"), mesh.get_local_rank("shard")
+    plan = plan_tp(model, dist.get_world_size(group))
+    _apply_tp(model, group, rank)
+    return plan
+
+
+def plan_tp(model: nn.Module, parts: int) -> dict[str, TPShard]:
+    """The `TPShard` of every sliced parameter of `model`, by parameter name."""
+    config = model.config.get_text_config()
+    plan: dict[str, TPShard] = {}
+    embedding = model.get_input_embeddings().weight.shape
+    vocab = _split(embedding, 0, [(r,) for r in balanced_ranges(embedding[0], parts)])
+    plan["model.embed_tokens.weight"] = vocab
+    if "lm_head.weight" in dict(model.named_parameters(remove_duplicate=False)):
+        plan["lm_head.weight"] = vocab
+    for index, layer in enumerate(model.model.layers):
+        plan.update(_layer_plan(f"model.layers.{index}", layer, config, parts))
+    return plan
+
+
+def _layer_plan(prefix: str, layer: nn.Module, config, parts: int) -> dict[str, TPShard]:
+    attn, mlp = layer.self_attn, layer.mlp
+    head_dim = attn.head_dim
+    shares = split_heads(config.num_attention_heads, config.num_key_value_heads, parts)
+    query_rows = [(_scaled(s.query_heads, head_dim),) for s in shares]
+    kv_rows = [_kv_pieces(s, head_dim) for s in shares]
+    hidden = config.hidden_size
+    attention_units = [2 * hidden * head_dim * (len(s.query_heads) + len(s.kv_heads)) for s in shares]
+    mlp_rows = [(rows,) for rows in split_mlp_rows(mlp.gate_proj.out_features, attention_units, hidden)]
+    plan = {}
+    for name, module, dim, pieces in [
+        ("self_attn.q_proj", attn.q_proj, 0, query_rows),
+        ("self_attn.k_proj", attn.k_proj, 0, kv_rows),
+        ("self_attn.v_proj", attn.v_proj, 0, kv_rows),
+        ("self_attn.o_proj", attn.o_proj, 1, query_rows),
+        ("mlp.gate_proj", mlp.gate_proj, 0, mlp_rows),
+        ("mlp.up_proj", mlp.up_proj, 0, mlp_rows),
+        ("mlp.down_proj", mlp.down_proj, 1, mlp_rows),
+    ]:
+        plan[f"{prefix}.{name}.weight"] = _split(module.weight.shape, dim, pieces)
+        if module.bias is not None and dim == 0:  # a row-parallel bias is added once, after the sum
+            plan[f"{prefix}.{name}.bias"] = _split(module.bias.shape, 0, pieces)
+    return plan
+
+
+def _split(shape: torch.Size, dim: int, pieces: list[tuple[range, ...]]) -> TPShard:
+    return TPShard(global_shape=tuple(shape), dim=dim, pieces=tuple(pieces))
+
+
+def _scaled(heads: range, head_dim: int) -> range:
+    return range(heads.start * head_dim, heads.stop * head_dim)
+
+
+def _kv_pieces(share: HeadShare, head_dim: int) -> tuple[range, ...]:
+    """The rows of the KV heads `share` stores, consecutive heads merged into one range."""
+    pieces: list[range] = []
+    for head in share.kv_heads:
+        rows = range(head * head_dim, (head + 1) * head_dim)
+        if pieces and pieces[-1].stop == rows.start:
+            pieces[-1] = range(pieces[-1].start, rows.stop)
+        else:
+            pieces.append(rows)
+    return tuple(pieces)
+
+
+def _apply_tp(model: nn.Module, group: dist.ProcessGroup, rank: int) -> None:
+    """Give the sliced layers their forwards and attention its local head counts (before the weights are read)."""
+    config = model.config.get_text_config()
+    parts = dist.get_world_size(group)
+    shares = split_heads(config.num_attention_heads, config.num_key_value_heads, parts)
+    vocab = balanced_ranges(model.get_input_embeddings().weight.shape[0], parts)
+    _become(model.get_input_embeddings(), VocabParallelEmbedding, group, vocab_start=vocab[rank].start)
+    if model.get_output_embeddings() is not None:
+        _become(model.get_output_embeddings(), VocabGatheredLinear, group, vocab_sizes=[len(r) for r in vocab])
+    for layer in model.model.layers:
+        layer.self_attn.num_key_value_groups = shares[rank].groups
+        _become(layer.self_attn.o_proj, RowParallelLinear, group)
+        _become(layer.mlp.down_proj, RowParallelLinear, group)
+
+
+def _become(module: nn.Module, cls: type, group: dist.ProcessGroup, **attributes) -> None:
+    """Turn `module` into `cls` (a subclass of its class) in place: same name, parameters and hooks."""
+    assert isinstance(module, cls.__mro__[1]), f"{type(module).__name__} is not a {cls.__mro__[1].__name__}"
+    module.__class__ = cls
+    module.tp_group = group
+    for key, value in attributes.items():
+        setattr(module, key, value)
+
+
+def _all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, group=group)
+    return tensor
+
+
+class RowParallelLinear(nn.Linear):
+    """A linear layer holding a range of input columns: partial outputs are summed over the group."""
+
+    tp_group: dist.ProcessGroup
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _all_reduce(F.linear(x, self.weight), self.tp_group)
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """An embedding holding a range of the vocabulary: each rank looks up its tokens, the sum fills the rest."""
+
+    tp_group: dist.ProcessGroup
+    vocab_start: int
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return _all_reduce(out, self.tp_group)
+
+
+class VocabGatheredLinear(nn.Linear):
+    """The output layer holding a range of the vocabulary: every rank's logits are gathered into the whole."""
+
+    tp_group: dist.ProcessGroup
+    vocab_sizes: list[int]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = F.linear(x, self.weight, self.bias)
+        if len(self.vocab_sizes) == 1:
+            return local
+        width = max(self.vocab_sizes)
+        padded = F.pad(local, (0, width - local.shape[-1])).contiguous()
+        parts = [torch.empty_like(padded) for _ in self.vocab_sizes]
+        dist.all_gather(parts, padded, group=self.tp_group)
+        return torch.cat([part[..., :size] for part, size in zip(parts, self.vocab_sizes)], dim=-1)
