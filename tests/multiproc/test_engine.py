@@ -1,4 +1,7 @@
-"""Tests of the generation engine: two spawned gloo ranks with an FSDP2-sharded tiny Llama, and its in-process parts.
+"""Tests of the generation engine: two spawned gloo ranks with a sharded tiny Llama, and its in-process parts.
+
+The two-rank tests run once per forward layout: `gather` (FSDP2 keeping the gathered layers) and
+`tp` (tensor parallel over each rank's slices, with the demo model's uneven 9/3 heads).
 
 The ranks are long-lived worker processes: a test sends each rank the name of a scenario
 (a module-level function below) and its arguments, each rank runs it on its sharded model
@@ -46,8 +49,8 @@ DEADLINE_S = 60.0
 # ----------------------------------------------------------------------------- rank side
 
 
-def _rank_main(rank: int, init_file: str, model_path: str, pg_timeout_s: float, conn: Any) -> None:
-    """One rank: join the gloo group, shard the model, then run the scenarios the test sends until told to quit."""
+def _rank_main(rank: int, init_file: str, model_path: str, layout: str, pg_timeout_s: float, conn: Any) -> None:
+    """One rank: join the gloo group, load the model sharded, then run the scenarios the test sends until told to quit."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -58,7 +61,7 @@ def _rank_main(rank: int, init_file: str, model_path: str, pg_timeout_s: float, 
         world_size=WORLD_SIZE,
         timeout=datetime.timedelta(seconds=pg_timeout_s),
     )
-    model, tokenizer = _load_sharded(model_path)
+    model, tokenizer = _load_sharded(model_path, layout)
     conn.send(("ready", None))
     while True:
         name, kwargs = conn.recv()
@@ -71,18 +74,16 @@ def _rank_main(rank: int, init_file: str, model_path: str, pg_timeout_s: float, 
     dist.destroy_process_group()
 
 
-def _load_sharded(model_path: str) -> tuple[Any, Any]:
-    """Every rank loads the checkpoint, then shards each decoder layer and the root with FSDP2 over all ranks."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+def _load_sharded(model_path: str, layout: str) -> tuple[Any, Any]:
+    """Every rank loads the checkpoint sharded over all ranks, in the forward layout `layout`."""
+    from shardbook.rankd.config import ModelConfig, ParallelConfig, ShardbookConfig
+    from shardbook.rankd.loading import load_sharded
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=False)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False)
-    model.eval()
-    return model, AutoTokenizer.from_pretrained(model_path)
+    config = ShardbookConfig(
+        model=ModelConfig(model_name_or_path=model_path, dtype="float32"), parallel=ParallelConfig(decode=layout)
+    )
+    loaded = load_sharded(config, device="cpu")
+    return loaded.model, loaded.tokenizer
 
 
 def _generate(model: Any, tokenizer: Any, rank: int, request: dict, **kwargs: Any) -> dict:
@@ -177,7 +178,7 @@ SCENARIOS: dict[str, Callable[..., dict]] = {
 class Ranks:
     """Two spawned rank processes, driven through pipes; every exchange has a deadline."""
 
-    def __init__(self, model_path: Path, workdir: Path, *, pg_timeout_s: float):
+    def __init__(self, model_path: Path, workdir: Path, *, pg_timeout_s: float, layout: str = "gather"):
         context = multiprocessing.get_context("spawn")
         self.conns = []
         self.procs = []
@@ -188,7 +189,7 @@ class Ranks:
                 parent, child = context.Pipe()
                 proc = context.Process(
                     target=_rank_main,
-                    args=(rank, str(workdir / "pg-init"), str(model_path), pg_timeout_s, child),
+                    args=(rank, str(workdir / "pg-init"), str(model_path), layout, pg_timeout_s, child),
                     daemon=True,
                 )
                 proc.start()
@@ -253,12 +254,13 @@ def _restore_env(name: str, value: str | None) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
+    """9 query heads over 3 KV heads, as the demo model: `tp` splits them unevenly (6 and 3)."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", hidden_size=72, num_heads=9, num_kv_heads=3)
 
 
-@pytest.fixture(scope="module")
-def ranks(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory):
-    ranks = Ranks(tiny_path, tmp_path_factory.mktemp("ranks"), pg_timeout_s=60)
+@pytest.fixture(scope="module", params=["gather", "tp"])
+def ranks(request: pytest.FixtureRequest, tiny_path: Path, tmp_path_factory: pytest.TempPathFactory):
+    ranks = Ranks(tiny_path, tmp_path_factory.mktemp("ranks"), pg_timeout_s=60, layout=request.param)
     yield ranks
     ranks.close()
 
@@ -491,13 +493,14 @@ def _smollm2_path() -> Path:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not (_smollm2_path() / "config.json").exists(), reason=f"demo model not built at {_smollm2_path()}")
-def test_demo_model_answers_paris_alike_on_two_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["gather", "tp"])
+def test_demo_model_answers_paris_alike_on_two_ranks(tmp_path: Path, layout: str) -> None:
     path = _smollm2_path()
-    request = _request(max_new_tokens=24)
+    request = _request(max_new_tokens=32)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     expected = _generate_here(model, AutoTokenizer.from_pretrained(path), request)
     del model
-    demo = Ranks(path, tmp_path, pg_timeout_s=120)
+    demo = Ranks(path, tmp_path, pg_timeout_s=120, layout=layout)
     try:
         answers = demo.run("generate", [{"request": request}] * WORLD_SIZE, deadline_s=240)
     finally:

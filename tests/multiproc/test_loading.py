@@ -20,11 +20,11 @@ NUM_TOKENS = 20
 STEPS = ["config", "skeleton", "shard", "read", "finalise"]
 
 
-def stand_in_config(path, *, fsdp_size=-1, dtype="float32", reshard=None, ep_size=1):
+def stand_in_config(path, *, fsdp_size=-1, dtype="float32", decode="auto", ep_size=1):
     """A duck-typed config with the attributes `load_sharded` reads (no validation of its own)."""
     return types.SimpleNamespace(
         model=types.SimpleNamespace(model_name_or_path=str(path), dtype=dtype, trust_remote_code=False),
-        parallel=types.SimpleNamespace(fsdp_size=fsdp_size, ep_size=ep_size, reshard_after_forward=reshard),
+        parallel=types.SimpleNamespace(fsdp_size=fsdp_size, ep_size=ep_size, decode=decode),
     )
 
 
@@ -126,7 +126,7 @@ def test_fsdp_matches_single_process(ranks, tiny, tiny_reference):
         assert summary["architecture"] == "LlamaForCausalLM"
         assert summary["mesh_shape"] == [2] and summary["mesh_axes"] == ["shard"]
         assert sum(summary["local_param_bytes"]) == summary["full_param_bytes"]
-        assert summary["reshard_after_forward"] is False and "fits" in summary["reshard_reason"]
+        assert summary["decode"] == "gather" and "fits" in summary["decode_reason"]
 
 
 def test_world_of_one_rank(ranks, tiny, tiny_reference):
@@ -144,8 +144,8 @@ def test_multi_file_untied_checkpoint(ranks, tmp_path):
     assert_same_as_reference(results, single_process(path))
     for result in results:
         assert not result["tied"]
-        assert result["summary"]["reshard_after_forward"] is True
-        assert result["summary"]["reshard_reason"] == "set by parallel.reshard_after_forward"
+        assert result["summary"]["decode"] == "reshard"  # MindSpeed's flag names the layout
+        assert result["summary"]["decode_reason"] == "set by parallel.decode"
 
 
 def test_hsdp_replicate_two_by_shard_one(ranks, tiny, tiny_reference):

@@ -32,6 +32,7 @@ def test_defaults_match_generate():
     assert config == ShardbookConfig()
     assert config.model.dtype == "auto" and config.model.trust_remote_code is False
     assert config.parallel.fsdp_size == -1 and config.parallel.reshard_after_forward is None
+    assert config.parallel.decode == "auto"
     assert (config.parallel.ep_size, config.parallel.ep_fsdp_size, config.parallel.device) == (1, 1, "auto")
     inference = config.inference
     assert (inference.infer_backend, inference.max_new_tokens, inference.do_sample) == ("huggingface", 512, False)
@@ -73,7 +74,7 @@ def test_typed_overrides():
     )
     assert config.inference.do_sample is True
     assert config.parallel.fsdp_size == -1
-    assert config.parallel.reshard_after_forward is False
+    assert config.parallel.reshard_after_forward is False and config.parallel.decode == "gather"
     assert config.inference.temperature == 0.5
     assert config.inference.seed is None
     assert config.inference.system_prompt == "Be terse."
@@ -83,6 +84,29 @@ def test_typed_overrides():
 def test_optional_bool_accepts_null_and_negative_number_is_a_value():
     assert load_config(None, ["--parallel.reshard_after_forward", "null"]).parallel.reshard_after_forward is None
     assert parse_overrides(["--parallel.fsdp_size", "-1"])[0].text == "-1"
+
+
+@pytest.mark.parametrize(("flag", "layout"), [("true", "reshard"), ("false", "gather")])
+def test_mindspeed_reshard_flag_names_a_decode_layout(flag, layout, caplog):
+    with caplog.at_level(logging.WARNING):
+        config = load_config(None, ["--parallel.reshard_after_forward", flag])
+    assert config.parallel.decode == layout
+    assert f"parallel.reshard_after_forward={flag}: using parallel.decode {layout}" in caplog.text
+    # the same layout named twice is no contradiction, and says nothing more
+    caplog.clear()
+    assert load_config(None, ["--parallel.reshard_after_forward", flag, "--parallel.decode", layout]).parallel.decode == layout
+    assert caplog.text == ""
+
+
+@pytest.mark.parametrize(("flag", "layout"), [("true", "tp"), ("true", "gather"), ("false", "reshard")])
+def test_mindspeed_reshard_flag_contradicting_decode_is_an_error(flag, layout):
+    with pytest.raises(ValueError, match=f"reshard_after_forward={flag} means parallel.decode .* but parallel.decode is {layout}"):
+        load_config(None, ["--parallel.reshard_after_forward", flag, "--parallel.decode", layout])
+
+
+def test_unknown_decode_layout_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="auto, tp, gather, reshard"):
+        load_config(None, ["--parallel.decode", "sharded"])
 
 
 def test_repeated_override_warns(caplog):
@@ -316,9 +340,10 @@ def test_shipped_configs_load(name, world_sizes, caplog):
 def test_shipped_configs_say_what_they_are_for():
     smollm2 = load_config(CONFIGS / "smollm2-135m.yaml")
     assert (smollm2.model.model_name_or_path, smollm2.model.dtype) == ("smollm2-135m-instruct", "float32")
-    assert smollm2.inference.max_new_tokens == 128 and smollm2.parallel.reshard_after_forward is None
+    assert smollm2.inference.max_new_tokens == 128 and smollm2.parallel.decode == "auto"
     glm = load_config(CONFIGS / "glm-744b-npu.yaml")
     assert (glm.parallel.device, glm.model.dtype, glm.parallel.fsdp_size) == ("npu", "bfloat16", 32)
+    assert glm.parallel.decode == "tp" and glm.parallel.reshard_after_forward is None
     with pytest.raises(ValueError, match="does not divide the world size 12"):
         load_config(CONFIGS / "qwen-8rank.yaml", world_size=12)
 
@@ -333,6 +358,7 @@ def test_every_field_is_documented_and_in_the_reference():
             assert docs[f.name].replace("|", "\\|") in table
     assert set(field_docs(ShardbookConfig)) == set(SECTIONS)
     assert "| parallel | `reshard_after_forward` | bool or null | `null` |" in table
+    assert "| parallel | `decode` | str | `auto` |" in table
     assert "| inference | `max_new_tokens` | int | `512` |" in table
 
 

@@ -1,0 +1,288 @@
+"""Forward layouts benchmark (issue 9): decode speed, time to first token and memory of tp, gather and reshard.
+
+    .venv/bin/python bench/bench_decode.py                         # demo model and a 42M dense Llama, 2 ranks
+    .venv/bin/python bench/bench_decode.py --models smollm2 --tokens 64 --link-gbs 56 --latency-us 20
+
+For each model, in one run: single-process `generate` (one process, one thread), then each
+layout on 2 ranks (torchrun, gloo, one thread per rank), every one in fresh processes so that
+its peak memory is its own. Each run is greedy with `synced_gpus` on the ranks, and records the
+time of every generated token through a stopping criterion: time to first token (prefill and
+the first token) and decode ms/token (the tokens after it). Memory is the peak resident set
+above what the process held before loading, per rank. For `tp` the share of decode time spent
+in collectives (time inside `all_reduce`/`all_gather`, waiting for the other rank included) is
+reported too. Ratios printed at the end compare the layouts measured side by side.
+
+It ends with a cost model: bytes each rank sends per generated token, and the tok/s bound that
+the link implies, for `reshard` (every layer's weights all-gathered per token) against `tp`
+(two all-reduces of one token's hidden state per layer, the embedding's all-reduce and the
+logits' all-gather), at GLM-744B scale on 32 ranks and for a 70B dense model on 8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "Write a long story about a dragon who learns to fly."
+LAYOUTS = ("gather", "tp", "reshard")
+
+
+# ----------------------------------------------------------------------------- one measured run
+
+
+def timed_generate(model, tokenizer, tokens: int, synced: bool) -> dict:
+    """Greedy `generate` of exactly `tokens` tokens; the time of each token after the call started."""
+    import torch
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    stamps: list[float] = []
+
+    class Stamp(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            stamps.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    messages = [{"role": "user", "content": PROMPT}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(text, return_tensors="pt")["input_ids"]
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(
+            ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, synced_gpus=synced,
+            stopping_criteria=StoppingCriteriaList([Stamp()]),
+        )
+    first, last = stamps[0], stamps[-1]
+    return {"ttft_ms": (first - start) * 1e3, "decode_ms": (last - first) / (len(stamps) - 1) * 1e3}
+
+
+class CollectiveClock:
+    """Time spent inside torch.distributed's all_reduce and all_gather (tp's collectives and synced_gpus' flag)."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.seconds = 0.0
+        self.originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather")}
+        for name, fn in self.originals.items():
+            setattr(dist, name, self._timed(fn))
+
+    def _timed(self, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+        return timed
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def warm_imports(path: str) -> None:
+    """Import the model's code before the memory baseline, so peaks count the model and not the libraries."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with __import__("torch").device("meta"):
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+
+
+def run_single(path: str, tokens: int) -> dict:
+    """One process, one thread: `from_pretrained` then `generate`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    warm_imports(path)
+    before = rss_bytes()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    timed_generate(model, tokenizer, 4, synced=False)  # warm-up
+    result = timed_generate(model, tokenizer, tokens, synced=False)
+    return {**result, "memory": [peak_rss_bytes() - before]}
+
+
+def run_layout(path: str, layout: str, tokens: int) -> dict | None:
+    """On every rank of a torchrun job: `load_sharded` in `layout`, then `generate`; rank 0 returns the figures."""
+    import torch
+    import torch.distributed as dist
+
+    from shardbook.rankd.config import ModelConfig, ParallelConfig, ShardbookConfig
+    from shardbook.rankd.loading import load_sharded
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    warm_imports(path)
+    before = rss_bytes()
+    config = ShardbookConfig(
+        model=ModelConfig(model_name_or_path=path, dtype="float32"), parallel=ParallelConfig(decode=layout)
+    )
+    loaded = load_sharded(config, device="cpu")
+    timed_generate(loaded.model, loaded.tokenizer, 2, synced=True)  # warm-up
+    clock = CollectiveClock()
+    result = timed_generate(loaded.model, loaded.tokenizer, tokens, synced=True)
+    total_ms = result["ttft_ms"] + result["decode_ms"] * (tokens - 1)
+    mine = {"memory": peak_rss_bytes() - before, "collective_share": clock.seconds * 1e3 / total_ms}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    return {
+        **result,
+        "memory": [rank["memory"] for rank in every],
+        "collective_share": max(rank["collective_share"] for rank in every),
+        "local_param_bytes": loaded.summary["local_param_bytes"],
+    }
+
+
+# ----------------------------------------------------------------------------- the driver
+
+
+def measure(path: Path, what: str, tokens: int, nproc: int) -> dict:
+    """Run `what` (single or a layout) in fresh processes; its figures as JSON through a file."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        worker = [str(Path(__file__).resolve()), "--worker", what, "--path", str(path), "--tokens", str(tokens),
+                  "--out", out.name]
+        launcher = [] if what == "single" else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        subprocess.run([sys.executable, *launcher, *worker], check=True, env=env, cwd=ROOT)
+        return json.loads(Path(out.name).read_text())
+
+
+def model_paths(names: list[str]) -> dict[str, Path]:
+    import platformdirs
+
+    sys.path.insert(0, str(ROOT))
+    from tests.tiny import make_tiny_lm
+
+    paths = {}
+    for name in names:
+        if name == "smollm2":
+            paths["SmolLM2-135M (demo)"] = Path(platformdirs.user_cache_dir("shardbook")) / "models" / "smollm2-135m-instruct"
+        elif name == "llama42m":
+            scratch = Path(tempfile.mkdtemp(prefix="bench-decode-"))
+            paths["dense Llama 42M (random)"] = make_tiny_lm(
+                scratch / "llama42m", family="llama", hidden_size=768, num_layers=8, num_heads=12, num_kv_heads=4
+            )
+        else:
+            paths[name] = Path(name)
+    return paths
+
+
+def print_model(name: str, figures: dict[str, dict], tokens: dict[str, int]) -> None:
+    single = figures["single"]
+    print(f"\n### {name}\n")
+    print("| run | tokens | TTFT ms | decode ms/token | tok/s | vs single | peak MiB per rank | collectives |")
+    print("|---|---|---|---|---|---|---|---|")
+    for what, f in figures.items():
+        memory = " / ".join(f"{m / 2**20:.0f}" for m in f["memory"])
+        # FSDP2's all-gathers go through other functions: only tp's share is complete
+        share = f"{f['collective_share']:.0%}" if what == "tp" else "-"
+        print(f"| {what} | {tokens[what]} | {f['ttft_ms']:.0f} | {f['decode_ms']:.1f} | {1e3 / f['decode_ms']:.1f} "
+              f"| {f['decode_ms'] / single['decode_ms']:.2f}x | {memory} | {share} |")
+    tp, gather, reshard = figures["tp"], figures["gather"], figures["reshard"]
+    print(f"\ntp tok/s / reshard tok/s = {reshard['decode_ms'] / tp['decode_ms']:.1f} (target >= 4)")
+    print(f"tp peak memory / gather peak memory (max over ranks) = {max(tp['memory']) / max(gather['memory']):.2f} (target <= 0.6)")
+    print(f"tp ms/token / single-process ms/token = {tp['decode_ms'] / single['decode_ms']:.2f} (target <= 2.5)")
+
+
+# ----------------------------------------------------------------------------- the cost model
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the cost model needs of a model and its job."""
+
+    name: str
+    params: float
+    hidden: int
+    layers: int
+    vocab: int
+    ranks: int
+    dtype_bytes: int = 2
+
+
+SHAPES = [
+    # Sizes assumed for the GLM-744B run of configs/glm-744b-npu.yaml: 744B parameters, hidden
+    # 6144, 78 layers, a 154,880-token vocabulary, bf16, on 32 ranks.
+    Shape("GLM-744B on 32 NPUs (bf16)", 744e9, 6144, 78, 154_880, 32),
+    Shape("70B dense on 8 devices (bf16)", 70.6e9, 8192, 80, 128_256, 8),
+]
+
+
+def cost_per_token(shape: Shape) -> dict[str, float]:
+    """Bytes each rank sends per generated token, and collectives per token, for reshard and tp."""
+    n, size = shape.ranks, shape.dtype_bytes
+    ring = 2 * (n - 1) / n  # a ring all-reduce sends this many times the tensor per rank
+    reshard = shape.params * size * (n - 1) / n  # all-gather: each rank sends its shard to n - 1 others
+    hidden = shape.hidden * size
+    tp = (2 * shape.layers + 1) * ring * hidden + shape.vocab / n * size * (n - 1)  # + the logits' all-gather
+    return {"reshard": reshard, "tp": tp, "reshard_ops": shape.layers + 1, "tp_ops": 2 * shape.layers + 2}
+
+
+def print_cost_model(link_gbs: float, latency_us: float) -> None:
+    print(f"\n### Cost model: link {link_gbs:g} GB/s per rank, {latency_us:g} us per collective\n")
+    print("| model | reshard bytes/token/rank | tp bytes/token/rank | reshard tok/s bound | tp tok/s bound | ratio |")
+    print("|---|---|---|---|---|---|")
+    for shape in SHAPES:
+        cost = cost_per_token(shape)
+        bounds = {
+            layout: 1 / (cost[layout] / (link_gbs * 1e9) + cost[f"{layout}_ops"] * latency_us * 1e-6)
+            for layout in ("reshard", "tp")
+        }
+        print(f"| {shape.name} | {_bytes(cost['reshard'])} | {_bytes(cost['tp'])} | {bounds['reshard']:.3g} "
+              f"| {bounds['tp']:.3g} | {bounds['tp'] / bounds['reshard']:.0f}x |")
+    print("\n(communication only: compute and memory bandwidth bound tp further; reshard is bound by the link.)")
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="smollm2,llama42m", help="smollm2, llama42m or checkpoint directories")
+    parser.add_argument("--tokens", type=int, default=32, help="tokens per run (single, gather, tp)")
+    parser.add_argument("--tokens-reshard", type=int, default=12, help="tokens per run with reshard (slow)")
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--link-gbs", type=float, default=56.0, help="link bandwidth per rank for the cost model, GB/s")
+    parser.add_argument("--latency-us", type=float, default=20.0, help="latency of one collective, microseconds")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--path", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        result = run_single(args.path, args.tokens) if args.worker == "single" else run_layout(args.path, args.worker, args.tokens)
+        if result is not None:
+            Path(args.out).write_text(json.dumps(result))
+        return
+    tokens = {"single": args.tokens, "gather": args.tokens, "tp": args.tokens, "reshard": args.tokens_reshard}
+    print(f"{args.nproc} ranks, gloo, 1 thread per process; prompt {PROMPT!r}; greedy")
+    for name, path in model_paths(args.models.split(",")).items():
+        figures = {what: measure(path, what, tokens[what], args.nproc) for what in ("single", *LAYOUTS)}
+        print_model(name, figures, tokens)
+    print_cost_model(args.link_gbs, args.latency_us)
+
+
+if __name__ == "__main__":
+    main()
