@@ -1,4 +1,4 @@
-"""%%chat and %chat through a real 2-rank kernel on a tiny local model."""
+"""%%chat and %chat through a real 2-rank kernel on a tiny local model, in the gather and tp layouts."""
 
 from __future__ import annotations
 
@@ -17,9 +17,18 @@ def tiny(tmp_path_factory):
     return make_tiny_llama(tmp_path_factory.mktemp("chat") / "llama")
 
 
+@pytest.fixture(params=["gather", "tp"])
+def layout(request) -> str:
+    """The forward layout each chat test runs in: FSDP2 keeping the gathered layers, or tensor parallel."""
+    return request.param
+
+
 @pytest.fixture
-def loaded(kernel, tiny):
-    ex = kernel.run(f"%load_sharded --model.model_name_or_path {tiny} --inference.system_prompt none", timeout=120)
+def loaded(kernel, tiny, layout):
+    ex = kernel.run(
+        f"%load_sharded --model.model_name_or_path {tiny} --inference.system_prompt none --parallel.decode {layout}",
+        timeout=120,
+    )
     assert ex.status == "ok", ex.error_text() + ex.stderr()
     assert kernel.run("%chat --reset").status == "ok"
     return kernel
@@ -136,9 +145,10 @@ def test_prompt_longer_than_the_context(loaded):
     assert loaded.run("%%chat --output text --max-new-tokens 3\nshort").status == "ok"
 
 
-def test_follower_failure_during_generation_names_the_rank(fresh_kernel, tiny):
+def test_follower_failure_during_generation_names_the_rank(fresh_kernel, tiny, layout):
     handle = fresh_kernel(SHARDBOOK_PG_TIMEOUT="6")
-    assert handle.run(f"%load_sharded --model.model_name_or_path {tiny}", timeout=120).status == "ok"
+    load = f"%load_sharded --model.model_name_or_path {tiny} --parallel.decode {layout}"
+    assert handle.run(load, timeout=120).status == "ok"
     hook = (
         "%%rank 1\ncalls = 0\ndef explode(module, args):\n    global calls\n    calls += 1\n"
         "    if calls == 3:\n        raise RuntimeError('rank 1 broke at step 3')\n"
@@ -154,8 +164,8 @@ def test_follower_failure_during_generation_names_the_rank(fresh_kernel, tiny):
     assert "busy" not in dist
 
 
-def test_shards_after_a_reply_shows_the_shards_again(loaded):
+def test_shards_after_a_reply_shows_the_shards_again(loaded, layout):
     assert loaded.run("%%chat --output text --max-new-tokens 5\nhi").status == "ok"
     table = loaded.run("%shards model.layers.0.self_attn.q_proj").of_type("execute_result")[0]["content"]["data"]["text/plain"]
-    assert "S(0)" in table and "[32, 64]" in table
+    assert ("S(0)" if layout == "gather" else "tp: rows (dim 0) over 2 rank(s)") in table and "[32, 64]" in table
     assert loaded.run("%%chat --output text --max-new-tokens 5\nagain").status == "ok"

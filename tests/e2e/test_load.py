@@ -31,7 +31,8 @@ def test_load_summary_progress_and_namespaces(kernel, tiny):
     ex = load(kernel, tiny)
     assert ex.status == "ok", ex.error_text() + ex.stderr()
     summary = ex.of_type("execute_result")[0]["content"]["data"]["text/plain"]
-    assert "LlamaForCausalLM" in summary and "shard=2 (2 ranks)" in summary and "reshard_after_forward" in summary
+    assert "LlamaForCausalLM" in summary and "shard=2 (2 ranks)" in summary and "decode" in summary
+    assert "gather — the gathered model" in summary and "fits in half of the memory free per rank" in summary
     assert "rank 1" in summary and "local params" in summary
     opened = [m for m in ex.of_type("comm_open") if m["content"]["data"]["state"].get("_model_name") == "IntProgressModel"]
     assert opened, "no progress bar widget"
@@ -55,6 +56,57 @@ def test_shards_table(kernel, tiny):
     assert locals_.count("(32, 64)") == 2
     missing = kernel.run("%shards nothing.here")
     assert missing.status == "error" and "no parameter name starts with 'nothing.here'" in missing.stderr()
+
+
+@pytest.fixture(scope="module")
+def uneven(tmp_path_factory):
+    """The demo model's head layout, 9 query heads over 3 KV heads, that no even split serves on 2 ranks."""
+    return make_tiny_llama(tmp_path_factory.mktemp("uneven") / "llama", hidden_size=72, num_heads=9, num_kv_heads=3)
+
+
+TP_CELL = """%%all
+import torch, torch.distributed as dist
+seen = []
+hook = model.model.layers[1].register_forward_hook(lambda m, a, out: seen.append(tuple(out[0].shape if isinstance(out, tuple) else out.shape)))
+ids = tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
+with torch.no_grad():
+    logits = model(ids).logits
+hook.remove()
+top = int(logits[0, -1].argmax())
+agree = torch.tensor([top]); dist.all_reduce(agree)
+print("TP", dist.get_rank(), tuple(logits.shape), seen, agree.item() == 2 * top)
+"""
+
+
+def test_tp_layout_in_the_kernel(kernel, uneven):
+    ex = load(kernel, uneven, "--parallel.decode tp")
+    assert ex.status == "ok", ex.error_text() + ex.stderr()
+    summary = ex.of_type("execute_result")[0]["content"]["data"]["text/plain"]
+    assert "tp — set by parallel.decode" in summary
+    table = kernel.run("%shards model.layers.0.self_attn").of_type("execute_result")[0]["content"]["data"]["text/plain"]
+    rows = {line.split()[0]: line for line in table.splitlines() if line.startswith("model.layers.0.self_attn.")}
+    # 6 query heads of 8 dims on rank 0, 3 on rank 1; o_proj split by the same heads, on its columns
+    assert "tp: rows (dim 0) over 2 rank(s), uneven" in rows["model.layers.0.self_attn.q_proj.weight"]
+    assert rows["model.layers.0.self_attn.q_proj.weight"].endswith("[48, 72]  [24, 72]")
+    assert rows["model.layers.0.self_attn.o_proj.weight"].endswith("[72, 48]  [72, 24]")
+    ex = kernel.run(TP_CELL)
+    lines = [line.split(maxsplit=2) for line in ex.stdout().splitlines() if line.startswith("TP ")]
+    assert sorted(rank for _, rank, _ in lines) == ["0", "1"], ex.stdout() + ex.error_text()
+    for _, rank, rest in lines:
+        num_tokens = rest.split(",")[1].strip()
+        # whole logits on every rank, the hook saw the whole hidden state, every rank picks the same token
+        assert rest == f"(1, {num_tokens}, 384) [(1, {num_tokens}, 72)] True", (rank, rest)
+    chat = kernel.run("%%chat --output text --max-new-tokens 8\nhello")
+    assert chat.status == "ok", chat.error_text() + chat.stderr()
+    assert load(kernel, uneven, "--parallel.decode tp").status == "ok"  # loading again
+
+
+def test_tp_for_a_model_with_too_few_heads_is_a_clear_error(kernel, tmp_path):
+    two_heads = make_tiny_llama(tmp_path / "two-heads", num_heads=1, num_kv_heads=1)
+    ex = load(kernel, two_heads, "--parallel.decode tp")
+    assert ex.status == "error"
+    assert "1 attention heads, fewer than the 2 ranks" in ex.error_text() + ex.stderr()
+    assert_usable(kernel)
 
 
 def test_loading_again_frees_the_previous_model(kernel, tiny):
