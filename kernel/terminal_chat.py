@@ -311,7 +311,7 @@ def load_model(runtime: Runtime, config: ShardbookConfig, model_path: Path, term
     s = outcome.replies[0]["value"]
     terminal.info(
         f"loaded {s['architecture']} ({s['num_parameters'] / 1e6:.1f}M parameters, {s['dtype']}, {s['device']}) "
-        f"on {s['world_size']} rank(s) in {s['load_seconds']:.1f} s."
+        f"on {s['world_size']} rank(s) in {s['load_seconds']:.1f} s, decode layout {s['decode']}."
     )
     return True
 

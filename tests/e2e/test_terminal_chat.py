@@ -80,8 +80,10 @@ def assert_all_gone(pids: list[int]) -> None:
     assert wait_until(lambda: all(gone(p) for p in pids), timeout=15), f"processes {[p for p in pids if not gone(p)]} outlived the chat"
 
 
-def test_piped_questions_are_answered_in_turn_and_exit_stops_every_rank(tiny_config):
-    result, pids = piped_chat(chat_argv(tiny_config), ["Hello there", "What is the capital of France?", "exit", "never read"], 3)
+@pytest.mark.parametrize("layout", ["auto", "tp"])
+def test_piped_questions_are_answered_in_turn_and_exit_stops_every_rank(tiny_config, layout):
+    argv = chat_argv(tiny_config, "--parallel.decode", layout)
+    result, pids = piped_chat(argv, ["Hello there", "What is the capital of France?", "exit", "never read"], 3)
     assert result.returncode == 0, result.stderr
     assert len(pids) == 4  # the launcher, torchrun and 2 ranks
     statuses = STATUS.findall(result.stderr)
@@ -89,6 +91,7 @@ def test_piped_questions_are_answered_in_turn_and_exit_stops_every_rank(tiny_con
     assert int(statuses[1][0]) > int(statuses[0][0]) + 8, "the second question was sent without the first turn"
     assert result.stdout.strip(), "no reply on stdout"
     assert "loading " in result.stderr and "on 2 rank(s) in" in result.stderr
+    assert f"decode layout {'gather' if layout == 'auto' else 'tp'}." in result.stderr
     assert_all_gone(pids)
 
 
