@@ -25,7 +25,7 @@ INTERRUPTED = "the load was interrupted before it finished, so the new model is 
 STEP_WORDS = {
     "config": ("read the checkpoint's config and tokenizer", "check the path and the files in it"),
     "skeleton": ("build the model skeleton", "check the config (and trust_remote_code for custom code)"),
-    "memory": ("measure its free memory", "set parallel.reshard_after_forward explicitly"),
+    "memory": ("measure its free memory", "set parallel.decode explicitly (tp, gather or reshard)"),
     "shard": ("shard the model with FSDP2", "report this with the model's architecture"),
     "plan": ("match the checkpoint's tensors to the model", "check the checkpoint is complete"),
     "read": (

@@ -10,7 +10,7 @@ once, so when any rank finds a problem every rank raises the same way and nothin
 
 The check also says whether the new model can be loaded beside the old one: when its gathered
 weights take at most half of the memory free on every rank (the rule that lets a load keep
-layers gathered, `sharding.reshard_fits`), keeping the old model meanwhile changes neither the
+layers gathered, `sharding.gather_fits`), keeping the old model meanwhile changes neither the
 new model's layout nor whether it fits. Otherwise the old model must be freed first.
 """
 
@@ -73,5 +73,5 @@ def check_checkpoint(
 def _memory_view(model: nn.Module, device: torch.device) -> tuple[bool, str, int]:
     """Whether this rank can hold the new model's gathered weights in half of its free memory, why, and their size."""
     full = full_param_bytes(model)
-    fits, reason = sharding.reshard_fits(full, device)
+    fits, reason = sharding.gather_fits(full, device)
     return fits, reason, full

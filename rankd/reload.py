@@ -61,7 +61,7 @@ def _free_first(ctx: Any, what: str, checked: CheckedCheckpoint, device: torch.d
     ctx.state.pop("loaded")
     free_model(ctx.shell.user_ns, device=device)
     if notice is not None:
-        _, now = sharding.reshard_fits(checked.full_param_bytes, device)
+        _, now = sharding.gather_fits(checked.full_param_bytes, device)
         notice(f"freed {what}; now {now}; loading the new model")
 
 
