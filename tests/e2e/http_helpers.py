@@ -102,3 +102,34 @@ def wait_for_health(url: str, timeout: float = 120) -> None:
         except OSError:
             time.sleep(0.2)
     raise TimeoutError(f"{url} did not answer /health within {timeout} s")
+
+
+def assert_demo_model_replies(url: str, api_key: str = "unused") -> None:
+    """What the issue asks of the demo model through the official client, on any shardbook server at ``url``:
+    "Paris", streamed deltas equal to the whole reply (greedy), usage equal to the tokenizer's counts,
+    a reproducible seed, and stop strings cut exactly (whole and streamed)."""
+    from openai import OpenAI
+    from transformers import AutoTokenizer
+
+    from shardbook.kernel.fetch import resolve_model_path
+
+    client, model = OpenAI(base_url=url, api_key=api_key), "smollm2-135m-instruct"
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+
+    def ask(**fields):
+        return client.chat.completions.create(model=model, messages=question, max_tokens=32, **fields)
+
+    whole = ask()
+    text = whole.choices[0].message.content
+    assert "Paris" in text
+    assert joined_text([c.model_dump() for c in ask(stream=True)]) == text
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model))
+    prompt = tokenizer.apply_chat_template(question, add_generation_prompt=True, tokenize=True, return_dict=True)
+    ended = whole.choices[0].finish_reason == "stop"  # the end-of-text token counts as generated
+    assert whole.usage.prompt_tokens == len(prompt["input_ids"])
+    assert whole.usage.completion_tokens == len(tokenizer(text, add_special_tokens=False)["input_ids"]) + ended
+    sampled = [ask(temperature=1.0, seed=1234).choices[0].message.content for _ in range(2)]
+    assert sampled[0] == sampled[1]
+    cut = text[: text.index("Paris")]
+    assert ask(stop=["Paris"]).choices[0].message.content == cut
+    assert joined_text([c.model_dump() for c in ask(stop="Paris", stream=True)]) == cut

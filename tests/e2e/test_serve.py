@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import shutil
 import threading
-import time
 
 import pytest
 from openai import OpenAI
 
 from tests.e2e.conftest import wait_until
-from tests.e2e.http_helpers import OpenStream, chat, finish_reason, joined_text, request, server_url
+from tests.e2e.http_helpers import (
+    OpenStream, assert_demo_model_replies, chat, finish_reason, joined_text, request, server_url,
+)
 from tests.tiny import make_long_talker
 
 pytestmark = pytest.mark.timeout(300)
@@ -178,32 +179,9 @@ def test_loading_another_model_switches_what_is_served_and_says_so(loaded, serve
 
 @pytest.mark.slow
 def test_the_demo_model_answers_through_the_openai_client(kernel):
-    from transformers import AutoTokenizer
-
-    from shardbook.kernel.fetch import resolve_model_path
-
     assert kernel.run("%load_sharded configs/smollm2-135m.yaml", timeout=240).status == "ok"
     url = server_url(kernel.run("%serve --port 0").stdout())
     try:
-        client, model = OpenAI(base_url=url, api_key="unused"), "smollm2-135m-instruct"
-        question = [{"role": "user", "content": "What is the capital of France?"}]
-
-        def ask(**fields):
-            return client.chat.completions.create(model=model, messages=question, max_tokens=32, **fields)
-
-        whole = ask()
-        text = whole.choices[0].message.content
-        assert "Paris" in text
-        assert joined_text([c.model_dump() for c in ask(stream=True)]) == text
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model))
-        prompt = tokenizer.apply_chat_template(question, add_generation_prompt=True, tokenize=True, return_dict=True)
-        ended = whole.choices[0].finish_reason == "stop"
-        assert whole.usage.prompt_tokens == len(prompt["input_ids"])
-        assert whole.usage.completion_tokens == len(tokenizer(text, add_special_tokens=False)["input_ids"]) + ended
-        sampled = [ask(temperature=1.0, seed=1234).choices[0].message.content for _ in range(2)]
-        assert sampled[0] == sampled[1]
-        cut = text[: text.index("Paris")]
-        assert ask(stop=["Paris"]).choices[0].message.content == cut
-        assert joined_text([c.model_dump() for c in ask(stop="Paris", stream=True)]) == cut
+        assert_demo_model_replies(url)
     finally:
         kernel.run("%serve --stop")

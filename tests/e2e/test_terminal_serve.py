@@ -13,7 +13,7 @@ import pytest
 from openai import OpenAI
 
 from tests.e2e.conftest import gone, wait_until
-from tests.e2e.http_helpers import OpenStream, URL, finish_reason, joined_text
+from tests.e2e.http_helpers import URL, OpenStream, assert_demo_model_replies, finish_reason, joined_text
 from tests.tiny import make_long_talker
 
 pytestmark = pytest.mark.timeout(180)
@@ -88,15 +88,10 @@ def test_other_addresses_without_an_api_key_are_refused_before_any_rank_starts(t
 
 
 @pytest.mark.slow
-def test_smollm2_served_on_two_ranks_knows_the_capital_of_france():
+def test_smollm2_served_on_two_ranks_through_the_openai_client():
     served = Served(ROOT / "configs" / "smollm2-135m.yaml", "--api-key", "sk-terminal-test")
     try:
-        client = OpenAI(base_url=served.url, api_key="sk-terminal-test")
-        question = [{"role": "user", "content": "What is the capital of France?"}]
-        whole = client.chat.completions.create(model="smollm2-135m-instruct", messages=question, max_tokens=32)
-        assert "Paris" in whole.choices[0].message.content
-        streamed = client.chat.completions.create(model="smollm2-135m-instruct", messages=question, max_tokens=32, stream=True)
-        assert joined_text([c.model_dump() for c in streamed]) == whole.choices[0].message.content
+        assert_demo_model_replies(served.url, api_key="sk-terminal-test")
         assert served.stop(signal.SIGTERM) == 0
     finally:
         served.kill()
