@@ -13,12 +13,9 @@ everything else (progress, status lines, command output, errors) goes to stderr,
 the end of input stops every rank; ``/reset``, ``/system TEXT``, ``/history`` and ``/help`` are
 commands.
 
-Ctrl-C: torchrun starts every worker in a session of its own, so a terminal's Ctrl-C reaches
-torchrun alone, which ends the whole job. ``shardbook chat --nproc N`` therefore starts torchrun
-in a session of its own and relays Ctrl-C to rank 0 only: at the prompt it clears the line,
-during a reply it stops the reply on every rank (the next question works), while the ranks
-start it ends the job. Rank 0 has no controlling terminal there yet reads it as usual (a
-terminal checks job control only for the sessions it controls). Under a bare ``torchrun -m
+Ctrl-C: ``shardbook chat --nproc N`` starts torchrun through `launcher`, which relays Ctrl-C to
+rank 0 alone: at the prompt it clears the line, during a reply it stops the reply on every rank
+(the next question works), while the ranks start it ends the job. Under a bare ``torchrun -m
 shardbook chat``, Ctrl-C ends the job: prefer ``shardbook chat --nproc N``.
 
 The control-plane key: ``$SHARDBOOK_KEY`` or ``$SHARDBOOK_KEY_FILE`` when set (``--nproc`` sets a
@@ -35,7 +32,6 @@ import logging
 import os
 import secrets
 import signal
-import subprocess
 import sys
 import tempfile
 from contextlib import contextmanager
@@ -50,15 +46,13 @@ from shardbook.rankd.lifetime import die_with_parent
 from shardbook.rankd.world import JobShape, World, init_world
 
 from .failures import describe_failures
-from .kernelspec import Layout
+from .launcher import launch, maybe_write_pid_file
 from .load_command import prepare_load
 from .progress import step_text
 
 if TYPE_CHECKING:
     from .runtime import Runtime
 
-PID_FILE_ENV = "SHARDBOOK_CHAT_PIDFILE"
-"""Set by ``--nproc``: the file rank 0 writes its pid to, so that Ctrl-C can be relayed to it."""
 KEY_FILE_STORE_KEY = "shardbook/chat-key-file"
 """torchrun store key holding the path of rank 0's key file (one node, no key in the environment)."""
 PROMPT = "> "
@@ -98,72 +92,6 @@ def run_chat(args: argparse.Namespace) -> int:
     if shape.under_torchrun:
         raise ValueError("--nproc starts torchrun itself; under torchrun run `python -m shardbook chat CONFIG` without it")
     return launch(args)
-
-
-# --- the --nproc launcher -------------------------------------------------------------------
-def launch(args: argparse.Namespace, command: list[str] | None = None, graceful_term: bool = False) -> int:
-    """Start torchrun in a session of its own, relay Ctrl-C to rank 0, and return torchrun's exit code.
-
-    Every rank runs ``python -m shardbook COMMAND`` (default: ``chat CONFIG OVERRIDES``); with
-    ``graceful_term`` SIGTERM is relayed to rank 0 as well, which then ends the job itself.
-    """
-    layout = Layout(args.nproc)
-    prepare_load(args.config, args.overrides, layout.nproc)  # a bad config fails here, before any rank starts
-    with tempfile.TemporaryDirectory(prefix="shardbook-chat-") as tmp:
-        pid_file = Path(tmp) / "rank0.pid"
-        env = {**os.environ, protocol.KEY_ENV: secrets.token_hex(32), PID_FILE_ENV: str(pid_file)}
-        env.pop(protocol.KEY_FILE_ENV, None)  # it would take precedence over the fresh key
-        argv = [
-            sys.executable, "-m", "torch.distributed.run", *layout.torchrun_args(),
-            "-m", "shardbook", *(command or ["chat", args.config, *args.overrides]),
-        ]
-        torchrun = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=die_with_parent)
-        with relayed_signals(torchrun, pid_file, graceful_term):
-            code = torchrun.wait()
-    return 128 - code if code < 0 else code  # killed by a signal: the shell's convention
-
-
-@contextmanager
-def relayed_signals(torchrun: subprocess.Popen, pid_file: Path, graceful_term: bool = False) -> Iterator[None]:
-    """Ctrl-C goes to rank 0 (or ends the job while it starts); SIGTERM (unless ``graceful_term``) and SIGHUP end the job."""
-
-    def relay(signum, frame) -> None:
-        pid = read_pid(pid_file)
-        if pid is None:
-            print("shardbook: interrupted while the ranks start; stopping them", file=sys.stderr)
-            torchrun.terminate()
-            return
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:  # rank 0 has already left; torchrun is ending the others
-            pass
-
-    def stop(signum, frame) -> None:
-        torchrun.terminate()
-
-    handlers = {signal.SIGINT: relay, signal.SIGTERM: relay if graceful_term else stop, signal.SIGHUP: stop}
-    previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def read_pid(pid_file: Path) -> int | None:
-    try:
-        return int(pid_file.read_text())
-    except (FileNotFoundError, ValueError):
-        return None
-
-
-def maybe_write_pid_file() -> None:
-    """Under ``--nproc``: tell the launcher where to send Ctrl-C (written whole, then renamed)."""
-    path = os.environ.get(PID_FILE_ENV)
-    if path:
-        partial = Path(f"{path}.partial")
-        partial.write_text(str(os.getpid()))
-        partial.replace(path)
 
 
 # --- every rank -----------------------------------------------------------------------------
