@@ -28,17 +28,15 @@ def replace_model(
 ) -> LoadedModel:
     """Load `config`'s model in place of the one in `ctx.state["loaded"]` (and `model`, `tokenizer` in the shell)."""
     device = torch.device(device)
-    checked = check_checkpoint(config, device=device, model_path=model_path, stop=ctx.stop_event)
     namespace, speaks = ctx.shell.user_ns, ctx.world.rank == 0
-    previous = ctx.state.get("loaded")
-    what = describe(previous) if previous is not None else None
-    if previous is not None and checked.fits_beside:
-        sharding.reshard_model(previous.model)  # weights kept gathered after a reply are not needed meanwhile
-    del previous  # from here the old model is reachable from ctx.state alone, to be freed from there
-    if what is not None and not checked.fits_beside:
-        _free_first(ctx, what, checked, device, notice if speaks else None)
-    kept = what if checked.fits_beside else None
+    kept = describe(ctx.state["loaded"]) if "loaded" in ctx.state else None  # the old model, while it is kept
     try:
+        checked = check_checkpoint(config, device=device, model_path=model_path, stop=ctx.stop_event)
+        if kept is not None and checked.fits_beside:  # free what a reply left gathered; the shards stay
+            sharding.reshard_model(ctx.state["loaded"].model)
+        elif kept is not None:
+            _free_first(ctx, kept, checked, device, notice if speaks else None)
+            kept = None
         loaded = load_sharded(config, device=device, model_path=model_path, progress=progress, stop=ctx.stop_event)
     except BaseException:
         if kept is not None and speaks:

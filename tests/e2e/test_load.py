@@ -202,5 +202,6 @@ def test_a_failed_load_keeps_the_model_already_loaded(kernel, tiny, tmp_path):
     for case, path in make_broken_checkpoints(tmp_path).items():
         ex = load(kernel, path)
         assert ex.status == "error", case
+        assert f"the loaded model (LlamaForCausalLM from {tiny}) is still loaded" in ex.stderr(), (case, ex.stderr())
         assert kernel.run("%%all\nprint('same', model is before())").stdout().count("same True") == 2, case
     assert_forward_works(kernel)
