@@ -36,11 +36,16 @@ class RankState:
     local: bool = False
 
 
-def judge(state: RankState, silence_s: float) -> tuple[str | None, str | None]:
-    """Record ``silence_s`` on ``state``; return (why it is dead, or None; a notice to show once, or None)."""
+def judge(state: RankState, silence_s: float, closed: bool) -> tuple[str | None, str | None]:
+    """Record ``silence_s`` on ``state``; return (why it is dead, or None; a notice to show once, or None).
+
+    ``closed``: the rank's heartbeat connection, once answered, was dropped (its process ended).
+    """
     state.silent_s = silence_s
     if state.local and state.pid and not pid_alive(state.pid):
         return f"its process (pid {state.pid}) exited; torchrun now ends every rank of the job, so restart the kernel", None
+    if closed:
+        return f"its heartbeat connection closed: its process on {state.host} ended. Restart the kernel", None
     if silence_s > SILENCE_TIMEOUT_S:
         return _silence_reason(state), None
     if silence_s == 0.0:

@@ -125,6 +125,7 @@ class Pool:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         port = sock.bind_to_random_port(f"tcp://{bind_host}")
         echo, pinger = heartbeat_socket(zmq.ROUTER), heartbeat_socket(zmq.ROUTER)
+        pinger.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a follower that dropped its connection is gone
         for key, hb_sock in ((ECHO_KEY, echo), (PINGER_KEY, pinger)):
             self.world.store.set(key, f"tcp://{public_host}:{hb_sock.bind_to_random_port(f'tcp://{bind_host}')}")
         self._echo, self._pinger = Echo(echo, name="pool-echo").start(), Pinger(pinger)
@@ -190,8 +191,8 @@ class Pool:
             for state in self.ranks.values():
                 if state.rank == 0 or not state.connected or state.dead_reason:
                     continue
-                silence = self._pinger.silence(f"rank-{state.rank}".encode(), now) if self._pinger else 0.0
-                dead, notice = judge(state, silence)
+                ident = f"rank-{state.rank}".encode()
+                dead, notice = judge(state, self._pinger.silence(ident, now), ident in self._pinger.closed)
                 if dead:
                     self._mark_dead(state, dead)
                 elif notice:

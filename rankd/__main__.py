@@ -15,7 +15,7 @@ import sys
 
 from . import protocol
 from .lifetime import die_with_parent, exit_with_launcher
-from .world import JobShape
+from .world import JobShape, StartupAbandoned
 
 
 def control_key(connection_file: str | None, key_file: str | None) -> tuple[bytes, str]:
@@ -51,7 +51,12 @@ def follower_main(connection_file: str | None = None, key_file: str | None = Non
     die_with_parent()
     exit_with_launcher()
     key, scheme = control_key(connection_file, key_file)
-    run_follower(init_world(shape=shape), protocol.make_session(key, scheme))
+    try:
+        world = init_world(shape=shape)
+    except StartupAbandoned as e:  # exit status 0: torchrun must not end the kernel, which reports the failure
+        logging.getLogger(__name__).error("rank %d leaves: %s", shape.rank, e)
+        return 0
+    run_follower(world, protocol.make_session(key, scheme))
     return 0
 
 

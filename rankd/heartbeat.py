@@ -96,6 +96,9 @@ class Pinger:
         self.socket = socket
         self._routed = socket.type == zmq.ROUTER
         self._waiting: dict[bytes | None, float] = {}
+        self._answered: set[bytes | None] = set()
+        self.closed: set[bytes | None] = set()
+        """Peers that answered once, then dropped their connection: their process is gone."""
         self._last_sent = float("-inf")
         self._last_tick: float | None = None
 
@@ -111,8 +114,9 @@ class Pinger:
         for peer in peers:
             try:
                 self.socket.send_multipart([peer, PING] if self._routed else [PING], zmq.NOBLOCK)
-            except zmq.ZMQError:  # queue full or peer unknown: the silence will tell
-                pass
+            except zmq.ZMQError as e:  # queue full, or (ROUTER_MANDATORY) no such peer
+                if e.errno == zmq.EHOSTUNREACH and peer in self._answered:
+                    self.closed.add(peer)
             self._waiting.setdefault(peer, now)
 
     def silence(self, peer: bytes | None, now: float) -> float:
@@ -123,7 +127,9 @@ class Pinger:
     def _read_answers(self) -> None:
         while self.socket.poll(0):
             frames = self.socket.recv_multipart(zmq.NOBLOCK)
-            self._waiting.pop(frames[0] if self._routed else None, None)
+            peer = frames[0] if self._routed else None
+            self._waiting.pop(peer, None)
+            self._answered.add(peer)
 
     def close(self) -> None:
         self.socket.close(0)

@@ -171,23 +171,37 @@ def set_current_device(device: Any) -> None:
         torch.get_device_module(device.type).set_device(device)
 
 
+STARTUP_FAILED_KEY = "shardbook/startup_failed"
+"""Store key a rank sets when it gives up waiting: ranks that arrive later leave instead of hanging."""
+
+
+class StartupAbandoned(RuntimeError):
+    """This rank arrived after another gave up on start-up; it should leave quietly (exit status 0)."""
+
+
 def wait_for_every_rank(store: Any, world_size: int) -> None:
     """Block until every rank has arrived, under ``SHARDBOOK_CONNECT_TIMEOUT`` (default 120 s).
 
     The process group connects its ranks under the *collective* timeout, which people may set
     to a few seconds; on a busy machine ranks start further apart than that. Arriving here first,
-    under the generous start-up deadline, keeps the two concerns apart.
+    under the generous start-up deadline, keeps the two concerns apart. A rank that gives up says
+    so in the store; a rank arriving after that raises :class:`StartupAbandoned` rather than wait
+    in the process group's rendezvous for ranks that have moved on.
     """
     deadline = time.monotonic() + CONNECT_TIMEOUT_S
     store.add("shardbook/arrived", 1)
     while store.add("shardbook/arrived", 0) < world_size:
         if time.monotonic() > deadline:
             arrived = store.add("shardbook/arrived", 0)
-            raise RuntimeError(
+            text = (
                 f"only {arrived} of {world_size} ranks started within SHARDBOOK_CONNECT_TIMEOUT; check the other "
                 "ranks' logs (a node that never started, an import error) and restart"
             )
+            store.set(STARTUP_FAILED_KEY, text)
+            raise RuntimeError(text)
         time.sleep(0.02)
+    if store.check([STARTUP_FAILED_KEY]):
+        raise StartupAbandoned(f"arrived too late: another rank already gave up ({store.get(STARTUP_FAILED_KEY).decode()})")
 
 
 def init_world(requested_device: str | None = None, shape: JobShape | None = None) -> World:

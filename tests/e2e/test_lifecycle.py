@@ -212,12 +212,19 @@ def test_control_plane_abuse_neither_breaks_the_pool_nor_reaches_cells(fresh_ker
         assert "PAYLOAD" not in ex.text() and "dropped" not in ex.text(), ex.text()[:500]
 
 
-NEVER_STARTS = """import os, time
-if os.environ.get("RANK") not in (None, "0"):  # a follower that never reaches shardbook
+STARTS_AFTER = """import os, time
+if os.environ.get("RANK") not in (None, "0"):  # a follower that reaches shardbook after {seconds} s
     with open(os.path.join(os.path.dirname(__file__), "stuck.pid"), "w") as f:
         f.write(str(os.getpid()))
-    time.sleep(600)
+    time.sleep({seconds})
 """
+
+
+def late_follower_env(tmp_path, seconds: int) -> dict[str, str]:
+    """Environment for a kernel whose rank 1 starts ``seconds`` late (a sitecustomize on its path)."""
+    (tmp_path / "sitecustomize.py").write_text(STARTS_AFTER.format(seconds=seconds))
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
+    return {"SHARDBOOK_CONNECT_TIMEOUT": "5", "PYTHONPATH": path}
 
 
 def iopub_text(kc, parent_id: str, timeout: float) -> str:
@@ -234,15 +241,13 @@ def iopub_text(kc, parent_id: str, timeout: float) -> str:
 
 
 def test_a_rank_that_never_starts_is_reported_at_once_by_every_magic(fresh_kernel, tmp_path):
-    (tmp_path / "sitecustomize.py").write_text(NEVER_STARTS)
-    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
-    handle = fresh_kernel(SHARDBOOK_CONNECT_TIMEOUT="8", PYTHONPATH=path)
+    handle = fresh_kernel(**late_follower_env(tmp_path, 600))
     try:
         announced = iopub_text(handle.kc, handle.kc.kernel_info(), timeout=10)
         assert "only 1 of 2 ranks started" in announced and "restart the kernel" in announced, announced
         threads = handle.run("import threading; print(threading.active_count())").stdout()
         for code in ("%%all\nprint(1)", "%dist", "%%rank 1\nprint(1)", "%%all\nprint(2)"):
-            ex = handle.run(code, timeout=6)  # less than the connect timeout: nothing waits for it again
+            ex = handle.run(code, timeout=4)  # less than the connect timeout: nothing waits for it again
             assert ex.status == "error", code
             assert "only 1 of 2 ranks started" in ex.stderr() and "restart the kernel" in ex.stderr(), ex.stderr()
         assert handle.run("import threading; print(threading.active_count())").stdout() == threads
@@ -263,6 +268,21 @@ client.wait_for_ready(timeout=90)
 print(km.provisioner.process.pid, flush=True)
 time.sleep(600)
 """
+
+
+def test_a_rank_that_starts_after_the_kernel_gave_up_leaves(fresh_kernel, tmp_path):
+    """It must neither hang in the process group's rendezvous nor take the kernel down with it."""
+    handle = fresh_kernel(**late_follower_env(tmp_path, 20))
+    stuck = tmp_path / "stuck.pid"
+    try:
+        assert "only 1 of 2 ranks started" in handle.run("%%all\nprint(1)").stderr()
+        assert wait_until(stuck.exists, timeout=30)
+        assert wait_until(lambda: gone(int(stuck.read_text())), timeout=60), "the late rank is still running"
+        ex = handle.run("%%all\nprint(1)", timeout=4)
+        assert "only 1 of 2 ranks started" in ex.stderr() and handle.run("print('kernel alive')").stdout() == "kernel alive\n"
+    finally:
+        if stuck.exists() and not gone(int(stuck.read_text())):
+            os.kill(int(stuck.read_text()), signal.SIGKILL)
 
 
 def test_every_rank_leaves_when_the_launcher_is_killed(jupyter_prefix):
