@@ -75,6 +75,7 @@ class ChatStream:
         self.turn.on_interrupt = self.interrupt
         self._events = events if events is not None else queue.Queue()
         self._on_notice = on_notice or (lambda text: None)
+        self._stop_asked = self._stop_resent = False
         self._thread = threading.Thread(target=self._run, name="shardbook-chat", daemon=True)
         self._thread.start()
 
@@ -98,12 +99,19 @@ class ChatStream:
 
     def _on_output(self, rank: int, msg_type: str, payload: dict[str, Any]) -> None:
         if msg_type == protocol.TEXT:
+            if self._stop_asked and not self._stop_resent:  # asked between the turn's start and the command's
+                self._stop_resent = True
+                self._stop_ranks()
             self._events.put(("text", payload["text"]))
 
     def interrupt(self) -> None:
         """Leave the queue if still waiting; else stop every rank at its next step (the stream ends with the partial reply)."""
         if self.turn.cancel() or self.turn.state != "running":
             return
+        self._stop_asked = True
+        self._stop_ranks()
+
+    def _stop_ranks(self) -> None:
         pool = self.runtime.pool
         self.runtime.ctx0.stop_event.set()
         for command in list(pool.commands.values()):

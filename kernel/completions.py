@@ -194,9 +194,12 @@ class ChatCompletionsHandler(ApiHandler):
         """An error before anything was sent: an OpenAI-style error reply."""
         if isinstance(error, GenerationCancelled) or self.client_left():
             return
-        status = 503 if isinstance(error, PoolError) else 500
         log.warning("chat completion failed: %s", error)
-        self.send_api_error(ApiError(status, f"generation failed: {error}", type="server_error"))
+        if isinstance(error, PoolError):  # e.g. a %%all cell holds the ranks
+            self.send_api_error(ApiError(503, f"the ranks cannot generate now: {error}", type="server_error",
+                                         headers={"Retry-After": "5"}))
+        else:
+            self.send_api_error(ApiError(500, f"generation failed: {error}", type="server_error"))
 
     def client_left(self) -> bool:
         stream = getattr(self.request.connection, "stream", None)
