@@ -20,8 +20,8 @@ from functools import partial
 
 from shardbook.rankd.world import JobShape
 
-from .server import DEFAULT_PORT, ServeOptions, read_api_key
 from .launcher import launch
+from .server import DEFAULT_PORT, ServeOptions, read_api_key
 from .terminal_chat import run_rank
 
 API_KEY_ENV = "SHARDBOOK_API_KEY"
