@@ -84,7 +84,10 @@ class LoadMagics(Magics):
         puts every rank back to its shards first (the next reply gathers them again).
         """
         args = parse_argstring(self.shards, line)
-        runtime = get_runtime(self.shell)
+        try:
+            runtime = get_runtime(self.shell)
+        except PoolError as e:
+            raise UsageError(str(e)) from e
         model = loaded_model(runtime).model
         relay = RankRelay(frontend_for(self.shell), label_ranks=True)
         try:  # after a reply the weights may still be gathered: back to the shards, on every rank

@@ -246,7 +246,7 @@ def test_a_rank_that_never_starts_is_reported_at_once_by_every_magic(fresh_kerne
         announced = iopub_text(handle.kc, handle.kc.kernel_info(), timeout=10)
         assert "only 1 of 2 ranks started" in announced and "restart the kernel" in announced, announced
         threads = handle.run("import threading; print(threading.active_count())").stdout()
-        for code in ("%%all\nprint(1)", "%dist", "%%rank 1\nprint(1)", "%%all\nprint(2)"):
+        for code in ("%%all\nprint(1)", "%dist", "%%rank 1\nprint(1)", "%shards", "%load_sharded", "%%chat\nHi", "%%all\nprint(2)"):
             ex = handle.run(code, timeout=4)  # less than the connect timeout: nothing waits for it again
             assert ex.status == "error", code
             assert "only 1 of 2 ranks started" in ex.stderr() and "restart the kernel" in ex.stderr(), ex.stderr()
