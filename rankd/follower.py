@@ -23,7 +23,7 @@ import zmq
 from . import model_handlers  # noqa: F401  (registers the model commands)
 from . import protocol
 from .capture import make_follower_shell
-from .channel import Channel, MessageTooLarge, control_socket
+from .channel import Channel, control_socket
 from .handlers import STOPPED_BY_EVENT, RankContext, dispatch
 from .heartbeat import ECHO_KEY, PINGER_KEY, Echo, Pinger, heartbeat_socket, seconds_from_env
 from .world import CONNECT_TIMEOUT_S, World, memory_in_use
@@ -149,8 +149,9 @@ class Follower:
                 self.running_id = self.running_kind = None
         try:
             self.send(protocol.DONE, reply, message.id)
-        except MessageTooLarge as e:  # a huge value or traceback: the command must still end
-            self.send(protocol.DONE, {"status": "error", "error": {"ename": "MessageTooLarge", "evalue": str(e), "traceback": []}}, message.id)
+        except ValueError as e:  # too large (MessageTooLarge) or not encodable: the command must still end
+            error = {"ename": type(e).__name__, "evalue": str(e), "traceback": []}
+            self.send(protocol.DONE, {"status": "error", "error": error}, message.id)
 
 
 def run_follower(world: World, session: Any) -> None:

@@ -194,6 +194,7 @@ from shardbook.rankd import protocol
 endpoint = get_runtime().world.store.get(protocol.CONTROL_KEY).decode()
 attacker = zmq.Context.instance().socket(zmq.DEALER)
 attacker.connect(endpoint)
+attacker.send_multipart([b"<IDS|MSG>", b"A" * 2_000_000, b"{}", b"{}", b"{}", b"{}"])  # over the 1 MiB limit
 for i in range(3000):  # the delimiter alone, and unsigned messages with a payload
     attacker.send_multipart([b"<IDS|MSG>"] if i % 2 else [b"<IDS|MSG>", b"PAYLOAD" * 100, b"{}", b"{}", b"{}", b"{}"])
 attacker.close(linger=5000)
@@ -203,13 +204,16 @@ print("sent")
 
 def test_control_plane_abuse_neither_breaks_the_pool_nor_reaches_cells(fresh_kernel):
     """Malformed messages on rank 0's control socket: dropped, logged to the server log only."""
-    handle = fresh_kernel()
+    handle = fresh_kernel(SHARDBOOK_MAX_MESSAGE_MB="1")
     sent = handle.run(ABUSE)
     assert sent.stdout() == "sent\n", sent.error_text()
     after = handle.run("%%all\nprint('alive')", timeout=30)
     assert after.status == "ok" and after.stdout().count("alive") == 2, after.error_text()
     for ex in (sent, after):
         assert "PAYLOAD" not in ex.text() and "dropped" not in ex.text(), ex.text()[:500]
+    too_big = handle.run("%%rank 1\nprint('x' * 2_000_000)")  # a follower's own output over the limit
+    assert too_big.status == "error" and "SHARDBOOK_MAX_MESSAGE_MB" in too_big.error_text(), too_big.error_text()[:500]
+    assert handle.run("%%all\nprint('still alive')").stdout().count("still alive") == 2
 
 
 STARTS_AFTER = """import os, time
