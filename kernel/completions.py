@@ -154,8 +154,7 @@ class ChatCompletionsHandler(ApiHandler):
         try:
             async for text in stream:
                 if not sent_any:
-                    self.set_header("X-Shardbook-Queue-Wait-Ms", f"{stream.waited_s * 1000:.0f}")
-                    self.send_event(chunk_body(completion_id, request.model, {"role": "assistant", "content": ""}, include_usage=request.include_usage))
+                    self.open_stream(request, stream, completion_id)
                     sent_any = True
                 self.send_event(chunk_body(completion_id, request.model, {"content": text}, include_usage=request.include_usage))
                 await self.flush()
@@ -177,8 +176,7 @@ class ChatCompletionsHandler(ApiHandler):
             return
         response = stream.response
         if not sent_any:
-            self.set_header("X-Shardbook-Queue-Wait-Ms", f"{stream.waited_s * 1000:.0f}")
-            self.send_event(chunk_body(completion_id, request.model, {"role": "assistant", "content": ""}, include_usage=request.include_usage))
+            self.open_stream(request, stream, completion_id)
         finish = completion_body(completion_id, request.model, response)["choices"][0]["finish_reason"]
         self.send_event(chunk_body(completion_id, request.model, {}, finish, include_usage=request.include_usage))
         if request.include_usage:
@@ -186,6 +184,12 @@ class ChatCompletionsHandler(ApiHandler):
         self.write("data: [DONE]\n\n")
         self.server.stats.served += 1
         self.finish()
+
+    def open_stream(self, request, stream: AsyncChatStream, completion_id: str) -> None:
+        """The headers (with the time waited in line) and the first chunk, which names the role."""
+        self.set_header("X-Shardbook-Queue-Wait-Ms", f"{stream.waited_s * 1000:.0f}")
+        delta = {"role": "assistant", "content": ""}
+        self.send_event(chunk_body(completion_id, request.model, delta, include_usage=request.include_usage))
 
     def send_event(self, body: dict[str, Any]) -> None:
         self.write(f"data: {json.dumps(body)}\n\n")
