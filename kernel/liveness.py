@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shardbook.rankd.heartbeat import seconds_from_env
+from shardbook.rankd.protocol import positive_number_env
 from shardbook.rankd.lifetime import pid_alive
 
-SILENCE_TIMEOUT_S = seconds_from_env("SHARDBOOK_HEARTBEAT_TIMEOUT", 60.0)
+SILENCE_TIMEOUT_S = positive_number_env("SHARDBOOK_HEARTBEAT_TIMEOUT", 60.0)
 """A follower whose process may still exist is declared dead only after this long without answering heartbeats."""
 SILENT_S = 3.0
 """Silence after which %dist shows a rank as silent and the cells waiting for it say so."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import sys
 import threading
 import time
@@ -24,12 +23,12 @@ from typing import Any, Callable
 
 import zmq
 
-from .protocol import Message, ProtocolError
+from .protocol import Message, ProtocolError, positive_number_env
 
 log = logging.getLogger(__name__)
 
 OnMessage = Callable[[Message, bytes | None], None]
-MAX_MESSAGE_BYTES = int(float(os.environ.get("SHARDBOOK_MAX_MESSAGE_MB", "32")) * (1 << 20))
+MAX_MESSAGE_BYTES = int(positive_number_env("SHARDBOOK_MAX_MESSAGE_MB", 32) * (1 << 20))
 """Largest frame a control socket accepts (ZMQ_MAXMSGSIZE: a larger one disconnects its sender)."""
 
 
@@ -95,9 +94,9 @@ class DropLog:
 def _verification_failure(error: Exception) -> str:
     """Our own words for why Session refused a message (its exception text quotes the message's bytes)."""
     text = str(error)
-    for known in ("Unsigned Message", "Duplicate Signature", "Invalid Signature"):
+    for known in ("DELIM not in msg_list", "Unsigned Message", "Duplicate Signature", "Invalid Signature"):
         if text.startswith(known):
-            return f"failed verification ({known.lower()})"
+            return "has no message delimiter" if known.startswith("DELIM") else f"failed verification ({known.lower()})"
     return f"failed verification (malformed: {type(error).__name__})"
 
 
@@ -230,17 +229,15 @@ class Channel:
         """The verified message in ``frames`` and its sender's identity, or None (dropped, logged)."""
         try:
             idents, msg_list = self.session.feed_identities(frames)
-        except ValueError:
-            return self.dropped.drop("has no message delimiter", frames)
-        try:
             raw = self.session.deserialize(msg_list)
-        except Exception as e:  # Session raises ValueError, TypeError, KeyError... on hostile input
-            return self.dropped.drop(_verification_failure(e), frames)
-        try:
             message = Message.from_session_msg(raw)
         except ProtocolError as e:
-            return self.dropped.drop(f"is not a shardbook message ({e})", frames)
-        return message, idents[0] if idents else None
+            self.dropped.drop(f"is not a shardbook message ({e})", frames)
+        except Exception as e:  # Session raises ValueError, TypeError, KeyError... on hostile input
+            self.dropped.drop(_verification_failure(e), frames)
+        else:
+            return message, idents[0] if idents else None
+        return None
 
     def _dispatch(self, message: Message, ident: bytes | None) -> None:
         try:

@@ -25,13 +25,13 @@ from . import protocol
 from .capture import make_follower_shell
 from .channel import Channel, control_socket
 from .handlers import STOPPED_BY_EVENT, RankContext, dispatch
-from .heartbeat import ECHO_KEY, PINGER_KEY, Echo, Pinger, heartbeat_socket, seconds_from_env
+from .heartbeat import ECHO_KEY, PINGER_KEY, Echo, Pinger, heartbeat_socket
 from .world import CONNECT_TIMEOUT_S, World, memory_in_use
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.5
-RANK0_SILENCE_S = seconds_from_env("SHARDBOOK_RANK0_TIMEOUT", 60.0)
+RANK0_SILENCE_S = protocol.positive_number_env("SHARDBOOK_RANK0_TIMEOUT", 60.0)
 SHUTDOWN_GRACE_S = 1.0
 
 

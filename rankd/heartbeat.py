@@ -12,14 +12,11 @@ connect to it), and publishes both in the torch.distributed store next to the co
 
 from __future__ import annotations
 
-import logging
-import os
 import threading
 from typing import Iterable
 
 import zmq
 
-log = logging.getLogger(__name__)
 ECHO_KEY = "shardbook/echo"  # store key: rank 0's echo device, which followers ping
 PINGER_KEY = "shardbook/pinger"  # store key: rank 0's pinger, which followers' echo devices connect to
 PING = b"ping"
@@ -27,19 +24,6 @@ PING_S = 0.5
 STALL_S = 2.0
 """A pinger whose own ticks stopped for this long was held up itself (its GIL, SIGSTOP): it restarts its clocks."""
 MAX_PING_BYTES = 64
-
-
-def seconds_from_env(name: str, default: float) -> float:
-    """A positive number of seconds from the environment; the default, with a warning, for anything else."""
-    text = os.environ.get(name, "")
-    try:
-        value = float(text) if text else default
-    except ValueError:
-        value = -1.0
-    if not 0 < value < float("inf"):
-        log.warning("%s=%r is not a positive number of seconds; using the default, %.0f s", name, text[:40], default)
-        return default
-    return value
 
 
 def heartbeat_socket(kind: int) -> zmq.Socket:

@@ -9,12 +9,14 @@ on). Every message's content is an envelope ``{"v": PROTOCOL_VERSION, "id": ...,
 from __future__ import annotations
 
 import json
+import logging
 import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger(__name__)
 PROTOCOL_VERSION = 1
 
 # rank 0 -> followers
@@ -41,6 +43,20 @@ KEY_FILE_ENV = "SHARDBOOK_KEY_FILE"
 
 class ProtocolError(ValueError):
     """A message that is well signed but not something this version understands."""
+
+
+def positive_number_env(name: str, default: float) -> float:
+    """A positive, finite number from the environment (a setting such as a timeout); the default, with a
+    warning, for anything else."""
+    text = os.environ.get(name, "")
+    try:
+        value = float(text) if text else default
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        log.warning("%s=%r is not a positive number; using the default, %g", name, text[:40], default)
+        return default
+    return value
 
 
 def new_id() -> str:

@@ -206,3 +206,11 @@ def test_control_key_sources_in_order(tmp_path, monkeypatch):
     monkeypatch.setenv(protocol.KEY_ENV, "from-env")
     assert control_key(connection_file=connection, session=session) == (b"from-env", "hmac-sha256")
     assert control_key(key_file=key_file, connection_file=connection) == (b"from-file", "hmac-sha256")
+
+
+@pytest.mark.parametrize("text", ["-1", "0", "nan", "inf", "ten"])
+def test_settings_from_the_environment_must_be_positive(monkeypatch, caplog, text):
+    monkeypatch.setenv("SHARDBOOK_TEST_SECONDS", text)
+    with caplog.at_level(logging.WARNING):
+        assert protocol.positive_number_env("SHARDBOOK_TEST_SECONDS", 60.0) == 60.0
+    assert "SHARDBOOK_TEST_SECONDS" in caplog.text and "not a positive number" in caplog.text
