@@ -71,7 +71,7 @@ MAX_TTFT_EXTRA_S = 0.050
 
 SETUP_ALL = r'''%%all
 import json as _bj, time as _bt, torch as _btorch, torch.distributed as _bdist
-from shardbook.rankd.sharding import reshard_model as _b_reshard
+from shardbook.rankd.layout import reshard_model as _b_reshard
 from torch.distributed.tensor import DTensor as _BDTensor
 _bench_mirror = True  # raw reshards after itself when the generate handler does (set after a chat turn)
 

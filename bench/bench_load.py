@@ -91,7 +91,7 @@ def load_once(method: str, model_dir: Path) -> tuple[object, dict[str, float]]:
     if method == "full_then_shard":
         import torch.distributed as dist
 
-        from shardbook.rankd.sharding import apply_fsdp, init_mesh
+        from shardbook.rankd.layout import apply_fsdp, init_mesh
 
         mesh = init_mesh("cpu", (dist.get_world_size(),), ("shard",))
         apply_fsdp(model, mesh, reshard_after_forward=False, on_group=lambda done, total: None)

@@ -95,7 +95,7 @@ class LoadMagics(Magics):
         except PoolError as e:
             raise UsageError(str(e)) from e
         raise_for_outcome(outcome)
-        from shardbook.rankd.shards import shard_rows  # torch.distributed.tensor: imported on first use
+        from shardbook.rankd.shard_table import shard_rows  # torch.distributed.tensor: imported on first use
 
         rows = shard_rows(model, args.prefix)
         if not rows:

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import yaml
 
+from shardbook.rankd.world import DEVICE_CHOICES
+
 logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEVICES = ("auto", "cpu", "cuda", "npu")
 DECODE_LAYOUTS = ("auto", "tp", "gather", "reshard")
 INFER_BACKENDS = ("huggingface",)
 BOOL_WORDS = {
@@ -91,7 +92,7 @@ class ParallelConfig:
             "expert parallelism is not supported yet: set parallel.ep_size and parallel.ep_fsdp_size to 1 "
             f"(got {self.ep_size} and {self.ep_fsdp_size}); experts are then sharded by FSDP like every other layer",
         )
-        check_choice("parallel.device", self.device, DEVICES)
+        check_choice("parallel.device", self.device, DEVICE_CHOICES)
         check_choice("parallel.decode", self.decode, DECODE_LAYOUTS)
         self.decode = decode_from_reshard_flag(self.decode, self.reshard_after_forward)
 

@@ -3,7 +3,7 @@
 `load_sharded` runs identically on every rank of an initialised process group. The steps are
 config -> skeleton (on the meta device) -> shard (FSDP2 per decoder layer, then the root) ->
 read (each rank maps the safetensors files and takes only its rows onto its device, see
-`shard_reading`) -> finalise (non-persistent buffers, tied weights, eval).
+`weight_reading`) -> finalise (non-persistent buffers, tied weights, eval).
 No rank ever holds a full copy of the weights while loading.
 
 Failures: a step that fails on one rank makes every rank raise a `ValueError` at the next sync
@@ -31,8 +31,8 @@ import torch.distributed as dist
 from torch import nn
 
 from shardbook.rankd.load_steps import LoadSteps
-from shardbook.rankd.shard_reading import plan_reads, read_shards, read_tp_slices
-from shardbook.rankd.sharding import apply_fsdp, choose_layout, fsdp_mesh_layout, gather_fits, init_mesh, reshard_model
+from shardbook.rankd.weight_reading import plan_reads, read_shards, read_tp_slices
+from shardbook.rankd.layout import apply_fsdp, choose_layout, fsdp_mesh_layout, gather_fits, init_mesh, reshard_model
 from shardbook.rankd.tensor_parallel import shard_tp, tp_unavailable
 from shardbook.rankd.summary import full_param_bytes, load_summary, rank_figures
 

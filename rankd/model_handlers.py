@@ -65,7 +65,7 @@ def handle_reshard(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[s
     With ``reshard_after_forward=False`` the weights stay gathered after a reply, for speed; the
     parameters are then plain tensors. ``%shards`` reshards first so it reads DTensor metadata.
     """
-    from .sharding import reshard_model
+    from .layout import reshard_model
 
     loaded = ctx.state.get("loaded")
     if loaded is not None:

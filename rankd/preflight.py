@@ -10,7 +10,7 @@ once, so when any rank finds a problem every rank raises the same way and nothin
 
 The check also says whether the new model can be loaded beside the old one: when its gathered
 weights take at most half of the memory free on every rank (the rule that lets a load keep
-layers gathered, `sharding.gather_fits`), keeping the old model meanwhile changes neither the
+layers gathered, `layout.gather_fits`), keeping the old model meanwhile changes neither the
 new model's layout nor whether it fits. Otherwise the old model must be freed first.
 """
 
@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardbook.rankd import sharding
+from shardbook.rankd import layout
 from shardbook.rankd.load_steps import LoadSteps
 from shardbook.rankd.loading import build_skeleton, read_checkpoint
-from shardbook.rankd.shard_reading import plan_reads
+from shardbook.rankd.weight_reading import plan_reads
 from shardbook.rankd.summary import full_param_bytes
 
 
@@ -73,5 +73,5 @@ def check_checkpoint(
 def _memory_view(model: nn.Module, device: torch.device) -> tuple[bool, str, int]:
     """Whether this rank can hold the new model's gathered weights in half of its free memory, why, and their size."""
     full = full_param_bytes(model)
-    fits, reason = sharding.gather_fits(full, device)
+    fits, reason = layout.gather_fits(full, device)
     return fits, reason, full

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from shardbook.rankd import sharding
+from shardbook.rankd import layout
 from shardbook.rankd.loading import LoadedModel, Progress, free_model, load_sharded
 from shardbook.rankd.preflight import CheckedCheckpoint, check_checkpoint
 
@@ -33,7 +33,7 @@ def replace_model(
     try:
         checked = check_checkpoint(config, device=device, model_path=model_path, stop=ctx.stop_event)
         if kept is not None and checked.fits_beside:  # free what a reply left gathered; the shards stay
-            sharding.reshard_model(ctx.state["loaded"].model)
+            layout.reshard_model(ctx.state["loaded"].model)
         elif kept is not None:
             _free_first(ctx, kept, checked, device, notice if speaks else None)
             kept = None
@@ -59,7 +59,7 @@ def _free_first(ctx: Any, what: str, checked: CheckedCheckpoint, device: torch.d
     ctx.state.pop("loaded")
     free_model(ctx.shell.user_ns, device=device)
     if notice is not None:
-        _, now = sharding.gather_fits(checked.full_param_bytes, device)
+        _, now = layout.gather_fits(checked.full_param_bytes, device)
         notice(f"freed {what}; now {now}; loading the new model")
 
 

@@ -86,14 +86,14 @@ def test_a_failed_load_keeps_the_model_already_loaded(ranks, tiny, tmp_path):
 
 def reload_under_memory_pressure(rank, tiny: Path) -> dict:
     """Rank 1 reports almost no free memory: the old model must be freed first, announced before and after."""
-    from shardbook.rankd import sharding
+    from shardbook.rankd import layout
     from shardbook.rankd.reload import replace_model
 
     ctx, events = rank_context(rank), []
     replace_model(ctx, stand_in_config(tiny), device="cpu", model_path=None, progress=None, notice=print)
     old = weakref.ref(ctx.state["loaded"].model)
     if rank == 1:
-        sharding.free_memory_per_rank = lambda device: 1024
+        layout.free_memory_per_rank = lambda device: 1024
 
     def progress(step, done, total):
         events.append(("progress", step, old() is None))

@@ -1,4 +1,4 @@
-"""FSDP2 layout of a model: the device mesh, the reshard-after-forward rule, and `fully_shard` applied in one place.
+"""How a model is laid out over the ranks: the device mesh, the decode layout choice, and FSDP2 applied in one place.
 
 Every function here runs identically on every rank; the only collectives are the ones
 `init_device_mesh` makes to create process groups.
@@ -35,6 +35,18 @@ def fsdp_mesh_layout(fsdp_size: int, world_size: int) -> tuple[tuple[int, ...], 
     if size == world_size:
         return (world_size,), ("shard",)
     return (world_size // size, size), ("replicate", "shard")
+
+
+def chunk_rows(total: int, parts: int, index: int) -> tuple[range, int]:
+    """The rows of `total` that part `index` of `parts` holds, and the chunk size every part is padded to.
+
+    FSDP2 splits dim 0 as `torch.chunk` does: chunks of ceil(total / parts) rows, the last ones
+    shorter or empty. Loading (which rows a rank reads) and `%shards` (what each rank holds) both
+    use this.
+    """
+    chunk = -(-total // parts)
+    start = min(index * chunk, total)
+    return range(start, min(start + chunk, total)), chunk
 
 
 def init_mesh(device_type: str, shape: tuple[int, ...], axes: tuple[str, ...]) -> DeviceMesh:

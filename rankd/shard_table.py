@@ -1,4 +1,4 @@
-"""Where each parameter's shards live: global shape, placement and every rank's local shape (FSDP2 or tp).
+"""The `%shards` table: each parameter's global shape, placement and every rank's local shape (FSDP2 or tp).
 
 Computed on one rank from DTensor metadata alone (mesh and placements), without asking the
 others: ``Shard(dim)`` splits like ``torch.chunk`` along a mesh axis, ``Replicate`` keeps it whole.
@@ -13,6 +13,7 @@ from torch import nn
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from shardbook.rankd.layout import chunk_rows
 from shardbook.rankd.tensor_parallel import TPShard, tp_shard_of
 
 
@@ -21,9 +22,7 @@ def local_shape(global_shape: tuple[int, ...], coordinate: list[int], mesh_shape
     shape = list(global_shape)
     for axis, placement in enumerate(placements):
         if isinstance(placement, Shard):
-            dim, parts, index = placement.dim, mesh_shape[axis], coordinate[axis]
-            chunk = -(-shape[dim] // parts)
-            shape[dim] = max(0, min(shape[dim] - index * chunk, chunk))
+            shape[placement.dim] = len(chunk_rows(shape[placement.dim], mesh_shape[axis], coordinate[axis])[0])
     return tuple(shape)
 
 

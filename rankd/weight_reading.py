@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardbook.rankd.layout import chunk_rows
 from shardbook.rankd.safetensors_files import MappedFiles, StoredTensor, read_index
 from shardbook.rankd.tensor_parallel import TPShard
 
@@ -151,9 +152,8 @@ def _local_shard(param: DTensor, source: torch.Tensor, device: torch.device) -> 
 def local_rows(param: DTensor) -> tuple[range, int]:
     """The rows of the whole tensor this rank holds, and the chunk size FSDP2 pads every rank's share to.
 
-    FSDP2 splits dim 0 as `torch.chunk` does: chunks of ceil(rows / ranks), the last ones shorter
-    or empty. Rows taken from the wrong place would show as logits that differ from one process
-    (the multi-process tests compare them).
+    Rows taken from the wrong place would show as logits that differ from one process (the
+    multi-process tests compare them).
     """
     sharded = [(axis, placement) for axis, placement in enumerate(param.placements) if placement.is_shard()]
     total = param.shape[0]
@@ -161,7 +161,4 @@ def local_rows(param: DTensor) -> tuple[range, int]:
         return range(total), total
     assert len(sharded) == 1 and sharded[0][1].dim == 0, f"FSDP2 shards dim 0 once, not {param.placements}"
     axis = sharded[0][0]
-    mesh = param.device_mesh
-    chunk = -(-total // mesh.size(axis))
-    start = min(mesh.get_local_rank(axis) * chunk, total)
-    return range(start, min(start + chunk, total)), chunk
+    return chunk_rows(total, param.device_mesh.size(axis), param.device_mesh.get_local_rank(axis))
