@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardbook.rankd.config import ShardbookConfig, load_config
+from shardbook.rankd.config import ShardbookConfig
+from shardbook.rankd.config_parsing import load_config
 from shardbook.rankd.world import World, load_device
 
 from .fetch import resolve_model_path

@@ -1,4 +1,4 @@
-"""Unit tests of the inference config: defaults, YAML, overrides, errors, validation and the shipped files."""
+"""Unit tests of the config: defaults, YAML, overrides, errors, validation and the shipped files (schema and parsing)."""
 
 import dataclasses
 import logging
@@ -13,10 +13,9 @@ from shardbook.rankd.config import (
     ModelConfig,
     ParallelConfig,
     ShardbookConfig,
-    load_config,
-    parse_overrides,
     validate_for_world,
 )
+from shardbook.rankd.config_parsing import load_config, parse_overrides
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
