@@ -75,6 +75,7 @@ def load_sharded(
     model_path: str | Path | None = None,
     progress: Progress | None = None,
     stop: threading.Event | None = None,
+    checkpoint: Any = None,
 ) -> LoadedModel:
     """Load `config.model` sharded over the ranks as `config.parallel` says; call on every rank.
 
@@ -83,12 +84,13 @@ def load_sharded(
     shaped like it). `model_path` is the resolved checkpoint directory (rank 0 resolves demo
     names and sends the path); without it `config.model.model_name_or_path` is used as a path.
     `stop`, once set, makes every rank stop at its next safe point and raise KeyboardInterrupt.
+    `checkpoint` is what `preflight.check_checkpoint` already read (config, tokenizer): it is reused.
     """
     if not dist.is_initialized():
         raise ValueError("load_sharded needs a torch.distributed process group: call rankd.world.init_world() first")
     try:
-        with _gc_paused():
-            return _load(config, torch.device(device), model_path, _Reporter(progress), stop)
+        with gc_paused():
+            return _load(config, torch.device(device), model_path, _Reporter(progress), stop, checkpoint)
     except BaseException as e:
         # A notebook keeps the last traceback: its frames must not pin a half-loaded model.
         _drop_frame_locals(e)
@@ -96,7 +98,7 @@ def load_sharded(
 
 
 @contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
     """Hold off the cyclic garbage collector while loading.
 
     The tokenizer's JSON and the module tree are hundreds of thousands of new objects; each batch
@@ -113,12 +115,13 @@ def _gc_paused() -> Iterator[None]:
 
 
 def _load(
-    config: Any, device: torch.device, model_path: str | Path | None, report: "_Reporter", stop: threading.Event | None
+    config: Any, device: torch.device, model_path: str | Path | None, report: "_Reporter", stop: threading.Event | None,
+    checkpoint: "_Checkpoint | None",
 ) -> LoadedModel:
     """The steps of `load_sharded`, in order, settled with every rank after the skeleton and after the read."""
     started = time.perf_counter()
     steps = LoadSteps(stop)
-    ckpt = steps.run("config", read_checkpoint, config, model_path, device)
+    ckpt = checkpoint if checkpoint is not None else steps.run("config", read_checkpoint, config, model_path, device)
     if steps.ok:
         report("config", 1, 1)
     model = steps.run("skeleton", build_skeleton, ckpt)

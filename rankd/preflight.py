@@ -26,7 +26,7 @@ from torch import nn
 
 from shardbook.rankd import layout
 from shardbook.rankd.load_steps import LoadSteps
-from shardbook.rankd.loading import build_skeleton, read_checkpoint
+from shardbook.rankd.loading import build_skeleton, gc_paused, read_checkpoint
 from shardbook.rankd.weight_reading import plan_reads
 from shardbook.rankd.summary import full_param_bytes
 
@@ -43,6 +43,8 @@ class CheckedCheckpoint:
     """Every rank can hold the new model while it still holds the one loaded now."""
     memory_reason: str
     """Why it fits or not: the first rank where it does not, else rank 0's view."""
+    checkpoint: Any
+    """The config, tokenizer and generation config as read here, for the load to reuse."""
 
 
 def check_checkpoint(
@@ -54,11 +56,12 @@ def check_checkpoint(
     `stop`, once set, makes every rank raise KeyboardInterrupt together.
     """
     steps = LoadSteps(stop)
-    ckpt = steps.run("config", read_checkpoint, config, model_path, torch.device(device))
-    model = steps.run("skeleton", build_skeleton, ckpt)
-    steps.run("plan", plan_reads, model, ckpt.path if ckpt is not None else None)
-    view = steps.run("memory", _memory_view, model, torch.device(device))
-    del model  # the skeleton holds no memory, but nothing should keep it past the check
+    with gc_paused():
+        ckpt = steps.run("config", read_checkpoint, config, model_path, torch.device(device))
+        model = steps.run("skeleton", build_skeleton, ckpt)
+        steps.run("plan", plan_reads, model, ckpt.path if ckpt is not None else None)
+        view = steps.run("memory", _memory_view, model, torch.device(device))
+        del model  # the skeleton holds no memory, but nothing should keep it past the check
     views = steps.settle(view)
     misfits = [(rank, reason) for rank, (fits, reason, _) in enumerate(views) if not fits]
     rank, reason = misfits[0] if misfits else (0, views[0][1])
@@ -67,6 +70,7 @@ def check_checkpoint(
         full_param_bytes=view[2],
         fits_beside=not misfits,
         memory_reason=f"on rank {rank} {reason}",
+        checkpoint=ckpt,
     )
 
 

@@ -37,7 +37,10 @@ def replace_model(
         elif kept is not None:
             _free_first(ctx, kept, checked, device, notice if speaks else None)
             kept = None
-        loaded = load_sharded(config, device=device, model_path=model_path, progress=progress, stop=ctx.stop_event)
+        loaded = load_sharded(
+            config, device=device, model_path=model_path, progress=progress, stop=ctx.stop_event,
+            checkpoint=checked.checkpoint,
+        )
     except BaseException:
         if kept is not None and speaks:
             notice(f"{kept} is still loaded: `model` and `tokenizer` are unchanged")
