@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import zmq
 
-from shardbook.rankd import model_handlers  # noqa: F401  (registers the model commands)
+from shardbook.rankd import inspect_handlers, model_handlers  # noqa: F401  (register the model and inspection commands)
 from shardbook.rankd import protocol
 from shardbook.rankd.channel import Channel, MessageTooLarge, control_socket, log_to_process_stderr
 from shardbook.rankd.handlers import STOPPED_BY_EVENT, RankContext, dispatch

@@ -20,7 +20,7 @@ from typing import Any
 
 import zmq
 
-from . import model_handlers  # noqa: F401  (registers the model commands)
+from . import inspect_handlers, model_handlers  # noqa: F401  (register the model and inspection commands)
 from . import protocol
 from .capture import make_follower_shell
 from .channel import Channel, control_socket

@@ -41,6 +41,7 @@ def handle_load(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[str,
 def handle_generate(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[str, Any]:
     """Generate one reply with every rank stepping together; the ``stream_rank`` streams its text."""
     from .engine import GenerationRequest, generate
+    from .interventions import raise_failures
 
     loaded = ctx.state.get("loaded")
     if loaded is None:
@@ -55,6 +56,7 @@ def handle_generate(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[
         loaded.model, loaded.tokenizer, request,
         device=next(loaded.model.parameters()).device, on_text=on_text if streams else None, stop_event=ctx.stop_event,
     )
+    raise_failures(loaded.model)  # an intervention that raised during this reply fails it on that rank
     return {"status": "ok", "value": result.to_dict()}
 
 
