@@ -19,6 +19,7 @@ def load_ipython_extension(shell) -> None:
     from .cells import RankMagics
     from .chat import ChatMagics
     from .errors import RankError, show_rank_error
+    from .inspection import InspectionMagics
     from .loading import LoadMagics
     from .serve import ServeMagics
 
@@ -26,6 +27,7 @@ def load_ipython_extension(shell) -> None:
     shell.register_magics(LoadMagics)
     shell.register_magics(ChatMagics)
     shell.register_magics(ServeMagics)
+    shell.register_magics(InspectionMagics)
     shell.set_custom_exc((RankError,), show_rank_error)
     try:
         get_runtime(shell)

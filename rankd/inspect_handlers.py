@@ -84,13 +84,15 @@ def handle_share(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[str
     name, entries = args["name"], args["entries"]
     device = _device(ctx)
     received = {}
-    for key, entry in entries.items():
-        source = namespace[name] if key == "" else namespace[name][key]
-        tensor = (source.detach().to(device).contiguous() if dist.get_rank() == 0
-                  else torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]), device=device))
+    for key, entry in entries.items():  # only rank 0 reads its namespace: the others have no such name yet
+        if dist.get_rank() == 0:
+            source = namespace[name] if key == "" else namespace[name][key]
+            tensor = source.detach().to(device).contiguous()
+        else:
+            tensor = torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]), device=device)
         if dist.get_world_size() > 1:
             dist.broadcast(tensor, src=0)
-        received[key] = tensor if dist.get_rank() else source
+        received[key] = tensor
     if dist.get_rank() != 0:
         namespace[name] = received[""] if list(entries) == [""] else received
     return {"status": "ok", "value": sorted(entries)}

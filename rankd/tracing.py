@@ -123,7 +123,7 @@ def trace(model: nn.Module, tokenizer: Any, args: dict[str, Any]) -> Trace | dic
     stats = {"forward_s": forward_s, "total_s": time.perf_counter() - started, "bytes_to_rank0": sent}
     token_ids = ids[0].tolist()
     return Trace(
-        {n: t.cpu() for n, t in wholes.items()}, token_ids=token_ids, tokens=tokenizer.convert_ids_to_tokens(token_ids),
+        {n: t.cpu() for n, t in wholes.items()}, token_ids=token_ids, tokens=[tokenizer.decode([i]) for i in token_ids],
         logits=logits[0].float().cpu(), inputs=inputs, lens=_lens(tokenizer, names, lens_out), stats=stats,
     )
 
@@ -189,5 +189,5 @@ def _lens(tokenizer: Any, names: list[str], out: dict[str, tuple]) -> Lens | Non
         return None
     ids = torch.stack([out[n][0] for n in names]).cpu()
     probs = torch.stack([out[n][1] for n in names]).cpu()
-    tokens = [[tokenizer.convert_ids_to_tokens(pos.tolist()) for pos in layer] for layer in ids]
+    tokens = [[[tokenizer.decode([i]) for i in pos.tolist()] for pos in layer] for layer in ids]
     return Lens(layers=names, token_ids=ids, probs=probs, tokens=tokens)

@@ -1,0 +1,125 @@
+"""%%trace, %logit_lens, full_parameter/%param, %intervene and %share through a real 2-rank kernel, per layout."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+
+from tests.e2e.test_load import assert_usable, load
+from tests.tiny import make_tiny_llama
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def uneven(tmp_path_factory):
+    """The demo model's head layout (9 query heads over 3 KV heads: 6 and 3 per rank under tp)."""
+    return make_tiny_llama(tmp_path_factory.mktemp("inspect") / "llama", hidden_size=72, num_heads=9, num_kv_heads=3)
+
+
+ONE_PROCESS = """
+import torch
+from transformers import AutoModelForCausalLM
+single = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.float32).eval()
+with torch.no_grad():
+    want = single(torch.tensor([_trace.token_ids]), output_hidden_states=True)
+layers = [_trace[f"model.layers.{{i}}"][0] for i in range(len(single.model.layers))]
+diffs = [(got - ref[0]).abs().max().item() for got, ref in zip(layers[:-1], want.hidden_states[1:-1])]
+diffs.append((_trace.logits - want.logits[0]).abs().max().item())
+weight = full_parameter("model.layers.1.self_attn.k_proj.weight")
+same_weight = torch.equal(weight, single.state_dict()["model.layers.1.self_attn.k_proj.weight"])
+lens_top = [row["top_tokens"][0] for row in _lens.rows if row["layer"] == "model.layers.1"]
+model_top = [tokenizer.decode([i]) for i in want.logits[0].argmax(-1).tolist()]
+print("CHECK", max(diffs) < 1e-4, same_weight, lens_top == model_top, tuple(weight.shape))
+"""
+
+
+@pytest.mark.parametrize("decode", ["gather", "reshard", "tp"])
+def test_trace_lens_and_parameters_match_one_process(kernel, uneven, decode):
+    assert load(kernel, uneven, f"--parallel.decode {decode}").status == "ok"
+    ex = kernel.run("%%trace\nThe capital of France is")
+    assert ex.status == "ok", ex.error_text() + ex.stderr()
+    assert "_trace: Trace of" in ex.stdout() and "model.layers.1: (1, " in ex.stdout()
+    lens = kernel.run("%logit_lens The capital of France is")
+    assert lens.status == "ok", lens.error_text() + lens.stderr()
+    [png] = [m["content"]["data"]["image/png"] for m in lens.of_type("display_data") if "image/png" in m["content"]["data"]]
+    assert base64.b64decode(png).startswith(b"\x89PNG")
+    check = kernel.run(ONE_PROCESS.format(path=str(uneven)), timeout=120)
+    assert "CHECK True True True (24, 72)" in check.stdout(), check.stdout() + check.error_text()
+
+
+def test_param_magic_and_completion(kernel, uneven):
+    assert load(kernel, uneven, "--parallel.decode tp").status == "ok"
+    ex = kernel.run("w = %param model.layers.0.mlp.down_proj.weight\nprint('SHAPE', tuple(w.shape))")
+    assert "SHAPE (72, " in ex.stdout(), ex.error_text()
+    reply = kernel.kc.complete("%param model.layers.0.self_attn.q", 33)
+    matches = kernel.kc.get_shell_msg(timeout=30)["content"]["matches"]
+    assert any(m.endswith("model.layers.0.self_attn.q_proj.weight") for m in matches), (reply, matches)
+    missing = kernel.run("%param model.layers.0.self_attn.q_proj.wieght")
+    assert missing.status == "error" and "did you mean model.layers.0.self_attn.q_proj.weight" in missing.error_text()
+    too_big = kernel.run("%param model.embed_tokens.weight --max-mb 0.01")
+    assert too_big.status == "error" and "over the limit of 0.0 MiB" in too_big.error_text()
+
+
+INTERVENTIONS = """%%all
+import torch, torch.distributed as dist
+
+def zero(output, module_name):
+    return output * 0
+
+def fails_on_one(output, module_name):
+    if dist.get_rank() == 1:
+        raise RuntimeError("boom on purpose")
+
+def heads_off(output, module_name):
+    output[..., :24] = 0  # the first 3 query heads, which rank 0 holds under tp
+"""
+
+
+def test_interventions_under_tp(kernel, uneven):
+    assert load(kernel, uneven, "--parallel.decode tp").status == "ok"
+    assert kernel.run(INTERVENTIONS).status == "ok"
+    base = kernel.run("%%trace --as base\nThe capital of France is")
+    assert base.status == "ok", base.error_text()
+    ex = kernel.run("%intervene zero model.layers.0")
+    assert "zero on the output of model.layers.0" in ex.stdout(), ex.error_text()
+    kernel.run("%%trace --as zeroed --modules model.layers.0\nThe capital of France is")
+    kernel.run("%intervene heads_off model.layers.1.self_attn.o_proj --input")
+    listed = kernel.run("%intervene").stdout()
+    assert "heads_off on the input of model.layers.1.self_attn.o_proj" in listed and "zero on" in listed
+    chat = kernel.run("%%chat --output text --max-new-tokens 6\nhello")  # hooks with a gather, under synced_gpus
+    assert chat.status == "ok", chat.error_text() + chat.stderr()
+    kernel.run("%intervene --clear")
+    kernel.run("%%trace --as back --modules model.layers.0\nThe capital of France is")
+    ex = kernel.run("print('ZERO', zeroed['model.layers.0'].abs().max().item(), torch.equal(back.logits, base.logits), "
+                    "torch.equal(zeroed.logits, base.logits))")
+    assert "ZERO 0.0 True False" in ex.stdout(), ex.stdout() + ex.error_text()
+
+
+def test_user_errors_leave_the_kernel_usable(kernel, uneven):
+    assert load(kernel, uneven, "--parallel.decode tp").status == "ok"
+    assert kernel.run(INTERVENTIONS).status == "ok"
+    bad = kernel.run("%%trace --modules model.layer.*\nhi")
+    assert bad.status == "error" and "no module of the model matches 'model.layer.*'" in bad.error_text()
+    big = kernel.run("%%trace --max-mb 0.001\nThe capital of France is")
+    assert big.status == "error" and "over the limit of 0.0 MiB" in big.error_text()
+    undefined = kernel.run("%intervene nowhere model.layers.0")
+    assert undefined.status == "error" and "define it in an %%all cell first" in undefined.error_text()
+    assert "no interventions" in kernel.run("%intervene").stdout()
+    kernel.run("%intervene fails_on_one model.layers.*.self_attn.q_proj")
+    failed = kernel.run("%%trace\nThe capital of France is")
+    text = failed.error_text()
+    assert failed.status == "error" and "intervention 'fails_on_one' raised on rank 1" in text and "boom on purpose" in text
+    assert "rank 0" not in text.split("RankError")[-1].split("----")[1]
+    kernel.run("%intervene --remove fails_on_one")
+    assert kernel.run("%%trace\nThe capital of France is").status == "ok"
+    assert_usable(kernel)
+
+
+def test_share_sends_a_tensor_to_every_rank(kernel, uneven):
+    assert load(kernel, uneven).status == "ok"
+    kernel.run("import torch\nsteer = torch.arange(6.0).reshape(2, 3)")
+    assert "steer (1 tensor(s)) is now on every rank" in kernel.run("%share steer").stdout()
+    ex = kernel.run("%%all\nimport torch.distributed as dist\nprint('SUM', dist.get_rank(), steer.sum().item(), steer.shape)")
+    assert ex.stdout().count("SUM") == 2 and "SUM 1 15.0 torch.Size([2, 3])" in ex.stdout(), ex.stdout()
