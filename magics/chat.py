@@ -5,12 +5,13 @@ from __future__ import annotations
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, argument_group, magic_arguments, parse_argstring
+from IPython.display import display
 
 from shardbook.kernel.conversation import Conversation
 from shardbook.kernel.pool import PoolError
 from shardbook.kernel.runtime import get_runtime
 
-from .chat_view import TextChatView, WidgetChatView
+from .chat_view import ScoresView, TextChatView, WidgetChatView
 from .errors import raise_for_outcome
 from .progress import widgets_available
 from .relay import RankRelay, frontend_for
@@ -49,7 +50,7 @@ class ChatMagics(Magics):
     @magic_arguments()
     @argument_group("reply")
     @generation_options
-    @argument("--scores", action="store_true", help="record each token's probability and top alternatives")
+    @argument("--scores", action="store_true", help="record each token's probability and top alternatives (_chat.scores) and show them")
     @argument("--output", choices=("widget", "text"), default=None, help="live widget (default in notebooks) or plain text")
     @argument_group("conversation")
     @argument("--new", action="store_true", help="start a new conversation with this message")
@@ -122,5 +123,7 @@ class ChatMagics(Magics):
             raise UsageError(str(e)) from e
         response = stream.response
         view.finish(response.status_line(), response.text)
+        if response.scores:
+            display(ScoresView(response.scores))
         self.conversation.add_turn(text, response.text, response.finish_reason)
         self.shell.user_ns["_chat"] = response

@@ -87,3 +87,32 @@ class TextChatView:
         self._write_pending()
         self.stream.write("\n")
         self.stream.flush()
+
+
+class ScoresView:
+    """A reply's tokens coloured by their probability, the top alternatives in each token's tooltip.
+
+    Shown under ``%%chat --scores``; its plain-text form (saved notebooks, ``shardbook run``)
+    writes each token with its probability.
+    """
+
+    def __init__(self, scores: list[dict]):
+        self.scores = scores
+
+    @staticmethod
+    def _label(step: dict) -> str:
+        return step["text"] or f"⟨{step['token_id']}⟩"  # an end-of-turn token decodes to nothing
+
+    def _span(self, step: dict) -> str:
+        others = [a for a in step["alternatives"] if a["token_id"] != step["token_id"]][:4]
+        tip = "\n".join([f"{self._label(step)!r} {step['prob']:.3f}"] + [f"{a['text']!r} {a['prob']:.3f}" for a in others])
+        hue = round(120 * step["prob"])  # red (unsure) to green (sure)
+        return (f"<span title='{html.escape(tip, quote=True)}' style='background: hsl({hue}, 70%, 80%); "
+                f"white-space: pre-wrap; color: black'>{html.escape(self._label(step))}</span>")
+
+    def _repr_html_(self) -> str:
+        legend = "<small>colour: probability of each token (red low, green high); hover for the alternatives</small>"
+        return f"<div class='shardbook-scores'>{''.join(self._span(s) for s in self.scores)}<br>{legend}</div>"
+
+    def __repr__(self) -> str:
+        return " ".join(f"{self._label(s)!r}:{s['prob']:.2f}" for s in self.scores)

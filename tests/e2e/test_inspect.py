@@ -88,8 +88,10 @@ def test_interventions_under_tp(kernel, uneven):
     kernel.run("%intervene heads_off model.layers.1.self_attn.o_proj --input")
     listed = kernel.run("%intervene").stdout()
     assert "heads_off on the input of model.layers.1.self_attn.o_proj" in listed and "zero on" in listed
-    chat = kernel.run("%%chat --output text --max-new-tokens 6\nhello")  # hooks with a gather, under synced_gpus
+    chat = kernel.run("%%chat --output text --scores --max-new-tokens 6\nhello")  # hooks with a gather, under synced_gpus
     assert chat.status == "ok", chat.error_text() + chat.stderr()
+    [scores] = [m["content"]["data"] for m in chat.of_type("display_data") if "shardbook-scores" in m["content"]["data"].get("text/html", "")]
+    assert scores["text/html"].count("<span title=") == 6 and scores["text/plain"].count(":") >= 6
     kernel.run("%intervene --clear")
     kernel.run("%%trace --as back --modules model.layers.0\nThe capital of France is")
     ex = kernel.run("print('ZERO', zeroed['model.layers.0'].abs().max().item(), torch.equal(back.logits, base.logits), "

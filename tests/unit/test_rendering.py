@@ -125,3 +125,18 @@ def test_text_progress_line_rewritten_in_place_and_closed():
     assert lines[0].startswith("loading [#############-------]  67% reading weights 45/90")
     assert lines[1].startswith("loading [####################] 100% finishing 1/1") and lines[1].endswith("\n")
     assert len(lines) == 2
+
+
+def test_scores_view_colours_tokens_and_lists_alternatives():
+    from shardbook.magics.chat_view import ScoresView
+
+    steps = [
+        {"token_id": 5, "text": "Paris", "prob": 0.9, "alternatives": [{"token_id": 5, "text": "Paris", "prob": 0.9},
+                                                                       {"token_id": 7, "text": "<b>Lyon", "prob": 0.05}]},
+        {"token_id": 2, "text": "", "prob": 0.2, "alternatives": []},
+    ]
+    view = ScoresView(steps)
+    page = view._repr_html_()
+    assert "hsl(108, 70%, 80%)" in page and "hsl(24, 70%, 80%)" in page  # sure in green, unsure in red
+    assert "&#x27;&lt;b&gt;Lyon&#x27; 0.050" in page and "<b>Lyon" not in page  # the alternative, escaped, in the tooltip
+    assert repr(view) == "'Paris':0.90 '⟨2⟩':0.20"
