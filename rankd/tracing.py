@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .interventions import raise_failures
-from .sharding import decoder_layers
+from .layout import decoder_layers
 from .wholes import activation_split, gather_whole_to_rank0, whole_shape
 
 DEFAULT_MAX_BYTES = 1 << 30
