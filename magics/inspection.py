@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import Image, display
 
@@ -65,27 +65,35 @@ class InspectionMagics(Magics):
             raise UsageError(str(e)) from e
 
     @magic_arguments()
+    @argument("prompt", nargs="*", help="(line magic) the prompt; the cell magic reads it from the cell")
     @argument("--modules", nargs="+", metavar="GLOB", help="modules to capture (default: every decoder layer); "
               "`*` is one part of a dotted name, `**` any number: model.layers.*, model.layers.3.self_attn")
     @argument("--inputs", action="store_true", help="capture each module's first input instead of its output")
-    @argument("--chat", action="store_true", help="format the cell as one user message with the chat template")
+    @argument("--chat", action="store_true", help="format the prompt as one user message with the chat template")
     @argument("--as", dest="name", default="_trace", metavar="NAME", help="variable for the result (default _trace)")
     @max_mb_option
-    @cell_magic("trace")
-    def trace(self, line: str, cell: str):
-        """Run the cell's text through the model once on every rank and capture module outputs, whole on rank 0. Example::
+    @line_cell_magic("trace")
+    def trace(self, line: str, cell: str | None = None):
+        """Run a prompt through the model once on every rank and capture module outputs, whole on rank 0. Example::
 
             %%trace --modules model.layers.* --as clean
             The capital of France is
 
         ``clean["model.layers.3"]`` is then layer 3's output (on CPU, [1, tokens, hidden]);
-        ``clean.tokens``, ``clean.token_ids`` and ``clean.logits`` hold the rest.
+        ``clean.tokens``, ``clean.token_ids`` and ``clean.logits`` hold the rest. The line magic
+        returns the trace instead, for loops: ``t = %trace The capital of France is --modules model.layers.{i}``
+        (the prompt first, then the flags).
         """
         args = parse_argstring(self.trace, line)
-        prompt = cell.rstrip("\n") if args.chat else cell.strip()
+        if cell is not None and args.prompt:
+            raise UsageError("%%trace reads its prompt from the cell: leave it off the first line (or use the line magic %trace)")
+        text = " ".join(args.prompt) if cell is None else cell
+        prompt = text.rstrip("\n") if args.chat else text.strip()
         if not prompt:
             raise UsageError("%%trace needs a prompt in the cell body, e.g.\n%%trace\nThe capital of France is")
         result = self._call("trace", prompt, args.modules, inputs=args.inputs, chat=args.chat, max_mb=args.max_mb)
+        if cell is None:
+            return result
         self.shell.user_ns[args.name] = result
         print(f"{args.name}: {result!r}")
 
@@ -146,6 +154,7 @@ class InspectionMagics(Magics):
     @argument("--input", action="store_true", help="change the module's first input instead (o_proj's input: per-head values)")
     @argument("--remove", metavar="NAME", help="remove this intervention")
     @argument("--clear", action="store_true", help="remove every intervention")
+    @argument("--quiet", "-q", action="store_true", help="do not list the interventions afterwards")
     @line_magic("intervene")
     def intervene(self, line: str):
         """Apply a function to module outputs on every rank, in every later forward (%%trace, %%chat, ...). Example::
@@ -170,6 +179,8 @@ class InspectionMagics(Magics):
             listed = self._call("remove", None if args.clear else args.remove)
         else:
             listed = self._call("interventions")
+        if args.quiet:
+            return
         for item in listed:
             print(f"{item['name']} on the {item['on']} of {', '.join(item['modules'])}")
         if not listed:

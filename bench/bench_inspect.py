@@ -1,0 +1,150 @@
+"""Inspection benchmark (issue 12): `trace` of every layer against a plain forward, per layout; nnsight against hooks.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_inspect.py            # demo model, 2 gloo ranks, 10 runs each
+
+Part 1, for each layout on 2 ranks (spawned processes, gloo, one thread each): the median time
+of a plain forward of the prompt, of `trace` of every decoder layer (what `%%trace` runs on each
+rank: hooks, forward, size check, join on rank 0), of `trace` of every layer's up_proj (split by
+rows under `tp`, so gathered), and the bytes rank 0 received for each.
+
+Part 2, in one process (one thread), only if nnsight is importable: a plain forward, forward
+hooks keeping every layer's output, and nnsight's `trace` saving the same outputs, to weigh what
+building on nnsight would cost; then what nnsight sees of q_proj under `tp` on 2 ranks (the
+rank's own rows only: it knows nothing of the split).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+PROMPT = "The capital of France is Paris, and the capital of Germany is"
+
+
+def median_s(fn, runs: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def load(path: str, decode: str):
+    from shardbook.rankd.config import ModelConfig, ParallelConfig, ShardbookConfig
+    from shardbook.rankd.loading import load_sharded
+
+    config = ShardbookConfig(model=ModelConfig(model_name_or_path=path, dtype="float32"), parallel=ParallelConfig(decode=decode))
+    return load_sharded(config, device="cpu")
+
+
+def layout_run(rank: int, path: str, decode: str, runs: int) -> dict:
+    import torch
+
+    from shardbook.rankd.tracing import trace
+
+    loaded = load(path, decode)
+    model, tok = loaded.model, loaded.tokenizer
+    ids = tok(PROMPT, return_tensors="pt")["input_ids"]
+    result = {"tokens": ids.shape[1]}
+    with torch.no_grad():
+        result["forward_s"] = median_s(lambda: model(ids), runs)
+    for label, modules in (("layers", []), ("up_proj", ["model.layers.*.mlp.up_proj"])):
+        last = {}
+        result[f"{label}_s"] = median_s(lambda: last.update(out=trace(model, tok, {"prompt": PROMPT, "modules": modules})), runs)
+        out = last["out"]
+        result[f"{label}_bytes"] = out.stats["bytes_to_rank0"] if rank == 0 else 0
+        result[f"{label}_captured"] = sum(t.numel() * t.element_size() for t in out.values()) if rank == 0 else 0
+    return result
+
+
+def one_process(path: str, runs: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = AutoTokenizer.from_pretrained(path)(PROMPT, return_tensors="pt")["input_ids"]
+    out = {}
+
+    def hooked():
+        kept = []
+        hooks = [layer.register_forward_hook(lambda m, a, o: kept.append(o)) for layer in model.model.layers]
+        model(ids)
+        for hook in hooks:
+            hook.remove()
+
+    with torch.no_grad():
+        out["forward_s"] = median_s(lambda: model(ids), runs)
+        out["hooks_s"] = median_s(hooked, runs)
+        try:
+            from nnsight import NNsight
+        except ImportError:
+            return out
+        wrapped = NNsight(model)
+
+        def traced():
+            saved = []
+            with wrapped.trace(ids):
+                for layer in wrapped.model.layers:
+                    saved.append(layer.output.save())
+            assert len(saved) == len(model.model.layers)
+
+        out["nnsight_s"] = median_s(traced, runs)
+    return out
+
+
+def nnsight_under_tp(rank: int, path: str) -> dict:
+    """The shape nnsight saves for layer 0's q_proj under tp, and the shape `trace` gives rank 0."""
+    import torch
+    from nnsight import NNsight
+
+    from shardbook.rankd.tracing import trace
+
+    loaded = load(path, "tp")
+    ids = loaded.tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    saved = []
+    wrapped = NNsight(loaded.model)
+    with torch.no_grad(), wrapped.trace(ids):
+        saved.append(wrapped.model.layers[0].self_attn.q_proj.output.save())
+    ours = trace(loaded.model, loaded.tokenizer, {"prompt": PROMPT, "modules": ["model.layers.0.self_attn.q_proj"]})
+    return {"nnsight": tuple(saved[0].shape), "trace": tuple(ours["model.layers.0.self_attn.q_proj"].shape) if rank == 0 else None}
+
+
+def main() -> None:
+    from shardbook.kernel.fetch import demo_model_dir
+    from tests.ranks import run_ranks
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(demo_model_dir("smollm2-135m-instruct")))
+    parser.add_argument("--runs", type=int, default=10)
+    args = parser.parse_args()
+    print(f"model {args.model}; prompt {PROMPT!r}; median of {args.runs} runs after one warm-up\n")
+    print(f"{'layout':<8} {'forward ms':>10} {'trace layers ms':>16} {'x forward':>9} {'bytes to rank 0':>15} "
+          f"{'trace up_proj ms':>17} {'x forward':>9} {'bytes to rank 0':>15}")
+    for decode in ("gather", "reshard", "tp"):
+        r = run_ranks(layout_run, args.model, decode, args.runs, deadline=900)[0]
+        print(f"{decode:<8} {r['forward_s'] * 1e3:>10.1f} {r['layers_s'] * 1e3:>16.1f} {r['layers_s'] / r['forward_s']:>9.2f} "
+              f"{r['layers_bytes']:>15,} {r['up_proj_s'] * 1e3:>17.1f} {r['up_proj_s'] / r['forward_s']:>9.2f} {r['up_proj_bytes']:>15,}")
+    print(f"(captured on rank 0: all layers {r['layers_captured']:,} bytes, every up_proj {r['up_proj_captured']:,} bytes; "
+          f"{r['tokens']} tokens)\n")
+    single = one_process(args.model, args.runs)
+    print(f"one process: forward {single['forward_s'] * 1e3:.1f} ms, hooks on every layer {single['hooks_s'] * 1e3:.1f} ms "
+          f"(x{single['hooks_s'] / single['forward_s']:.2f})", end="")
+    if "nnsight_s" not in single:
+        print("; nnsight not installed, skipped")
+        return
+    print(f", nnsight trace saving every layer {single['nnsight_s'] * 1e3:.1f} ms (x{single['nnsight_s'] / single['forward_s']:.2f}; "
+          f"x{single['nnsight_s'] / single['hooks_s']:.2f} of hooks)")
+    shapes = run_ranks(nnsight_under_tp, args.model, deadline=600)
+    print(f"under tp, layer 0 q_proj output: nnsight saves {shapes[0]['nnsight']} on rank 0 and {shapes[1]['nnsight']} on rank 1; "
+          f"trace gives rank 0 {shapes[0]['trace']}")
+
+
+if __name__ == "__main__":
+    main()
