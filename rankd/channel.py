@@ -48,6 +48,9 @@ def log_to_process_stderr(*loggers: str) -> None:
             logger.propagate = False
 
 
+RECEIVE_BATCH = 256
+
+
 class MessageTooLarge(ValueError):
     """A message over :data:`MAX_MESSAGE_BYTES`: refused before it is sent."""
 
@@ -216,7 +219,10 @@ class Channel:
             self._sent.notify_all()
 
     def _receive_all(self) -> None:
-        while self.socket.poll(0):
+        """Receive what is waiting, at most a batch: a flood must not keep sends and ticks from running."""
+        for _ in range(RECEIVE_BATCH):
+            if not self.socket.poll(0):
+                return
             try:
                 frames = self.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:

@@ -24,6 +24,7 @@ PING_S = 0.5
 STALL_S = 2.0
 """A pinger whose own ticks stopped for this long was held up itself (its GIL, SIGSTOP): it restarts its clocks."""
 MAX_PING_BYTES = 64
+READ_BATCH = 256
 
 
 def heartbeat_socket(kind: int) -> zmq.Socket:
@@ -109,7 +110,9 @@ class Pinger:
         return 0.0 if sent is None else max(0.0, now - sent)
 
     def _read_answers(self) -> None:
-        while self.socket.poll(0):
+        for _ in range(READ_BATCH):  # bounded: a flood on rank 0's ping socket must not hold its I/O thread
+            if not self.socket.poll(0):
+                return
             frames = self.socket.recv_multipart(zmq.NOBLOCK)
             peer = frames[0] if self._routed else None
             self._waiting.pop(peer, None)
