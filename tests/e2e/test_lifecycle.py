@@ -224,11 +224,11 @@ if os.environ.get("RANK") not in (None, "0"):  # a follower that reaches shardbo
 """
 
 
-def late_follower_env(tmp_path, seconds: int) -> dict[str, str]:
+def late_follower_env(tmp_path, seconds: int, connect_timeout: int = 5) -> dict[str, str]:
     """Environment for a kernel whose rank 1 starts ``seconds`` late (a sitecustomize on its path)."""
     (tmp_path / "sitecustomize.py").write_text(STARTS_AFTER.format(seconds=seconds))
     path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
-    return {"SHARDBOOK_CONNECT_TIMEOUT": "5", "PYTHONPATH": path}
+    return {"SHARDBOOK_CONNECT_TIMEOUT": str(connect_timeout), "PYTHONPATH": path}
 
 
 def iopub_text(kc, parent_id: str, timeout: float) -> str:
@@ -245,13 +245,13 @@ def iopub_text(kc, parent_id: str, timeout: float) -> str:
 
 
 def test_a_rank_that_never_starts_is_reported_at_once_by_every_magic(fresh_kernel, tmp_path):
-    handle = fresh_kernel(**late_follower_env(tmp_path, 600))
+    handle = fresh_kernel(**late_follower_env(tmp_path, 600, connect_timeout=15))
     try:
         announced = iopub_text(handle.kc, handle.kc.kernel_info(), timeout=10)
         assert "only 1 of 2 ranks started" in announced and "restart the kernel" in announced, announced
         threads = handle.run("import threading; print(threading.active_count())").stdout()
         for code in ("%%all\nprint(1)", "%dist", "%%rank 1\nprint(1)", "%shards", "%load_sharded", "%%chat\nHi", "%%all\nprint(2)"):
-            ex = handle.run(code, timeout=4)  # less than the connect timeout: nothing waits for it again
+            ex = handle.run(code, timeout=10)  # less than the connect timeout: nothing waits for it again
             assert ex.status == "error", code
             assert "only 1 of 2 ranks started" in ex.stderr() and "restart the kernel" in ex.stderr(), ex.stderr()
         assert handle.run("import threading; print(threading.active_count())").stdout() == threads
