@@ -3,23 +3,31 @@
 Each call sends the whole request (messages, settings, a seed chosen here) to every rank as one
 ``generate`` command; every rank runs the engine together and rank 0 streams the text. The
 command runs in a worker thread so that :meth:`ChatModel.stream_chat` can hand out chunks as
-they arrive; the consumer waits with a deadline, and a KeyboardInterrupt while it waits stops
-every rank at its next step (the partial reply is returned, ``finish_reason="interrupted"``).
+they arrive; the consumer waits with a deadline.
+
+Interrupts stop every rank at its next step and the partial reply is returned
+(``finish_reason="interrupted"``). :meth:`ChatStream.interrupt` is idempotent and may come at
+any moment, even before the command has reached the ranks. Callers that must not lose the
+reply (the magic, the terminal chat, :meth:`ChatStream.wait`) hold :func:`sigint_calls` for as
+long as the stream lives, so no SIGINT raises KeyboardInterrupt in the middle of their own code;
+a consumer that leaves the iteration early (an exception, ``break``) stops the ranks too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import queue
+import signal
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import Any, AsyncIterator, Iterator, NoReturn
+from typing import Any, AsyncIterator, Callable, Iterator, NoReturn
 
 from shardbook.rankd import protocol
 from shardbook.rankd.engine import GenerationRequest, GenerationResult
 
 from .generation_queue import Turn
-from .pool import Outcome, PoolError
+from .pool import Command, Outcome, PoolError
 from .runtime import Runtime, get_runtime
 
 STREAM_DEADLINE_S = 660.0
@@ -64,20 +72,41 @@ class ChatStream:
     The reply first waits for its turn in the runtime's generation queue (``turn``, or a new
     unbounded one), so %%chat cells and HTTP requests take the ranks one at a time. ``events``
     receives ``(kind, value)`` pairs from the worker thread (``queue.Queue`` by default;
-    :class:`AsyncChatStream` passes one that feeds an event loop).
+    :class:`AsyncChatStream` passes one that feeds an event loop). The reply enters the line and
+    its worker starts at once, or at :meth:`start` when ``start=False`` (so a caller can hold
+    :func:`sigint_calls` before anything is queued).
     """
 
-    def __init__(self, runtime: Runtime, request: GenerationRequest, on_notice=None, *, turn: Turn | None = None, events=None):
+    def __init__(
+        self,
+        runtime: Runtime,
+        request: GenerationRequest,
+        on_notice=None,
+        *,
+        turn: Turn | None = None,
+        events=None,
+        start: bool = True,
+    ):
         self.runtime = runtime
         self.request = request
         self.response: ChatResponse | None = None
-        self.turn = turn or runtime.generation_queue.enter("chat")
-        self.turn.on_interrupt = self.interrupt
+        self.turn: Turn | None = turn
         self._events = events if events is not None else queue.Queue()
         self._on_notice = on_notice or (lambda text: None)
-        self._stop_asked = self._stop_resent = False
+        self._lock = threading.Lock()
+        self._command: Command | None = None
+        self._interrupted = False
+        self._delivered = False
         self._thread = threading.Thread(target=self._run, name="shardbook-chat", daemon=True)
-        self._thread.start()
+        if start:
+            self.start()
+
+    def start(self) -> "ChatStream":
+        if self._thread.ident is None:
+            self.turn = self.turn or self.runtime.generation_queue.enter("chat")
+            self.turn.on_interrupt = self.interrupt
+            self._thread.start()
+        return self
 
     def _run(self) -> None:
         pool = self.runtime.pool
@@ -90,7 +119,10 @@ class ChatStream:
                 )
             self._events.put(("started", self.turn.waited_s))
             try:
-                outcome = pool.run("generate", args, list(range(pool.world.world_size)), self._on_output, self._on_notice)
+                outcome = pool.run(
+                    "generate", args, list(range(pool.world.world_size)), self._on_output, self._on_notice,
+                    on_start=self._on_start,
+                )
             finally:
                 self.turn.leave()
             self._events.put(("done", outcome))
@@ -99,39 +131,53 @@ class ChatStream:
 
     def _on_output(self, rank: int, msg_type: str, payload: dict[str, Any]) -> None:
         if msg_type == protocol.TEXT:
-            if self._stop_asked and not self._stop_resent:  # asked between the turn's start and the command's
-                self._stop_resent = True
-                self._stop_ranks()
             self._events.put(("text", payload["text"]))
 
-    def interrupt(self) -> None:
-        """Leave the queue if still waiting; else stop every rank at its next step (the stream ends with the partial reply)."""
-        if self.turn.cancel() or self.turn.state != "running":
-            return
-        self._stop_asked = True
-        self._stop_ranks()
+    def _on_start(self, command: Command) -> None:
+        """The command is on its way to every rank: an interrupt that came before it applies now."""
+        with self._lock:
+            self._command = command
+        if self._interrupted:
+            self._deliver_interrupt()
 
-    def _stop_ranks(self) -> None:
-        pool = self.runtime.pool
-        self.runtime.ctx0.stop_event.set()
-        for command in list(pool.commands.values()):
-            if command.kind == "generate":
-                pool.interrupt(command)
+    def interrupt(self) -> None:
+        """Leave the queue if still waiting; else stop every rank at its next step (the stream ends with the
+        partial reply). Repeats do nothing, so it is safe from a signal handler that fires again meanwhile."""
+        if self._interrupted:
+            return
+        self._interrupted = True
+        if self.turn is not None and not self.turn.cancel():  # not waiting in line any more: running, or about to
+            self._deliver_interrupt()
+
+    def _deliver_interrupt(self) -> None:
+        with self._lock:
+            command, deliver = self._command, self._command is not None and not self._delivered
+            self._delivered = self._delivered or deliver
+        if deliver:
+            self.runtime.pool.interrupt(command)
 
     def __iter__(self) -> Iterator[str]:
-        while True:
-            try:
-                kind, value = self._next_event()
-            except KeyboardInterrupt:
+        self.start()
+        finished = False
+        try:
+            while True:
+                try:
+                    kind, value = self._next_event()
+                except KeyboardInterrupt:
+                    self.interrupt()
+                    continue
+                if kind == "text":
+                    yield value
+                elif kind == "error":
+                    finished = True
+                    raise value
+                elif kind == "done":
+                    finished = True
+                    self._finish(value)
+                    return
+        finally:
+            if not finished:  # the consumer left early (an exception or an interrupt in its code, break)
                 self.interrupt()
-                continue
-            if kind == "text":
-                yield value
-            elif kind == "error":
-                raise value
-            elif kind == "done":
-                self._finish(value)
-                return
 
     def _next_event(self) -> tuple[str, Any]:
         try:
@@ -156,10 +202,28 @@ class ChatStream:
         self.response = ChatResponse.from_result(outcome.replies[0]["value"])
 
     def wait(self) -> ChatResponse:
-        for _ in self:
-            pass
+        """The finished reply; an interrupt meanwhile stops it (the partial reply is returned)."""
+        with sigint_calls(self.interrupt):
+            for _ in self:
+                pass
         assert self.response is not None
         return self.response
+
+
+@contextmanager
+def sigint_calls(fn: Callable[[], None]) -> Iterator[None]:
+    """Within the block, SIGINT calls ``fn`` instead of raising KeyboardInterrupt wherever the code happens to be.
+
+    Only the main thread receives signals; elsewhere this does nothing (no KeyboardInterrupt lands there).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: fn())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class _LoopQueue:

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import zmq
 
 from shardbook.rankd import inspect_handlers, model_handlers  # noqa: F401  (register the model and inspection commands)
-from shardbook.rankd import protocol
+from shardbook.rankd import protocol, text
 from shardbook.rankd.channel import Channel, MessageTooLarge, control_socket, log_to_process_stderr
 from shardbook.rankd.handlers import STOPPED_BY_EVENT, RankContext, dispatch
 from shardbook.rankd.heartbeat import ECHO_KEY, PINGER_KEY, Echo, Pinger, heartbeat_socket
@@ -232,8 +232,14 @@ class Pool:
         on_output: OnOutput,
         on_notice: OnNotice,
         timeout_s: float | None = None,
+        on_start: Callable[[Command], None] | None = None,
     ) -> Outcome:
-        """Run a command on ``targets`` (rank 0 in-process) and wait for every reply."""
+        """Run a command on ``targets`` (rank 0 in-process) and wait for every reply.
+
+        ``on_start`` gets the command once it is on its way to every rank, before rank 0 runs its
+        part: from then on :meth:`interrupt` reaches every rank (a caller interrupting from
+        another thread needs the command for that).
+        """
         check_timeout(timeout_s)
         self.check_can_run(targets)
         command = Command(protocol.new_id(), kind, sorted(targets), on_output, on_notice)
@@ -248,6 +254,8 @@ class Pool:
             with self._lock:
                 self.commands.pop(command.id, None)
             raise PoolError(f"the {kind} command was not sent: {e}") from e
+        if on_start is not None:
+            on_start(command)
         with self._forward_interrupts(command):
             if 0 in command.targets:
                 if self.channel is not None and len(command.targets) > 1:
@@ -272,10 +280,13 @@ class Pool:
             )
 
     def _run_own_part(self, command: Command, args: dict[str, Any]) -> None:
-        def sink(msg_type: str, payload: dict[str, Any]) -> None:
-            command.on_output(0, msg_type, payload)
+        """Rank 0's part, its output and reply cleaned of text that is not Unicode as the followers' are by
+        the control plane's packer (so rank 0 shows what the followers show, and IOPub never fails on it)."""
 
-        reply = dispatch(self.ctx0, command.kind, args, sink)
+        def sink(msg_type: str, payload: dict[str, Any]) -> None:
+            command.on_output(0, msg_type, text.clean(payload))
+
+        reply = text.clean(dispatch(self.ctx0, command.kind, args, sink))
         with self._lock:
             self._record_reply(command.id, 0, reply)
 

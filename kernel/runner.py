@@ -159,6 +159,7 @@ def cell_label(nb, index: int) -> str:
 def echoing_client(nb, echo: Callable, **options):
     """A NotebookClient that hands every output to `echo` as soon as its IOPub message arrives."""
     from nbclient import NotebookClient
+    from nbformat.v4 import output_from_msg
 
     class EchoingClient(NotebookClient):
         def output(self, outs, msg, display_id, cell_index):
@@ -166,6 +167,11 @@ def echoing_client(nb, echo: Callable, **options):
             if out is not None:  # None: not an output, or captured by an Output widget
                 echo(out)
             return out
+
+        def process_message(self, msg, cell, cell_index):
+            if msg["msg_type"] == "update_display_data":  # a live view turned into its final rendering
+                echo(output_from_msg({**msg, "header": {**msg["header"], "msg_type": "display_data"}}))
+            return super().process_message(msg, cell, cell_index)
 
     return EchoingClient(nb, **options)
 

@@ -28,6 +28,7 @@ over several nodes needs the same key on every node, set by hand.
 from __future__ import annotations
 
 import argparse
+import io
 import logging
 import os
 import secrets
@@ -43,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from shardbook.rankd import protocol
 from shardbook.rankd.config import ShardbookConfig
 from shardbook.rankd.lifetime import die_with_parent
+from shardbook.rankd.text import REPLACEMENT, replace_invalid
 from shardbook.rankd.world import JobShape, World, init_world
 
 from .failures import describe_failures
@@ -252,16 +254,26 @@ class Terminal:
         self.interactive = sys.stdin.isatty()
         self.styled = sys.stderr.isatty()
         self._reply_ends_line = True
+        if isinstance(sys.stdin, io.TextIOWrapper):
+            sys.stdin.reconfigure(errors="surrogateescape")  # bytes that are not UTF-8 reach read_line, not a crash
         if self.interactive:
             import readline  # noqa: F401  (line editing and history for input())
 
     def read_line(self) -> str:
-        """The next line; EOFError at the end of input, KeyboardInterrupt on Ctrl-C."""
+        """The next line, bytes that are not UTF-8 shown as U+FFFD (with a notice); EOFError at the end of input,
+        KeyboardInterrupt on Ctrl-C."""
         if self.interactive:
-            return input(PROMPT)
-        line = sys.stdin.readline()
-        if not line:
-            raise EOFError
+            line = input(PROMPT)
+        else:
+            line = sys.stdin.readline()
+            if not line:
+                raise EOFError
+        line, num_invalid = replace_invalid(line)
+        if num_invalid:
+            self.notice(
+                f"this line is not valid UTF-8: {num_invalid} byte(s) read as U+FFFD ({REPLACEMENT}); "
+                "send UTF-8 text (e.g. pipe it through `iconv -f latin1 -t utf-8`)"
+            )
         return line
 
     def cancel_line(self) -> None:
@@ -351,11 +363,16 @@ class TerminalChat:
 
     def reply(self, text: str) -> None:
         """Stream the reply to ``text``; Ctrl-C meanwhile stops it on every rank and keeps what was written."""
-        from .chat import ChatStream, GenerationFailed
+        from .chat import ChatStream, GenerationFailed, sigint_calls
 
-        request = self.model.build_request(self.conversation.request_messages(text))
-        stream = ChatStream(self.model.runtime, request, on_notice=self.terminal.notice)
+        try:
+            request = self.model.build_request(self.conversation.request_messages(text))
+        except ValueError as e:
+            self.terminal.error(str(e))
+            return
+        stream = ChatStream(self.model.runtime, request, on_notice=self.terminal.notice, start=False)
         with sigint_calls(stream.interrupt):
+            stream.start()
             try:
                 for chunk in stream:
                     self.terminal.write_reply(chunk)
@@ -368,13 +385,3 @@ class TerminalChat:
             response = stream.response
             self.terminal.status(response.status_line())
             self.conversation.add_turn(text, response.text, response.finish_reason)
-
-
-@contextmanager
-def sigint_calls(fn) -> Iterator[None]:
-    """Within the block, SIGINT calls ``fn`` instead of raising KeyboardInterrupt wherever the code happens to be."""
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: fn())
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)

@@ -83,21 +83,21 @@ class ChatMagics(Magics):
         return self._reply(cell.strip(), args)
 
     def _manage(self, args):
-        if args.load:
-            try:
+        try:
+            if args.load:
                 self.conversation = Conversation.load(args.load)
-            except ValueError as e:
-                raise UsageError(str(e)) from e
-        if args.reset:
-            self.conversation.reset()
-        if args.save:
-            print(f"saved {len(self.conversation.turns)} messages to {self.conversation.save(args.save)}")
+            if args.reset:
+                self.conversation.reset()
+            if args.save:
+                print(f"saved {len(self.conversation.turns)} messages to {self.conversation.save(args.save)}")
+        except ValueError as e:  # a file that cannot be read, parsed or written: one line, not a traceback
+            raise UsageError(str(e)) from e
         if args.history or not (args.load or args.reset or args.save or args.system is not None):
             print(self.conversation.history_text())
 
     def _reply(self, text: str, args):
         # imported on first use: it brings in transformers, which the kernel's start need not wait for
-        from shardbook.kernel.chat import SETTINGS, ChatModel, ChatStream, GenerationFailed
+        from shardbook.kernel.chat import SETTINGS, ChatModel, ChatStream, GenerationFailed, sigint_calls
 
         try:
             runtime = get_runtime(self.shell)
@@ -111,19 +111,23 @@ class ChatMagics(Magics):
         use_widget = args.output == "widget" or (args.output is None and widgets_available(self.shell))
         view = WidgetChatView() if use_widget else TextChatView()
         relay = RankRelay(frontend_for(self.shell), label_ranks=True)
-        stream = ChatStream(runtime, request, on_notice=relay.notice)
-        try:
-            for chunk in stream:
-                view.add(chunk)
-        except GenerationFailed as e:
-            view.fail("a rank failed")
-            raise_for_outcome(e.outcome)
-        except PoolError as e:
-            view.fail(str(e))
-            raise UsageError(str(e)) from e
-        response = stream.response
-        view.finish(response.status_line(), response.text)
-        if response.scores:
-            display(ScoresView(response.scores))
-        self.conversation.add_turn(text, response.text, response.finish_reason)
-        self.shell.user_ns["_chat"] = response
+        stream = ChatStream(runtime, request, on_notice=relay.notice, start=False)
+        # from the start of the command until its reply is in the history, the stop button only stops
+        # the reply: a KeyboardInterrupt elsewhere would end the cell with the ranks still generating
+        with sigint_calls(stream.interrupt):
+            stream.start()
+            try:
+                for chunk in stream:
+                    view.add(chunk)
+            except GenerationFailed as e:
+                view.fail("a rank failed")
+                raise_for_outcome(e.outcome)
+            except PoolError as e:
+                view.fail(str(e))
+                raise UsageError(str(e)) from e
+            response = stream.response
+            self.conversation.add_turn(text, response.text, response.finish_reason)
+            self.shell.user_ns["_chat"] = response
+            view.finish(response.status_line(), response.text)
+            if response.scores:
+                display(ScoresView(response.scores))

@@ -1,8 +1,10 @@
 """How a streamed reply is shown: a widget whose text grows, or plain streamed text.
 
 The widget's value is *replaced* at most ``MAX_UPDATES_PER_S`` times a second (appending to an
-``Output`` widget resends everything each time, which is quadratic). When the reply is done it is
-also displayed as text/markdown, so saved and converted notebooks show it without widgets.
+``Output`` widget resends everything each time, which is quadratic). When the reply ends the live
+view turns into its final rendering in place: the reply's display is updated to text/markdown
+and the status line's to HTML, and the widgets are closed. The reply is shown once, and saved
+or converted notebooks show it without widget JavaScript.
 """
 
 from __future__ import annotations
@@ -11,13 +13,13 @@ import html
 import sys
 import time
 
-from IPython.display import Markdown, display
+from IPython.display import display
 
 MAX_UPDATES_PER_S = 20
 
 
 class WidgetChatView:
-    """An HTML widget holding the reply so far, and a status line under it."""
+    """An HTML widget holding the reply so far, and a status line under it, each in a display of its own."""
 
     def __init__(self):
         import ipywidgets as w
@@ -27,7 +29,8 @@ class WidgetChatView:
         self.text = ""
         self._shown = ""
         self._last_update = 0.0
-        display(w.VBox([self.reply, self.status]))
+        self._reply_display = display(self.reply, display_id=True)
+        self._status_display = display(self.status, display_id=True)
 
     @staticmethod
     def _render(text: str) -> str:
@@ -46,13 +49,17 @@ class WidgetChatView:
 
     def finish(self, status: str, final_text: str) -> None:
         self.text = final_text
-        self._refresh()
-        self.status.value = f"<small>{html.escape(status)}</small>"
-        display(Markdown(final_text))
+        self._settle(status)
 
     def fail(self, why: str) -> None:
-        self._refresh()
-        self.status.value = f"<small>failed: {html.escape(why)}</small>"
+        self._settle(f"failed: {why}")
+
+    def _settle(self, status: str) -> None:
+        """Replace the live widgets, in place, by the reply as markdown and the status as HTML; close the widgets."""
+        self._reply_display.update({"text/markdown": self.text, "text/plain": self.text}, raw=True)
+        self._status_display.update({"text/html": f"<small>{html.escape(status)}</small>", "text/plain": f"[{status}]"}, raw=True)
+        self.reply.close()
+        self.status.close()
 
 
 class TextChatView:

@@ -10,6 +10,7 @@ cells behave on every rank as they do in the notebook (magics, ``!`` commands, l
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import io
 import sys
@@ -33,7 +34,8 @@ class SinkStream(io.TextIOBase):
 
     A completed line after a quiet period goes out at once (so ``print`` before a long step is
     seen live); later writes, and partial lines, are batched and flushed by :meth:`flush_if_due`, called from the
-    channel's tick, or by any non-stream output so the order of outputs is kept.
+    channel's tick, or by any non-stream output so the order of outputs is kept. ``buffer`` takes
+    bytes, decoded as UTF-8.
     """
 
     def __init__(self, name: str, sink: Sink):
@@ -43,6 +45,7 @@ class SinkStream(io.TextIOBase):
         self._size = 0
         self._lock = threading.Lock()
         self._last_flush = 0.0
+        self.buffer = SinkBuffer(self)
 
     def writable(self) -> bool:
         return True
@@ -78,6 +81,29 @@ class SinkStream(io.TextIOBase):
 
     def isatty(self) -> bool:
         return False
+
+
+class SinkBuffer(io.RawIOBase):
+    """A captured stream's ``buffer`` (``sys.stdout.buffer.write(b"...")``): bytes decoded as UTF-8 into the stream.
+
+    Decoding is incremental, so a character split over two writes comes out whole; bytes that are
+    not UTF-8 come out as U+FFFD.
+    """
+
+    def __init__(self, stream: SinkStream):
+        self._stream = stream
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        data = bytes(data)
+        self._stream.write(self._decoder.decode(data))
+        return len(data)
+
+    def flush(self) -> None:
+        self._stream.flush()
 
 
 class SinkDisplayPublisher(DisplayPublisher):
@@ -141,7 +167,7 @@ class CellCapture:
         """Replaces the shell's ``_showtraceback``: the error becomes a message, not terminal text."""
         self.flush()
         self.failed = True
-        self.error = {"ename": getattr(etype, "__name__", str(etype)), "evalue": str(evalue), "traceback": list(stb)}
+        self.error = {"ename": getattr(etype, "__name__", str(etype)), "evalue": exception_text(evalue), "traceback": list(stb)}
         self.sink(protocol.ERROR, self.error)
 
     @contextlib.contextmanager
@@ -165,6 +191,14 @@ class CellCapture:
                 shell._showtraceback = own_showtraceback
             else:
                 del shell._showtraceback
+
+
+def exception_text(exc: BaseException) -> str:
+    """``str(exc)``, or what went wrong when the exception's own ``__str__`` raises (its type must not be lost)."""
+    try:
+        return str(exc)
+    except Exception as e:
+        return f"(the {type(exc).__name__}'s message could not be shown: its __str__ raised {type(e).__name__})"
 
 
 def run_cell(shell, code: str, sink: Sink, *, store_history: bool, on_capture: Callable[[CellCapture | None], None] = lambda c: None) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import zmq
 
-from .protocol import Message, ProtocolError, positive_number_env
+from .protocol import Message, ProtocolError, positive_number_env, unsendable
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +214,9 @@ class Channel:
                     self._on_unreachable(ident)
                 else:
                     log.warning("control plane: could not send %s: %s", msg_type, e)
+            except Exception as e:  # content that cannot be serialised must not end the I/O thread
+                log.warning("control plane: could not serialise %s: %s: %s", msg_type, type(e).__name__, e)
+                self.session.send(self.socket, *unsendable(msg_type, content, e), ident=ident)
             self._outbox.popleft()
         with self._sent:
             self._sent.notify_all()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import logging
 import queue
 import secrets
@@ -30,8 +31,10 @@ import torch
 import torch.distributed as dist
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
+from .agreement import agree
 from .config import InferenceConfig
 from .streaming import StopTextFilter, TextDeltaStreamer, find_stop
+from .text import check_valid
 from .world import set_current_device
 
 log = logging.getLogger(__name__)
@@ -42,6 +45,8 @@ NUM_ALTERNATIVES = 5
 """Alternatives recorded per generated token when a request wants scores."""
 DECODE_KWARGS = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
 """How replies are decoded, streamed and final alike, so the streamed chunks add up to the reply."""
+PLAN_WORDS = "build the prompt for this chat request"
+"""What a rank that fails in :func:`plan_generation` could not do, for the other ranks' errors."""
 
 
 @dataclass(frozen=True)
@@ -178,15 +183,8 @@ def generate(
     no step or token arrives for `timeout_s` seconds, TimeoutError is raised; an exception inside
     `model.generate` is raised as :class:`GenerationError`.
     """
-    if request.seed is None:
-        raise ValueError(
-            "the request has no seed: rank 0 must fill one in (request.with_seed()) before sending it, "
-            "so that every rank samples the same tokens"
-        )
     device = torch.device(device)
-    prompt_ids = build_prompt_ids(tokenizer, request.messages).to(device)
-    max_new_tokens = fit_max_new_tokens(model, prompt_ids.shape[1], request.max_new_tokens)
-    config = build_generation_config(model, tokenizer, request, max_new_tokens)
+    prompt_ids, config = agree(lambda: plan_generation(model, tokenizer, request, device), PLAN_WORDS)
     stop = StopOnEvent(stop_event)
     events: queue.Queue = queue.Queue()
     streamer = None
@@ -215,6 +213,27 @@ def generate(
     if isinstance(on_text, StopTextFilter):
         on_text.close()
     return _result(tokenizer, request, config, output, prompt_ids.shape[1], stop.fired, worker)
+
+
+def plan_generation(
+    model: Any, tokenizer: Any, request: GenerationRequest, device: torch.device
+) -> tuple[tuple[torch.Tensor, GenerationConfig], str]:
+    """This rank's prompt ids and generation config, and a fingerprint of both that every rank must share.
+
+    Nothing here is collective: :func:`generate` runs it under :func:`agree`, so a rank whose
+    tokenizer refuses the text fails here and every rank learns of it before any enters `generate`.
+    """
+    if request.seed is None:
+        raise ValueError(
+            "the request has no seed: rank 0 must fill one in (request.with_seed()) before sending it, "
+            "so that every rank samples the same tokens"
+        )
+    prompt_ids = build_prompt_ids(tokenizer, request.messages)
+    max_new_tokens = fit_max_new_tokens(model, prompt_ids.shape[1], request.max_new_tokens)
+    config = build_generation_config(model, tokenizer, request, max_new_tokens)
+    digest = hashlib.sha256(prompt_ids.numpy().tobytes())
+    digest.update(f"{max_new_tokens} {request.seed} {request.do_sample}".encode())
+    return (prompt_ids.to(device), config), digest.hexdigest()[:16]
 
 
 def build_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> torch.Tensor:
@@ -436,6 +455,8 @@ def _check_messages(messages: Any) -> None:
     for i, message in enumerate(messages):
         ok = isinstance(message, dict) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str)
         _check(ok, f"messages[{i}] must be a dict with string 'role' and 'content', got {message!r}")
+        check_valid(message["content"], f"messages[{i}] ({message['role']!r})")
+        check_valid(message["role"], f"messages[{i}]'s role")
 
 
 def _check(condition: Any, message: str) -> None:

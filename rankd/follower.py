@@ -9,6 +9,7 @@ process when rank 0 says shut down or its echo stays silent for ``SHARDBOOK_RANK
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import queue
@@ -33,6 +34,8 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 0.5
 RANK0_SILENCE_S = protocol.positive_number_env("SHARDBOOK_RANK0_TIMEOUT", 60.0)
 SHUTDOWN_GRACE_S = 1.0
+EARLY_INTERRUPTS_KEPT = 16
+"""Interrupts remembered for commands not yet started (an interrupt can overtake its command's start)."""
 
 
 def rank0_endpoints(world: World, timeout_s: float = CONNECT_TIMEOUT_S) -> dict[str, str]:
@@ -56,6 +59,7 @@ class Follower:
         self.inbox: queue.Queue = queue.Queue()
         self.running_id: str | None = None
         self.running_kind: str | None = None
+        self._early_interrupts: collections.deque[str] = collections.deque(maxlen=EARLY_INTERRUPTS_KEPT)
         self._lock = threading.Lock()
         self._last_heartbeat = 0.0
         self._main_thread = threading.main_thread().ident
@@ -83,7 +87,8 @@ class Follower:
 
     def _interrupt(self, command_id: str) -> None:
         with self._lock:
-            if self.running_id != command_id:
+            if self.running_id != command_id:  # not started yet (still in the inbox), or already over
+                self._early_interrupts.append(command_id)
                 return
             self.ctx.stop_event.set()
             if self.running_kind not in STOPPED_BY_EVENT:
@@ -137,10 +142,16 @@ class Follower:
         def sink(msg_type: str, payload: dict[str, Any]) -> None:
             self.send(msg_type, payload, message.id)
 
+        kind = message.payload.get("kind")
         with self._lock:
-            self.running_id, self.running_kind = message.id, message.payload.get("kind")
+            self.running_id, self.running_kind = message.id, kind
             self.ctx.stop_event.clear()
+            interrupted_early = message.id in self._early_interrupts
         try:
+            if interrupted_early and kind not in STOPPED_BY_EVENT:
+                raise KeyboardInterrupt  # interrupted before it started: it never runs
+            if interrupted_early:
+                self.ctx.stop_event.set()  # still run it: its collectives need this rank, which stops at a safe point
             reply = dispatch(self.ctx, message.payload["kind"], message.payload.get("args", {}), sink)
         except KeyboardInterrupt:  # landed between the handler's end and the reply
             reply = {"status": "error", "error": {"ename": "KeyboardInterrupt", "evalue": "", "traceback": []}}

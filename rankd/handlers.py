@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from . import protocol
-from .capture import CellCapture, Sink, run_cell
+from .capture import CellCapture, Sink, exception_text, run_cell
 from .world import World
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def handle_exec(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[str,
 def error_payload(exc: BaseException, rank: int) -> dict[str, Any]:
     return {
         "ename": type(exc).__name__,
-        "evalue": str(exc),
+        "evalue": exception_text(exc),
         "traceback": [f"[rank {rank}] " + line for line in traceback.format_exception(exc)],
     }
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import protocol
+from .agreement import refuse
 from .capture import Sink
 from .config import ShardbookConfig
 from .handlers import RankContext, handler
@@ -39,14 +40,21 @@ def handle_load(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[str,
 
 @handler("generate", interrupt="event")
 def handle_generate(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[str, Any]:
-    """Generate one reply with every rank stepping together; the ``stream_rank`` streams its text."""
-    from .engine import GenerationRequest, generate
+    """Generate one reply with every rank stepping together; the ``stream_rank`` streams its text.
+
+    Every rank first agrees that it can run the request (see :mod:`.agreement`), so a rank that
+    cannot never leaves the others waiting inside ``generate``.
+    """
+    from .engine import PLAN_WORDS, GenerationRequest, generate
     from .interventions import raise_failures
 
     loaded = ctx.state.get("loaded")
-    if loaded is None:
-        raise ValueError(f"rank {ctx.world.rank} has no model loaded: run %load_sharded first")
-    request = GenerationRequest.from_dict(args["request"])
+    try:  # what fails here fails before generate's agreement: join it anyway, so no rank waits alone
+        if loaded is None:
+            raise ValueError(f"rank {ctx.world.rank} has no model loaded: run %load_sharded first")
+        request = GenerationRequest.from_dict(args["request"])
+    except Exception as e:
+        refuse(e, PLAN_WORDS)
 
     def on_text(text: str) -> None:
         sink(protocol.TEXT, {"text": text})

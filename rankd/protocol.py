@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import text
+
 log = logging.getLogger(__name__)
 PROTOCOL_VERSION = 1
 
@@ -67,6 +69,21 @@ def envelope(payload: dict[str, Any] | None = None, *, id: str = "", rank: int =
     return {"v": PROTOCOL_VERSION, "id": id, "rank": rank, "payload": payload or {}}
 
 
+def unsendable(msg_type: str, content: dict[str, Any], error: Exception) -> tuple[str, dict[str, Any]]:
+    """What goes out instead of a message whose content could not be serialised (JSON only, no text surprises).
+
+    A command's reply becomes an error reply, so the command still ends; output becomes a line
+    on stderr saying what was lost, so it is not lost silently.
+    """
+    why = f"{type(error).__name__} while serialising it: {error}"
+    if msg_type == DONE:
+        error_payload = {"ename": "UnsendableReply", "evalue": f"the rank's reply could not be sent ({why})", "traceback": []}
+        payload: dict[str, Any] = {"status": "error", "error": error_payload}
+    else:
+        msg_type, payload = STREAM, {"name": "stderr", "text": f"[shardbook] a {msg_type!r} output was dropped ({why})\n"}
+    return msg_type, envelope(payload, id=str(content.get("id", "")), rank=int(content.get("rank", 0)))
+
+
 @dataclass(frozen=True)
 class Message:
     """A verified, parsed control-plane message."""
@@ -97,8 +114,25 @@ class Message:
         return cls(type=msg_type, id=id_, rank=rank, payload=payload)
 
 
+def pack(obj: Any) -> bytes:
+    """A message part as UTF-8 JSON, like jupyter_client's packer, but never failing on text.
+
+    jupyter_client's packer raises UnicodeEncodeError on a lone surrogate (``print("\\ud800")``
+    on a follower would end its I/O thread) and sends surrogate-escaped bytes as invalid UTF-8;
+    here every such character goes out as U+FFFD, so both ends hold the same valid text.
+    """
+    from jupyter_client.jsonutil import json_clean
+    from jupyter_client.session import json_default
+
+    try:
+        packed = json.dumps(obj, default=json_default, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError):  # what jupyter_client also retries: NaN, sets, other near-JSON values
+        packed = json.dumps(json_clean(obj), default=json_default, ensure_ascii=False, allow_nan=False)
+    return packed.encode("utf-8", text.REPLACE_ERRORS)
+
+
 def make_session(key: bytes, signature_scheme: str = "hmac-sha256"):
-    """A Session that signs with ``key``; an empty key is refused (it would sign nothing)."""
+    """A Session that signs with ``key`` and packs with :func:`pack`; an empty key is refused (it would sign nothing)."""
     from jupyter_client.session import Session
 
     if not key:
@@ -106,7 +140,9 @@ def make_session(key: bytes, signature_scheme: str = "hmac-sha256"):
             "the control plane needs an HMAC key: start the kernel from Jupyter (the connection file "
             f"holds one) or set {KEY_ENV} / {KEY_FILE_ENV} on every node"
         )
-    return Session(key=key, signature_scheme=signature_scheme, username="shardbook", check_pid=False)
+    return Session(
+        key=key, signature_scheme=signature_scheme, username="shardbook", check_pid=False, packer=f"{__name__}.pack"
+    )
 
 
 def read_connection_key(connection_file: str | os.PathLike) -> tuple[bytes, str]:

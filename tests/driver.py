@@ -99,11 +99,19 @@ def _take_iopub(msg: dict[str, Any], msg_id: str, result: Execution, on_message)
 
 
 def interrupt_when(
-    handle, code: str, seen: Callable[[dict[str, Any]], bool], *, wait_s: float = 60.0, timeout: float = 120.0
+    handle,
+    code: str,
+    seen: Callable[[dict[str, Any]], bool],
+    *,
+    wait_s: float = 60.0,
+    timeout: float = 120.0,
+    times: int = 1,
+    every_s: float = 0.0,
 ) -> tuple[Execution, float]:
     """Run ``code`` on ``handle`` (a started kernel with ``run`` and ``km``) and interrupt the kernel at
-    the first IOPub message ``seen`` accepts; returns the Execution and the seconds from the
-    interrupt to its reply. Fails if that moment does not come within ``wait_s``."""
+    the first IOPub message ``seen`` accepts (``times`` interrupts, ``every_s`` apart, as a person
+    pressing the stop button again and again); returns the Execution and the seconds from the
+    first interrupt to its reply. Fails if that moment does not come within ``wait_s``."""
     result: dict[str, Any] = {}
     spotted = threading.Event()
 
@@ -116,7 +124,10 @@ def interrupt_when(
     try:
         assert spotted.wait(wait_s), f"the moment to interrupt {code[:50]!r} never came"
         interrupted_at = time.monotonic()
-        handle.km.interrupt_kernel()
+        for i in range(times):
+            if i:
+                time.sleep(every_s)
+            handle.km.interrupt_kernel()
         thread.join(timeout)
         return result["ex"], time.monotonic() - interrupted_at
     finally:

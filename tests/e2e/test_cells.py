@@ -136,3 +136,31 @@ def test_interrupt_stops_every_rank(kernel):
     assert "ranks 0, 1: KeyboardInterrupt" in ex.error_text()
     assert elapsed < 5, f"interrupt took {elapsed:.1f} s"
     assert kernel.run("%%all\nprint('after')").stdout().count("after") == 2
+
+
+def test_text_that_is_not_unicode_never_takes_down_a_rank(kernel):
+    """Lone surrogates printed, displayed and raised on every rank: shown as U+FFFD, and every rank lives on."""
+    code = (
+        "%%all\nfrom IPython.display import display\nprint('a\\ud800b')\n"
+        "display({'text/plain': 'shown \\udce9'}, raw=True)\nraise ValueError('bad \\udfff')"
+    )
+    ex = kernel.run(code, timeout=30)
+    assert ex.status == "error"
+    assert ex.stdout().count("a\ufffdb") == 2, ex.stdout()
+    assert [m["content"]["data"]["text/plain"] for m in ex.of_type("display_data")] == ["shown \ufffd"] * 2
+    assert "ranks 0, 1: ValueError: bad \ufffd" in ex.error_text()
+    after = kernel.run("%%all\nprint('alive')", timeout=30)
+    assert after.status == "ok" and after.stdout().count("alive") == 2, after.error_text() + after.stderr()
+
+
+def test_bytes_written_to_stdout_buffer_on_every_rank(kernel):
+    ex = kernel.run("%%all\nimport sys\nsys.stdout.buffer.write(b'caf\\xc3')\nsys.stdout.buffer.write(b'\\xa9 \\xff\\n')")
+    assert ex.status == "ok", ex.error_text()
+    assert ex.stdout().count("café \ufffd\n") == 2, ex.stdout()
+
+
+def test_an_exception_whose_str_raises_keeps_its_type(kernel):
+    code = "%%rank 1\nclass Unprintable(Exception):\n    def __str__(self):\n        raise RuntimeError('no')\nraise Unprintable()"
+    ex = kernel.run(code)
+    assert ex.status == "error"
+    assert "rank 1: Unprintable: (the Unprintable's message could not be shown" in ex.error_text(), ex.error_text()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import json
 
 import pytest
 
@@ -61,18 +62,38 @@ def reference_reply(path, question: str, max_new_tokens: int) -> str:
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
-def test_widget_grows_then_markdown_and_status(loaded, tiny):
+def final_outputs(ex) -> list[dict]:
+    """The cell's outputs as a saved notebook keeps them: an update_display_data replaces the data of its display."""
+    outputs, by_id = [], {}
+    for m in ex.of_type("display_data", "update_display_data", "execute_result"):
+        content = m["content"]
+        display_id = (content.get("transient") or {}).get("display_id")
+        if m["msg_type"] == "update_display_data":
+            by_id[display_id]["data"] = content["data"]
+            continue
+        outputs.append({"data": content["data"]})
+        if display_id:
+            by_id[display_id] = outputs[-1]
+    return outputs
+
+
+def test_widget_grows_then_turns_into_markdown_shown_once(loaded, tiny):
     ex = loaded.run("%%chat --max-new-tokens 60\nhello there", timeout=120)
     assert ex.status == "ok", ex.error_text() + ex.stderr()
     values = [unwrap(v) for v in reply_widget_values(ex)]
     growing = [v for i, v in enumerate(values) if i == 0 or v != values[i - 1]]
     assert len(growing) >= 4, f"the reply widget was updated only {len(growing)} times"
     assert all(b.startswith(a) for a, b in zip(growing, growing[1:])), "the reply text did not grow by appending"
-    markdown = [m["content"]["data"]["text/markdown"] for m in ex.of_type("display_data") if "text/markdown" in m["content"]["data"]]
-    assert markdown == [growing[-1]]
+    live = [m for m in ex.of_type("display_data") if "application/vnd.jupyter.widget-view+json" in m["content"]["data"]]
+    assert live, "the reply was not shown live in a widget"
+    assert not [m for m in ex.of_type("display_data") if "text/markdown" in m["content"]["data"]], "the reply was shown a second time"
+    outputs = final_outputs(ex)
+    markdown = [o["data"]["text/markdown"] for o in outputs if "text/markdown" in o["data"]]
+    assert markdown == [growing[-1]], "the live view did not turn into the reply as markdown"
+    assert not [o for o in outputs if "application/vnd.jupyter.widget-view+json" in o["data"]], "a widget is left in the saved outputs"
     assert markdown[0] == reference_reply(tiny, "hello there", 60), "2-rank greedy reply differs from one process"
-    statuses = [m["content"]["data"]["state"]["value"] for m in ex.of_type("comm_msg") if "prompt tokens" in str(m["content"]["data"].get("state", {}).get("value", ""))]
-    assert statuses and "generated" in statuses[-1] and "tok/s" in statuses[-1] and ("length" in statuses[-1] or "stop" in statuses[-1])
+    [status] = [o["data"]["text/html"] for o in outputs if "tok/s" in o["data"].get("text/html", "")]
+    assert "prompt tokens" in status and "generated" in status and ("length" in status or "stop" in status)
 
 
 def test_widget_updates_are_rate_limited(loaded):
@@ -117,6 +138,15 @@ def test_new_reset_system_save_load(loaded, tmp_path):
     assert bad.status == "error" and "no conversation file" in bad.stderr()
 
 
+def test_save_to_an_unwritable_path_is_a_one_line_error(loaded, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    for target in (tmp_path / "a-file" / "conv.json", tmp_path):  # under a file; a directory
+        ex = loaded.run(f"%chat --save {target}")
+        assert ex.status == "error"
+        assert f"UsageError: could not save the conversation to {target}: " in ex.stderr(), ex.error_text() + ex.stderr()
+        assert len(ex.stderr().strip().splitlines()) == 1 and "Traceback" not in ex.error_text() + ex.stderr()
+
+
 def test_sampling_is_reproducible_with_a_seed(loaded):
     runs = [loaded.run("%%chat --new --do-sample --seed 7 --temperature 1.5 --output text --max-new-tokens 30\nsurprise me") for _ in range(2)]
     texts = [ex.stdout().rsplit("\n[", 1)[0] for ex in runs]
@@ -131,11 +161,59 @@ def test_interrupt_keeps_partial_reply_and_next_turn_works(loaded):
     ex, seconds = interrupt_when(loaded, code, replying)
     assert seconds < 2.5
     assert ex.status == "ok", ex.error_text()
-    assert "interrupted" in str([m["content"] for m in ex.of_type("comm_msg")][-3:])
+    assert "interrupted" in str(final_outputs(ex)[-1]["data"])
     assert "[assistant (interrupted)]" in loaded.run("%chat --history").stdout()
     assert loaded.run("%dist").of_type("execute_result")[0]["content"]["data"]["text/plain"].count("idle") == 2
     after = loaded.run("%%chat --output text --max-new-tokens 5\nstill there?")
     assert after.status == "ok"
+
+
+def replying(msg) -> bool:
+    return msg["msg_type"] == "comm_msg" and "shardbook-reply" in str(msg["content"]["data"].get("state", {}).get("value", ""))
+
+
+def test_rapid_interrupts_stop_the_reply_once_and_keep_it(loaded):
+    """The stop button pressed 5 times quickly: one stop, the cell ends normally, nothing left running."""
+    for trial in range(3):
+        question = f"ramble on, take {trial}"
+        code = f"%%chat --new --max-new-tokens 2000 --do-sample --temperature 2.0\n{question}"
+        ex, _ = interrupt_when(loaded, code, replying, times=5, every_s=0.05)
+        assert ex.status == "ok", f"trial {trial}: {ex.error_text()}"
+        history = loaded.run("%chat --history").stdout()
+        assert f"[user] {question}\n[assistant (interrupted)] " in history, f"trial {trial}: {history}"
+        dist = loaded.run("%dist")
+        assert dist.status == "ok", dist.error_text() + dist.stderr()
+        assert dist.of_type("execute_result")[0]["content"]["data"]["text/plain"].count("idle") == 2
+    assert loaded.run("%%chat --output text --max-new-tokens 5\nstill there?").status == "ok"
+
+
+@pytest.mark.parametrize("text", ["caf\\udce9 au lait", "lone \\ud800 surrogate"])
+def test_text_that_is_not_unicode_is_refused_before_any_rank_generates(loaded, tmp_path, text):
+    """In a %%chat message (a frontend sends '\\ud800' escapes; surrogate-escaped bytes look alike) or a loaded conversation."""
+    ex = loaded.run(f"get_ipython().run_cell_magic('chat', '--output text --max-new-tokens 5', '{text}')", timeout=60)
+    assert ex.status == "error" and "is not valid Unicode text" in ex.stderr(), ex.error_text() + ex.stderr()
+    assert "Traceback" not in ex.stderr()
+    saved = tmp_path / "bad.json"
+    content = text.encode().decode("unicode_escape")  # the lone surrogate itself; json.dumps writes it as an escape
+    saved.write_text(json.dumps({"system_prompt": None, "turns": [{"role": "user", "content": content}]}))
+    ex = loaded.run(f"%chat --load {saved}")
+    assert ex.status == "error" and "turn 0 (user) is not valid Unicode text" in ex.stderr(), ex.error_text() + ex.stderr()
+    assert loaded.run("%%chat --output text --max-new-tokens 3\nstill there?", timeout=60).status == "ok"
+
+
+def test_a_rank_that_cannot_build_the_prompt_stops_every_rank_before_generating(loaded):
+    """Rank 1's tokenizer refuses the conversation: no rank enters generate, the error names rank 1, nothing waits."""
+    refuse = "%%rank 1\nsaved_template = tokenizer.chat_template\ntokenizer.chat_template = \"{{ raise_exception('rank 1 refuses this prompt') }}\""
+    assert loaded.run(refuse).status == "ok"
+    try:
+        ex = loaded.run("%%chat --output text --max-new-tokens 5\nhello", timeout=60)
+    finally:
+        assert loaded.run("%%rank 1\ntokenizer.chat_template = saved_template").status == "ok"
+    text = ex.error_text() + ex.stderr()
+    assert ex.status == "error", text
+    assert "rank 1" in text and "rank 1 refuses this prompt" in text and "no rank started" in text
+    assert "restart" not in text.lower(), "a refused request must not look like a broken process group"
+    assert loaded.run("%%chat --output text --max-new-tokens 3\nstill there?", timeout=60).status == "ok"
 
 
 def test_prompt_longer_than_the_context(loaded):
