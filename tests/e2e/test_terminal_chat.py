@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -159,6 +160,27 @@ def test_a_model_that_fails_to_load_ends_every_rank(tiny_config, tmp_path):
     assert "shardbook chat: error: loading failed: ranks 0, 1: ValueError: " in result.stderr
     assert "not a causal language model" in result.stderr
     assert result.stdout == ""
+    assert_all_gone(pids)
+
+
+def test_input_that_is_not_utf8_is_read_with_replacement_characters(tiny_config):
+    """A Latin-1 line and random bytes on stdin: each is answered (bytes read as U+FFFD, with a notice), no rank hangs."""
+    noise = bytes(random.Random(11).randrange(128, 256) for _ in range(24)) + b"\x00\x01 \xc3"  # short: the tiny context
+    lines = [b"caf\xe9 au lait", noise, b"/system \xff\xfe be brief", b"still there?"]
+    proc = subprocess.Popen(chat_argv(tiny_config), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    pids = started_processes(proc.pid, count=3)
+    try:
+        stdout, stderr = proc.communicate(b"\n".join(lines) + b"\nexit\n", timeout=90)
+    finally:
+        for pid in pids:  # a wedged chat must not outlive the test
+            if not gone(pid):
+                os.kill(pid, 9)
+    stderr = stderr.decode("utf-8")  # everything shardbook writes is UTF-8, the replaced bytes included
+    assert proc.returncode == 0, stderr
+    assert len(STATUS.findall(stderr)) == 3, stderr
+    assert stderr.count("is not valid UTF-8") == 3 and "byte(s) read as U+FFFD" in stderr
+    assert "(system prompt set: \ufffd\ufffd be brief)" in stderr
+    assert stdout.decode("utf-8").strip()
     assert_all_gone(pids)
 
 
