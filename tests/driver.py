@@ -129,8 +129,23 @@ def interrupt_when(
                 time.sleep(every_s)
             handle.km.interrupt_kernel()
         thread.join(timeout)
-        return result["ex"], time.monotonic() - interrupted_at
+        seconds = time.monotonic() - interrupted_at
+        if handle.km.kernel_spec.interrupt_mode == "message":  # a late one must not hit the next cell
+            wait_for_interrupt_replies(handle.km, times, deadline=time.monotonic() + timeout)
+        return result["ex"], seconds
     finally:
         if thread.is_alive():
             handle.km.interrupt_kernel()
             thread.join(timeout)
+
+
+def wait_for_interrupt_replies(km, count: int, deadline: float) -> None:
+    """Read ``count`` interrupt_reply messages from the manager's control socket: the kernel has then sent each SIGINT."""
+    import zmq
+
+    socket = km._control_socket
+    while count:
+        assert socket.poll(max(0.0, deadline - time.monotonic()) * 1000, zmq.POLLIN), f"{count} interrupt replies never came"
+        _, msg = km.session.recv(socket)
+        if msg is not None and msg["msg_type"] == "interrupt_reply":
+            count -= 1
