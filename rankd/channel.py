@@ -148,7 +148,11 @@ class Channel:
         peer enforces (it would drop the connection).
         """
         with self._serialize_lock:  # Session numbers its messages; keep the numbers unique
-            frames = self.session.serialize(self.session.msg(msg_type, content), ident)
+            try:
+                frames = self.session.serialize(self.session.msg(msg_type, content), ident)
+            except (TypeError, ValueError) as e:  # content that is not JSON must not take the sender down
+                log.warning("control plane: could not serialise a %s message: %s", msg_type, type(e).__name__)
+                frames = self.session.serialize(self.session.msg(*unsendable(msg_type, content, e)), ident)
         largest = max(len(f) for f in frames)
         if largest > MAX_MESSAGE_BYTES:
             raise MessageTooLarge(
@@ -214,9 +218,6 @@ class Channel:
                     self._on_unreachable(ident)
                 else:
                     log.warning("control plane: could not send %s: %s", msg_type, e)
-            except Exception as e:  # content that cannot be serialised must not end the I/O thread
-                log.warning("control plane: could not serialise %s: %s: %s", msg_type, type(e).__name__, e)
-                self.session.send(self.socket, *unsendable(msg_type, content, e), ident=ident)
             self._outbox.popleft()
         with self._sent:
             self._sent.notify_all()
