@@ -218,7 +218,7 @@ def generate(
 def plan_generation(
     model: Any, tokenizer: Any, request: GenerationRequest, device: torch.device
 ) -> tuple[tuple[torch.Tensor, GenerationConfig], str]:
-    """This rank's prompt ids and generation config, and a fingerprint of both that every rank must share.
+    """This rank's prompt ids and generation config, and a fingerprint of the prompt that every rank must share.
 
     Nothing here is collective: :func:`generate` runs it under :func:`agree`, so a rank whose
     tokenizer refuses the text fails here and every rank learns of it before any enters `generate`.
@@ -231,9 +231,10 @@ def plan_generation(
     prompt_ids = build_prompt_ids(tokenizer, request.messages)
     max_new_tokens = fit_max_new_tokens(model, prompt_ids.shape[1], request.max_new_tokens)
     config = build_generation_config(model, tokenizer, request, max_new_tokens)
-    digest = hashlib.sha256(prompt_ids.numpy().tobytes())
-    digest.update(f"{max_new_tokens} {request.seed} {request.do_sample}".encode())
-    return (prompt_ids.to(device), config), digest.hexdigest()[:16]
+    # the prompt only: ranks may sample differently (synced_gpus copes), but a forward that splits
+    # activations over ranks needs the same tokens everywhere
+    fingerprint = hashlib.sha256(prompt_ids.numpy().tobytes()).hexdigest()[:16]
+    return (prompt_ids.to(device), config), fingerprint
 
 
 def build_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> torch.Tensor:
