@@ -1,4 +1,4 @@
-"""JupyterLab in a real browser: a ``%%chat`` reply grows live in its widget, then stays as markdown.
+"""JupyterLab in a real browser: a ``%%chat`` reply grows live in its widget, which then turns into markdown.
 
 JupyterLab runs on loopback with a token, seeing only a temporary ``shardbook-2`` kernelspec
 (JUPYTER_PATH) and temporary settings. Debian's chromium, driven by the ``playwright`` package
@@ -185,22 +185,24 @@ def scroll_to_top(cell) -> None:
     cell.evaluate("element => element.scrollIntoView({block: 'start'})")
 
 
-def sample_reply(page, cell, deadline: float, on_sample) -> list[int]:
-    """Lengths of the reply text in the widget, sampled until the markdown reply appears under it."""
+def sample_reply(page, cell, deadline: float, on_sample) -> tuple[list[int], str]:
+    """Lengths of the reply text in the widget, sampled until the widget turns into the markdown reply,
+    and the last text seen in the widget."""
     reply = cell.locator(".shardbook-reply")
     markdown = cell.locator(".jp-RenderedMarkdown")
-    lengths, started = [], time.monotonic()
+    lengths, last_text, started = [], "", time.monotonic()
     while markdown.count() == 0:
         assert time.monotonic() < deadline, f"no markdown reply within {REPLY_S} s; lengths seen {lengths}"
         if reply.count():
-            lengths.append(len(reply.first.text_content() or ""))
+            last_text = reply.first.text_content() or ""
+            lengths.append(len(last_text))
             on_sample(lengths)
         time.sleep(SAMPLE_EVERY_S)
     changes = [n for i, n in enumerate(lengths) if i == 0 or n != lengths[i - 1]]
     (ARTIFACTS / "jupyterlab-chat-lengths.json").write_text(json.dumps(
         {"seconds": round(time.monotonic() - started, 2), "num_samples": len(lengths), "lengths_as_they_changed": changes}
     ))
-    return lengths
+    return lengths, last_text
 
 
 def normalized(text: str) -> str:
@@ -239,9 +241,9 @@ def test_chat_reply_grows_live_in_jupyterlab(sync_playwright, jupyterlab):
                 if not streaming_shot.exists() and len(set(lengths) - {0}) >= 3 and lengths[-1] >= MID_STREAM_CHARS:
                     page.screenshot(path=str(streaming_shot))
 
-            lengths = sample_reply(page, story, time.monotonic() + REPLY_S, on_sample)
-            widget_text = story.locator(".shardbook-reply").first.text_content()
+            lengths, widget_text = sample_reply(page, story, time.monotonic() + REPLY_S, on_sample)
             markdown_text = story.locator(".jp-RenderedMarkdown").first.inner_text()
+            num_widgets_left = story.locator(".shardbook-reply").count()
             story.locator(".jp-OutputArea-output", has_text="tok/s").wait_for(timeout=30_000)  # the status line
             scroll_to_top(load)
             page.screenshot(path=str(final_shot))
@@ -252,10 +254,11 @@ def test_chat_reply_grows_live_in_jupyterlab(sync_playwright, jupyterlab):
             context.close()
 
     final = len(widget_text)
-    growing = sorted({n for n in lengths if 0 < n < final})
+    growing = sorted({n for n in lengths if 0 < n <= final})
     assert lengths == sorted(lengths), f"the reply shrank while streaming: {lengths}"
     assert len(growing) >= 3, f"the reply did not grow in steps before its final length {final}: {lengths}"
-    assert normalized(widget_text) == normalized(markdown_text) and len(normalized(widget_text)) > 100, (widget_text, markdown_text)
+    assert num_widgets_left == 0, "the reply is shown twice: the live widget stayed beside its markdown"
+    assert normalized(markdown_text).startswith(normalized(widget_text)) and len(normalized(markdown_text)) > 100, (widget_text, markdown_text)
     assert streaming_shot.exists(), f"no screenshot while streaming: the reply never reached {MID_STREAM_CHARS} characters before it ended"
     SCREENSHOT.parent.mkdir(exist_ok=True)
     shutil.copyfile(final_shot, SCREENSHOT)
