@@ -119,7 +119,13 @@ def interrupt_when(
         if seen(msg):
             spotted.set()
 
-    thread = threading.Thread(target=lambda: result.update(ex=handle.run(code, timeout=timeout, on_message=on_message)))
+    def run() -> None:
+        try:
+            result["ex"] = handle.run(code, timeout=timeout, on_message=on_message)
+        except Exception as e:  # raised in the test's thread below
+            result["error"] = e
+
+    thread = threading.Thread(target=run)
     thread.start()
     try:
         assert spotted.wait(wait_s), f"the moment to interrupt {code[:50]!r} never came"
@@ -132,6 +138,9 @@ def interrupt_when(
         seconds = time.monotonic() - interrupted_at
         if handle.km.kernel_spec.interrupt_mode == "message":  # a late one must not hit the next cell
             wait_for_interrupt_replies(handle.km, times, deadline=time.monotonic() + timeout)
+        if "error" in result:
+            raise result["error"]
+        assert "ex" in result, f"{code[:50]!r} did not end within {timeout} s of the interrupt"
         return result["ex"], seconds
     finally:
         if thread.is_alive():
