@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, NoReturn
 from shardbook.rankd import protocol
 from shardbook.rankd.engine import GenerationRequest, GenerationResult
 
-from .generation_queue import Turn
+from .generation_queue import CHAT_SOURCE, Turn
 from .pool import Command, Outcome, PoolError
 from .runtime import Runtime, get_runtime
 
@@ -103,7 +103,7 @@ class ChatStream:
 
     def start(self) -> "ChatStream":
         if self._thread.ident is None:
-            self.turn = self.turn or self.runtime.generation_queue.enter("chat")
+            self.turn = self.turn or self.runtime.generation_queue.enter(CHAT_SOURCE)
             self.turn.on_interrupt = self.interrupt
             self._thread.start()
         return self

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 DEFAULT_MAX_WAITING = 16
+CHAT_SOURCE = "chat"
+"""The source of replies that cell code asks for (%%chat, ChatModel, the terminal chat)."""
 
 
 class QueueFull(RuntimeError):
@@ -89,14 +91,14 @@ class GenerationQueue:
             if not turn.cancel():
                 turn.leave()
 
-    def interrupt_running(self) -> bool:
-        """Stop the running generation through its owner's callback; False when none runs."""
+    def interrupt_running(self) -> Turn | None:
+        """Stop the running generation through its owner's callback; the turn stopped, None when none runs."""
         with self._cond:
             turn = self.running
         if turn is None or turn.on_interrupt is None:
-            return False
+            return None
         turn.on_interrupt()
-        return True
+        return turn
 
     def num_waiting(self) -> int:
         with self._cond:

@@ -30,7 +30,7 @@ def load_ipython_extension(shell) -> None:
     shell.register_magics(InspectionMagics)
     shell.set_custom_exc((RankError,), show_rank_error)
     try:
-        get_runtime(shell)
+        runtime = get_runtime(shell)
     except Exception as e:
         log.exception("shardbook: the rank pool failed to start; magics will report the error")
         kernel = getattr(shell, "kernel", None)
@@ -38,3 +38,7 @@ def load_ipython_extension(shell) -> None:
             from .startup import announce_on_connect
 
             announce_on_connect(kernel, str(e))
+    else:
+        from .interrupts import install_interrupt_hook
+
+        install_interrupt_hook(shell, runtime.generation_queue)

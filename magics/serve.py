@@ -2,40 +2,12 @@
 
 from __future__ import annotations
 
-import inspect
-
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from shardbook.kernel.generation_queue import GenerationQueue
 from shardbook.kernel.pool import PoolError
 from shardbook.kernel.runtime import get_runtime
-
-
-def install_interrupt_hook(kernel, generation_queue: GenerationQueue) -> None:
-    """Make the kernel's stop button also stop the generation in flight, even when no cell runs.
-
-    An idle ipykernel ignores SIGINT, so an HTTP request in flight would not hear the stop
-    button; wrapping the kernel's ``interrupt_request`` handler reaches it.
-    """
-    if kernel is None or getattr(kernel, "_shardbook_interrupt_hook", False):
-        return
-    for table in (kernel.shell_handlers, kernel.control_handlers):
-        original = table.get("interrupt_request")
-        if original is not None:
-            table["interrupt_request"] = _stopping_first(original, generation_queue)
-    kernel._shardbook_interrupt_hook = True
-
-
-def _stopping_first(original, generation_queue: GenerationQueue):
-    async def interrupt_request(stream, ident, parent):
-        generation_queue.interrupt_running()
-        result = original(stream, ident, parent)
-        if inspect.isawaitable(result):
-            await result
-
-    return interrupt_request
 
 
 @magics_class
@@ -90,6 +62,5 @@ class ServeMagics(Magics):
             server = Server(runtime, options).start()
         except ValueError as e:
             raise UsageError(str(e)) from e
-        install_interrupt_hook(getattr(self.shell, "kernel", None), runtime.generation_queue)
         model = server.model_id() or "(no model loaded yet: %load_sharded one)"
         print(f"serving {model} at {server.url} (OpenAI chat completions); `%serve --stop` stops it")

@@ -1,0 +1,58 @@
+"""The kernel's stop button: the reply in flight stops directly; SIGINT only reaches cell code that needs it.
+
+ipykernel turns every ``interrupt_request`` into a SIGINT, which raises KeyboardInterrupt wherever
+rank 0's main thread happens to be: in the cell, but also in ipykernel's own code right after a
+cell when the button is pressed several times (the cell's reply is then never sent and the cell
+looks stuck), and not at all in an idle kernel (an HTTP reply would not stop). Here the handler
+first stops the reply in flight (a ``%%chat`` cell's, ``ChatModel``'s, an HTTP request's) through
+the generation queue, then sends the SIGINT only while a cell runs user code and what it stopped
+was not a chat reply, which ends by itself, its cell with it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from shardbook.kernel.generation_queue import CHAT_SOURCE, GenerationQueue
+
+
+class CellActivity:
+    """Whether the shell runs a cell's code: between IPython's ``pre_run_cell`` and ``post_run_cell`` events."""
+
+    def __init__(self, shell: Any):
+        self.running = False
+        shell.events.register("pre_run_cell", self._started)
+        shell.events.register("post_run_cell", self._ended)
+
+    def _started(self, info: Any) -> None:
+        self.running = True
+
+    def _ended(self, result: Any) -> None:
+        self.running = False
+
+
+def install_interrupt_hook(shell: Any, generation_queue: GenerationQueue) -> None:
+    """Wrap the kernel's ``interrupt_request`` handlers (shell and control channels) once; no kernel, nothing."""
+    kernel = getattr(shell, "kernel", None)
+    if kernel is None or not hasattr(kernel, "control_handlers") or getattr(kernel, "_shardbook_interrupt_hook", False):
+        return
+    activity = CellActivity(shell)
+    for table in (kernel.shell_handlers, kernel.control_handlers):
+        original = table.get("interrupt_request")
+        if original is not None:
+            table["interrupt_request"] = _stop_reply_first(kernel, original, generation_queue, activity)
+    kernel._shardbook_interrupt_hook = True
+
+
+def _stop_reply_first(kernel: Any, original, generation_queue: GenerationQueue, activity: CellActivity):
+    async def interrupt_request(stream, ident, parent):
+        stopped = generation_queue.interrupt_running()
+        if activity.running and (stopped is None or stopped.source != CHAT_SOURCE):
+            result = original(stream, ident, parent)  # SIGINT for the cell's own code
+            if inspect.isawaitable(result):
+                await result
+            return
+        kernel.session.send(stream, "interrupt_reply", {"status": "ok"}, parent, ident=ident)
+
+    return interrupt_request
