@@ -1,6 +1,6 @@
 """How the logit lens is shown: a heatmap (layers x positions, the top token written in each cell) and a table.
 
-The heatmap is a PNG made with matplotlib's Agg backend and displayed as an image, so it shows
+The heatmap is a PNG drawn on a matplotlib Figure of its own and displayed as an image, so it shows
 the same in JupyterLab, in a saved notebook and in ``shardbook run``'s output.
 """
 
@@ -45,10 +45,7 @@ def short(text: str) -> str:
 
 def heatmap_png(lens: Any, input_tokens: list[str], title: str = "logit lens") -> bytes:
     """Layers (rows, first at the bottom) x positions; colour = the top token's probability, its text in the cell."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # not pyplot: the notebook's own backend (inline plots) stays as it is
 
     probs = lens.probs[:, :, 0].numpy()
     num_layers, num_positions = probs.shape

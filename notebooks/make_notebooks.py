@@ -119,10 +119,10 @@ INSPECT = [
     md("""
 # Inspecting a sharded model
 
-A researcher's session on a **shardbook** kernel (2 ranks): look inside the model while it runs
-sharded. Forward hooks go on every rank with `%%all`, their records are gathered to rank 0 with
-`torch.distributed`, and rank 0 plots them. Then `%%chat --scores` shows how sure the model was
-of each token it wrote.
+A researcher's session on a **shardbook** kernel (2 ranks): look inside SmolLM2 while it runs
+sharded, with tools that give rank 0 whole tensors whatever the forward layout (`gather`,
+`reshard` or `tp`). A logit lens, an activation-patching experiment between two prompts, a
+steering vector that changes a chat reply, and a histogram of one weight matrix.
 
 Run it in Jupyter on *shardbook (2 ranks, 1 node)*, or headless:
 
@@ -130,116 +130,141 @@ Run it in Jupyter on *shardbook (2 ranks, 1 node)*, or headless:
 """),
     code(f"%load_sharded {CONFIG}"),
     md("""
-## Hooks on every rank
+## The logit lens
 
-A forward hook on each decoder layer records the mean and standard deviation of the layer's
-output (the residual stream after that layer). The hooks must be registered on every rank: each
-rank runs its own copy of the forward pass, FSDP2 gathering each layer's weights just in time.
+`%logit_lens` runs the prompt once on every rank and projects each layer's residual stream
+through the final norm and the unembedding: what would the model say if it stopped at that
+layer? Each cell shows the top next token at that position and layer, coloured by its
+probability. The early layers mostly echo their input; the answer appears in the last ones.
+"""),
+    code("%logit_lens The capital of France is"),
+    md("`_lens` keeps the table: the top tokens and their probabilities for every layer and position."),
+    code("""
+last = [row for row in _lens.rows if row["position"] == len(_lens.lens.tokens[0]) - 1]
+for row in last[::6] + last[-1:]:
+    print(f"{row['layer']:>16}: {row['top_tokens'][0]!r:>10} p={row['top_probs'][0]:.2f}")
+"""),
+    md("""
+## Activation patching
+
+Two prompts that differ in one token. `%%trace` captures every decoder layer's output (the
+residual stream) on rank 0, as whole tensors on CPU, plus the logits.
 """),
     code("""
-%%all
+%%trace --as clean
+The capital of France is
+"""),
+    code("""
+%%trace --as corrupt
+The capital of Italy is
+"""),
+    code("""
 import torch
-import torch.distributed as dist
 
-rank, world = dist.get_rank(), dist.get_world_size()
-layer_stats = {}  # layer index -> (mean, std) of that layer's output in the last forward pass
+paris = tokenizer(" Paris")["input_ids"][0]
 
 
-def record(index):
-    def hook(module, args, output):
-        hidden = (output[0] if isinstance(output, tuple) else output).detach().float()
-        layer_stats[index] = (hidden.mean().item(), hidden.std().item())
-    return hook
+def p_paris(trace):
+    return torch.softmax(trace.logits[-1], -1)[paris].item()
 
 
-hooks = [layer.register_forward_hook(record(i)) for i, layer in enumerate(model.model.layers)]
-print(f"rank {rank}: {len(hooks)} hooks registered")
-"""),
-    md("One forward pass on every rank, on the same sentence (the ranks shard the weights, not the data):"),
-    code("""
-%%all
-prompt = "The capital of France is Paris. The capital of Germany is"
-inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
-with torch.no_grad():
-    logits = model(**inputs).logits
-next_token = tokenizer.decode(logits[0, -1].argmax())
-print(f"rank {rank}: {len(layer_stats)} layers recorded; next token {next_token!r}")
+print(f"P(' Paris'): clean {p_paris(clean):.3f}, corrupt {p_paris(corrupt):.3f}")
 """),
     md("""
-## Gather to rank 0
-
-`gather_object` collects every rank's records on rank 0, inside `%%all` since every rank must
-take part in a collective. FSDP2 splits the parameters, yet every rank computes the full
-activations of its own input, so the records agree across ranks.
+Now run the corrupt prompt again, but at one layer put back the clean residual stream at the
+country's position, and see how much of the answer comes back. The patch is an *intervention*: a
+function defined on every rank with `%%all` (so no code travels over the network) and then
+registered by name with `%intervene`. It sees the whole tensor under every layout. `%share`
+copies rank 0's `clean` trace to every rank first.
 """),
+    code("%share clean"),
     code("""
 %%all
-gathered = [None] * world if rank == 0 else None
-dist.gather_object(layer_stats, gathered, dst=0)
-if rank == 0:
-    per_rank_stats = gathered
-    agree = all(stats == gathered[0] for stats in gathered)
-    print(f"gathered {len(gathered)} ranks x {len(gathered[0])} layers; identical on every rank: {agree}")
-for hook in hooks:
-    hook.remove()
+country = next(i for i, (a, b) in enumerate(zip(tokenizer("The capital of France is")["input_ids"],
+                                               tokenizer("The capital of Italy is")["input_ids"])) if a != b)
+
+
+def patch(output, module_name):
+    output[:, country] = clean[module_name][:, country].to(output.dtype)
 """),
-    md("""
-A plain cell runs on rank 0 alone, whose namespace now holds `per_rank_stats`. The ranks' curves
-lie on top of each other. Look for layers where the spread jumps by orders of magnitude: a few
-very large activations there dominate the std of the whole residual stream.
+    code("""
+recovered = []
+for layer in range(len(clean)):
+    %intervene --quiet patch model.layers.{layer}
+    patched = %trace The capital of Italy is --modules model.layers.0
+    recovered.append(p_paris(patched))
+%intervene --clear
 """),
     code("""
 import matplotlib.pyplot as plt
 
-layers = sorted(per_rank_stats[0])
-fig, (ax_std, ax_mean) = plt.subplots(1, 2, figsize=(11, 3.5))
-for r, stats in enumerate(per_rank_stats):
-    style = dict(marker="o" if r == 0 else "x", linestyle="-" if r == 0 else "--", label=f"rank {r}")
-    ax_std.plot(layers, [stats[i][1] for i in layers], **style)
-    ax_mean.plot(layers, [stats[i][0] for i in layers], **style)
-ax_std.set(title="std of each decoder layer's output", xlabel="layer", ylabel="std", yscale="log")
-ax_mean.set(title="mean of each decoder layer's output", xlabel="layer", ylabel="mean")
-ax_std.legend()
-fig.tight_layout()
+fig, ax = plt.subplots(figsize=(8, 3))
+ax.plot(recovered, marker="o")
+ax.axhline(p_paris(clean), color="green", linestyle="--", label="clean")
+ax.axhline(p_paris(corrupt), color="red", linestyle="--", label="corrupt")
+ax.set(xlabel="layer patched (clean stream at the country's position)", ylabel="P(' Paris')",
+       title="Where does the model read the country?")
+ax.legend()
 plt.show()
 """),
     md("""
+## A steering vector
+
+The difference between the residual streams of two prompts at a middle layer is a direction
+in the model's space; adding it during generation pushes the reply that way. First the reply
+without it:
+"""),
+    code("""
+%%chat --new --max-new-tokens 32
+Describe your ideal weekend in one sentence.
+"""),
+    code("""
+layer = "model.layers.12"
+happy = %trace I love this, it is wonderful and I am so happy --modules {layer}
+sad = %trace I hate this, it is terrible and I am so sad --modules {layer}
+steer = 2 * (happy[layer][0].mean(0) - sad[layer][0].mean(0))
+print(f"steering vector of norm {steer.norm():.1f} at {layer}")
+"""),
+    code("%share steer"),
+    code("""
+%%all
+def add_steer(output, module_name):
+    return output + steer.to(output.dtype)
+"""),
+    code("%intervene add_steer model.layers.12"),
+    md("The same question, with the vector added at layer 12 on every rank, for every generated token:"),
+    code("""
+%%chat --new --max-new-tokens 32
+Describe your ideal weekend in one sentence.
+"""),
+    code("%intervene --remove add_steer"),
+    md("""
 ## How sure was the model?
 
-`%%chat --scores` records, for each generated token, its probability and the most likely
-alternatives at that step (`_chat.scores`).
+`%%chat --scores` colours each generated token by its probability (hover for the alternatives)
+and keeps the numbers in `_chat.scores`.
 """),
     code("""
-%%chat --scores --max-new-tokens 24
+%%chat --new --scores --max-new-tokens 24
 What is the capital of France?
 """),
-    code("""
-import html
-from IPython.display import HTML
-
-
-def token(step):  # the end-of-turn token decodes to nothing: show its name instead
-    text = step["text"] or tokenizer.convert_ids_to_tokens(step["token_id"])
-    return html.escape(repr(text)[1:-1])
-
-
-def alternatives(step):
-    others = [a for a in step["alternatives"] if a["token_id"] != step["token_id"]][:3]
-    return ", ".join(f"<code>{token(a)}</code> {a['prob']:.3f}" for a in others)
-
-
-rows = [
-    f"<tr><td><code>{token(step)}</code></td><td>{step['prob']:.3f}</td><td>{alternatives(step)}</td></tr>"
-    for step in _chat.scores
-]
-HTML("<table><thead><tr><th>token</th><th>probability</th><th>top alternatives</th></tr></thead>"
-     f"<tbody>{''.join(rows)}</tbody></table>")
-"""),
-    md("The least certain steps are where another answer was closest:"),
     code("""
 for step in sorted(_chat.scores, key=lambda s: s["prob"])[:3]:
     best_other = max((a for a in step["alternatives"] if a["token_id"] != step["token_id"]), key=lambda a: a["prob"])
     print(f"{step['text']!r:>14} p={step['prob']:.3f}   runner-up {best_other['text']!r} p={best_other['prob']:.3f}")
+"""),
+    md("""
+## A weight matrix, whole
+
+`full_parameter` (or `%param NAME`, with Tab completion of the name) gathers a parameter's
+shards onto rank 0, under every layout, within a size limit.
+"""),
+    code("""
+w = full_parameter("model.layers.0.mlp.down_proj.weight")
+fig, ax = plt.subplots(figsize=(6, 3))
+ax.hist(w.flatten().numpy(), bins=200, log=True)
+ax.set(title=f"model.layers.0.mlp.down_proj.weight {tuple(w.shape)}", xlabel="value", ylabel="count")
+plt.show()
 """),
 ]
 

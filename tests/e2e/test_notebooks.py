@@ -146,20 +146,20 @@ def test_quickstart_html_shows_the_replies(quickstart):
 @pytest.mark.slow
 @needs_smollm2
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
-def test_inspect_gathers_plots_and_scores(tmp_path):
+def test_inspect_lens_patching_steering_and_histogram(tmp_path):
     output = tmp_path / "inspect.ipynb"
     result = shardbook_run(NOTEBOOKS / "inspect.ipynb", output)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    assert "gathered 2 ranks x 30 layers; identical on every rank: True" in result.stdout
-    assert result.stdout.count("30 hooks registered") == 2
     nb = nbformat.read(output, as_version=4)
     images = [png for cell in nb.cells for png in outputs_of(cell, "image/png")]
-    assert len(images) == 1, "the activation plot is missing"
-    [reply] = chat_replies(nb)
-    tables = [t for cell in nb.cells for t in outputs_of(cell, "text/html") if "top alternatives" in t]
-    assert len(tables) == 1
-    probabilities = [float(p) for p in re.findall(r"<tr><td><code>.*?</code></td><td>([01]\.\d{3})</td>", tables[0])]
-    assert len(probabilities) == tables[0].count("<tr>") - 1 >= 2  # a row per generated token, less the header
-    assert all(0 < p <= 1 for p in probabilities)
+    assert len(images) == 3, "expected the logit lens, the patching curve and the histogram"
+    assert "model.layers.29:   ' Paris'" in result.stdout, result.stdout  # the lens's last layer says Paris
+    clean, corrupt = map(float, re.search(r"P\(' Paris'\): clean ([\d.]+), corrupt ([\d.]+)", result.stdout).groups())
+    assert clean > corrupt
+    assert "clean (30 tensor(s)) is now on every rank" in result.stdout
+    weekend, steered, paris = chat_replies(nb)
+    assert weekend.strip() and steered.strip() and normalized(weekend) != normalized(steered), (weekend, steered)
+    assert "Paris" in paris
+    scores = [h for cell in nb.cells for h in outputs_of(cell, "text/html") if "shardbook-scores" in h]
+    assert len(scores) == 1 and scores[0].count("<span title=") >= 2
     assert "runner-up" in result.stdout
-    assert reply.strip() in result.stdout
