@@ -26,14 +26,16 @@ sys.path.insert(0, str(ROOT))
 PROMPT = "The capital of France is Paris, and the capital of Germany is"
 
 
-def median_s(fn, runs: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def interleaved_medians(fns: dict, runs: int) -> dict[str, float]:
+    """Median seconds of each function, run in turn each round (one warm-up round), so load on a shared machine hits all alike."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for round_ in range(runs + 1):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            if round_:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def load(path: str, decode: str):
@@ -52,13 +54,17 @@ def layout_run(rank: int, path: str, decode: str, runs: int) -> dict:
     loaded = load(path, decode)
     model, tok = loaded.model, loaded.tokenizer
     ids = tok(PROMPT, return_tensors="pt")["input_ids"]
-    result = {"tokens": ids.shape[1]}
+    last: dict = {}
+
+    def traced(label: str, modules: list[str]):
+        return lambda: last.__setitem__(label, trace(model, tok, {"prompt": PROMPT, "modules": modules}))
+
     with torch.no_grad():
-        result["forward_s"] = median_s(lambda: model(ids), runs)
-    for label, modules in (("layers", []), ("up_proj", ["model.layers.*.mlp.up_proj"])):
-        last = {}
-        result[f"{label}_s"] = median_s(lambda: last.update(out=trace(model, tok, {"prompt": PROMPT, "modules": modules})), runs)
-        out = last["out"]
+        medians = interleaved_medians({"forward": lambda: model(ids), "layers": traced("layers", []),
+                                       "up_proj": traced("up_proj", ["model.layers.*.mlp.up_proj"])}, runs)
+    result = {"tokens": ids.shape[1], **{f"{k}_s": v for k, v in medians.items()}}
+    for label in ("layers", "up_proj"):
+        out = last[label]
         result[f"{label}_bytes"] = out.stats["bytes_to_rank0"] if rank == 0 else 0
         result[f"{label}_captured"] = sum(t.numel() * t.element_size() for t in out.values()) if rank == 0 else 0
     return result
@@ -70,7 +76,6 @@ def one_process(path: str, runs: int) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = AutoTokenizer.from_pretrained(path)(PROMPT, return_tensors="pt")["input_ids"]
-    out = {}
 
     def hooked():
         kept = []
@@ -79,13 +84,12 @@ def one_process(path: str, runs: int) -> dict:
         for hook in hooks:
             hook.remove()
 
-    with torch.no_grad():
-        out["forward_s"] = median_s(lambda: model(ids), runs)
-        out["hooks_s"] = median_s(hooked, runs)
-        try:
-            from nnsight import NNsight
-        except ImportError:
-            return out
+    fns = {"forward": lambda: model(ids), "hooks": hooked}
+    try:
+        from nnsight import NNsight
+    except ImportError:
+        NNsight = None
+    if NNsight is not None:
         wrapped = NNsight(model)
 
         def traced():
@@ -95,8 +99,9 @@ def one_process(path: str, runs: int) -> dict:
                     saved.append(layer.output.save())
             assert len(saved) == len(model.model.layers)
 
-        out["nnsight_s"] = median_s(traced, runs)
-    return out
+        fns["nnsight"] = traced
+    with torch.no_grad():
+        return {f"{k}_s": v for k, v in interleaved_medians(fns, runs).items()}
 
 
 def nnsight_under_tp(rank: int, path: str) -> dict:
@@ -124,7 +129,7 @@ def main() -> None:
     parser.add_argument("--model", default=str(demo_model_dir("smollm2-135m-instruct")))
     parser.add_argument("--runs", type=int, default=10)
     args = parser.parse_args()
-    print(f"model {args.model}; prompt {PROMPT!r}; median of {args.runs} runs after one warm-up\n")
+    print(f"model {args.model}; prompt {PROMPT!r}; median of {args.runs} interleaved rounds after a warm-up round\n")
     print(f"{'layout':<8} {'forward ms':>10} {'trace layers ms':>16} {'x forward':>9} {'bytes to rank 0':>15} "
           f"{'trace up_proj ms':>17} {'x forward':>9} {'bytes to rank 0':>15}")
     for decode in ("gather", "reshard", "tp"):

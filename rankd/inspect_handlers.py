@@ -2,7 +2,9 @@
 
 Each runs on every rank at once (rank 0 in-process); rank 0's reply carries whole tensors in
 its own process, the followers' replies only small JSON summaries. Tensors move between ranks
-on the data plane (torch.distributed), never through the control plane.
+on the data plane (torch.distributed), never through the control plane. Each is one short
+collective step, so an interrupt lets it finish on every rank (a KeyboardInterrupt on one rank
+inside a gather would leave the others waiting in it).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ def loaded_model(ctx: RankContext):
     return loaded
 
 
-@handler("trace")
+@handler("trace", interrupt="event")
 def handle_trace(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[str, Any]:
     """One forward capturing the chosen modules; rank 0's value is the whole `Trace`."""
     from .tracing import trace
@@ -35,7 +37,7 @@ def handle_trace(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[str
     return {"status": "ok", "value": trace(loaded.model, loaded.tokenizer, args)}
 
 
-@handler("full_parameter")
+@handler("full_parameter", interrupt="event")
 def handle_full_parameter(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[str, Any]:
     """The whole parameter `args["name"]` on rank 0 (on CPU), within `args["max_bytes"]`."""
     from .wholes import full_parameter_on_rank0, parameter_bytes
@@ -58,7 +60,7 @@ def handle_full_parameter(ctx: RankContext, args: dict[str, Any], sink: Sink) ->
     return {"status": "ok", "value": value}
 
 
-@handler("intervene")
+@handler("intervene", interrupt="event")
 def handle_intervene(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[str, Any]:
     """Add (by the name of a function in this rank's namespace), remove, or list the interventions."""
     from . import interventions
@@ -77,7 +79,7 @@ def handle_intervene(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict
     return {"status": "ok", "value": [iv.describe() for iv in interventions.registry(model).values()]}
 
 
-@handler("share")
+@handler("share", interrupt="event")
 def handle_share(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[str, Any]:
     """Copy rank 0's ``args["name"]`` (tensors, described in ``args["entries"]``) into every rank's namespace."""
     namespace = ctx.shell.user_ns
