@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,14 +25,27 @@ from .wholes import activation_split, gather_whole_to_rank0, whole_shape
 DEFAULT_MAX_BYTES = 1 << 30
 
 
-class Trace(dict):
-    """Module name -> whole captured tensor (on CPU), plus the prompt's tokens and the model's logits."""
+class Trace(Mapping):
+    """Module name -> whole captured tensor (on CPU), plus the prompt's tokens and the model's logits.
+
+    A read-only mapping, not a dict: replies are cleaned of invalid text by rebuilding their
+    dicts, and a trace must reach the user as it is.
+    """
 
     def __init__(self, captures: dict[str, torch.Tensor], *, token_ids: list[int], tokens: list[str], logits: torch.Tensor,
                  inputs: bool, lens: "Lens | None" = None, stats: dict[str, Any] | None = None):
-        super().__init__(captures)
+        self.captures = captures
         self.token_ids, self.tokens, self.logits, self.inputs = token_ids, tokens, logits, inputs
         self.lens, self.stats = lens, stats or {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.captures[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.captures)
+
+    def __len__(self) -> int:
+        return len(self.captures)
 
     def __repr__(self) -> str:
         what = "inputs" if self.inputs else "outputs"
