@@ -67,9 +67,10 @@ def _row(name: str, param: torch.Tensor) -> dict[str, Any]:
 
 def _tp_row(name: str, dtype: str, shard: TPShard) -> dict[str, Any]:
     """A `tp` slice: rank r holds the pieces of its place in its tensor-parallel group (groups are consecutive ranks)."""
-    parts = len(shard.pieces)
+    parts = len(shard.selections)
     local = {r: list(shard.local_shape(r % parts)) for r in range(dist.get_world_size())}
-    side = "rows" if shard.dim == 0 else "columns"
+    names = ("experts", "rows", "columns") if len(shard.global_shape) == 3 else ("rows", "columns")
+    sides = ", ".join(f"{names[dim]} (dim {dim})" for dim in shard.split_dims)
     even = len({tuple(shape) for shape in local.values()}) == 1
-    placement = f"tp: {side} (dim {shard.dim}) over {parts} rank(s){'' if even else ', uneven'}"
+    placement = f"tp: {sides} over {parts} rank(s){'' if even else ', uneven'}"
     return {"name": name, "shape": list(shard.global_shape), "dtype": dtype, "placement": placement, "local": local}

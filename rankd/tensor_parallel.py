@@ -34,17 +34,22 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 @dataclass(frozen=True)
 class TPShard:
-    """Which part of a global tensor each rank holds: index ranges along `dim`, per rank."""
+    """Which part of a global tensor each rank of the group holds: per rank, per dim, the index ranges it keeps."""
 
     global_shape: tuple[int, ...]
-    dim: int
-    pieces: tuple[tuple[range, ...], ...]
-    """`pieces[r]`: the ranges of `dim` that rank r holds, concatenated in this order."""
+    selections: tuple[tuple[tuple[range, ...] | None, ...], ...]
+    """`selections[r][d]`: the ranges of dim d that rank r holds, joined in this order (None: all of dim d)."""
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
-        shape = list(self.global_shape)
-        shape[self.dim] = sum(len(piece) for piece in self.pieces[rank])
-        return tuple(shape)
+        return tuple(
+            size if ranges is None else sum(len(r) for r in ranges)
+            for size, ranges in zip(self.global_shape, self.selections[rank])
+        )
+
+    @property
+    def split_dims(self) -> list[int]:
+        """The dims some rank holds only part of."""
+        return sorted({dim for selection in self.selections for dim, ranges in enumerate(selection) if ranges is not None})
 
 
 def tp_shard_of(param: torch.Tensor) -> TPShard | None:
@@ -123,7 +128,12 @@ def _layer_plan(prefix: str, layer: nn.Module, config, parts: int) -> dict[str, 
 
 
 def _split(shape: torch.Size, dim: int, pieces: list[tuple[range, ...]]) -> TPShard:
-    return TPShard(global_shape=tuple(shape), dim=dim, pieces=tuple(pieces))
+    """Each rank keeps its `pieces` of `dim` and all of every other dim."""
+    whole = [None] * len(shape)
+    return TPShard(
+        global_shape=tuple(shape),
+        selections=tuple(tuple(ranges if d == dim else whole[d] for d in range(len(shape))) for ranges in pieces),
+    )
 
 
 def _scaled(heads: range, head_dim: int) -> range:

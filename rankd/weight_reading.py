@@ -18,6 +18,7 @@ then copies it into place: that was a third of a SmolLM2 load on CPU (0.2 of 0.6
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardbook.rankd.checkpoint_names import ExpertStack, Selection, checkpoint_sources, select
 from shardbook.rankd.layout import chunk_rows
 from shardbook.rankd.safetensors_files import MappedFiles, StoredTensor, read_index
 from shardbook.rankd.tensor_parallel import TPShard
@@ -37,14 +39,18 @@ PROGRESS_STEPS = 50
 class Target:
     """One stored tensor and the model tensor it fills (under every name it has, when tied)."""
 
-    stored: StoredTensor
+    stored: StoredTensor | ExpertStack
     tensor: torch.Tensor
     names: list[str]
 
 
 def plan_reads(model: nn.Module, path: Path) -> dict[str, Target]:
-    """Match every parameter and persistent buffer to a tensor in `path`'s files; each tied tensor once."""
-    index = read_index(path)
+    """Match every parameter and persistent buffer to what fills it in `path`'s files; each tied tensor once.
+
+    Names go through transformers' conversion mapping first (`checkpoint_names`), so the fused
+    experts of a mixture-of-experts model are matched to their per-expert tensors.
+    """
+    index = checkpoint_sources(model, read_index(path))
     by_tensor: dict[int, list[str]] = {}
     tensors: dict[int, torch.Tensor] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
@@ -62,8 +68,7 @@ def plan_reads(model: nn.Module, path: Path) -> dict[str, Target]:
     if missing:
         raise ValueError(
             f"{path} lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:3]}; the files hold "
-            f"e.g. {sorted(index)[:3]}: the checkpoint is incomplete or its names need a conversion "
-            "transformers does on load, which sharded loading does not do"
+            f"e.g. {sorted(index)[:3]}: the checkpoint is incomplete, or it was saved for another architecture"
         )
     return targets
 
@@ -82,11 +87,11 @@ def read_shards(
 ) -> None:
     """Replace every target (still on the meta device) by this rank's part of its stored tensor, on `device`."""
     loaded: dict[str, torch.Tensor] = {}
-    for target, source in _mapped(targets, on_progress):
+    for target, read in _readers(targets, on_progress):
         if isinstance(target.tensor, DTensor):
-            tensor = _local_shard(target.tensor, source, device)
+            tensor = _local_shard(target.tensor, read, device)
         else:  # a persistent buffer: every rank holds all of it
-            tensor = source.to(device=device, dtype=target.tensor.dtype, copy=True)
+            tensor = read(_whole(target.tensor), target.tensor.dtype, device).clone()
         loaded.update(dict.fromkeys(target.names, tensor))
     # FSDP2 hooks load_state_dict(assign=True) to adopt each new local tensor (padding uneven ones).
     model.load_state_dict(loaded, strict=False, assign=True)
@@ -101,11 +106,11 @@ def read_tp_slices(
     device: torch.device,
     on_progress: Callable[[int, int], None],
 ) -> None:
-    """Fill a `tp` model: each sliced parameter with rank `rank`'s pieces of `plan`, the others whole."""
-    for target, source in _mapped(targets, on_progress):
+    """Fill a `tp` model: each sliced parameter with rank `rank`'s selection in `plan`, the others whole."""
+    for target, read in _readers(targets, on_progress):
         shard = next((plan[name] for name in target.names if name in plan), None)
-        pieces = shard.pieces[rank] if shard is not None else (range(source.shape[0]),) if source.dim() else ()
-        tensor = _pieces(source, shard.dim if shard else 0, pieces, target.tensor.dtype, device)
+        selection = shard.selections[rank] if shard is not None else _whole(target.tensor)
+        tensor = read(selection, target.tensor.dtype, device)
         if isinstance(target.tensor, nn.Parameter):
             tensor = nn.Parameter(tensor, requires_grad=False)
             tensor.tp_shard = shard
@@ -114,35 +119,41 @@ def read_tp_slices(
             setattr(model.get_submodule(module_name), leaf, tensor)
 
 
-def _mapped(targets: dict[str, Target], on_progress: Callable[[int, int], None]):
-    """Each target with a view of its stored tensor in the mapped files, reporting progress along the way."""
+Reader = Callable[[Selection, torch.dtype, torch.device], torch.Tensor]
+"""`read(selection, dtype, device)`: a selection of one stored (or fused) tensor, on `device` in `dtype`."""
+
+
+def _readers(targets: dict[str, Target], on_progress: Callable[[int, int], None]):
+    """Each target with a `Reader` over the mapped files, reporting progress along the way."""
     files = MappedFiles()
     every = max(1, len(targets) // PROGRESS_STEPS)
     for done, target in enumerate(targets.values(), start=1):
-        yield target, files.view(target.stored)
+        stored = target.stored
+        if isinstance(stored, ExpertStack):
+            yield target, functools.partial(stored.read, files)
+        else:
+            yield target, functools.partial(_read_stored, files.view(stored))
         if done % every == 0 or done == len(targets):
             on_progress(done, len(targets))
 
 
-def _pieces(
-    source: torch.Tensor, dim: int, pieces: tuple[range, ...], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """`pieces` of `source` along `dim`, joined; on CPU one range of rows in the file's dtype is the mapping itself."""
-    if not pieces:  # a scalar
-        return source.to(device=device, dtype=dtype, copy=True)
-    parts = [source.narrow(dim, piece.start, len(piece)) for piece in pieces]
-    if len(parts) == 1 and dim == 0 and device.type == "cpu" and source.dtype == dtype:
-        return parts[0]
-    return torch.cat([part.to(device=device, dtype=dtype) for part in parts], dim=dim)
+def _read_stored(source: torch.Tensor, selection: Selection, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`selection` of a mapped tensor: on CPU, in the file's dtype and contiguous, the mapping itself; else a copy."""
+    mine = select(source, selection)
+    in_place = device.type == "cpu" and mine.dtype == dtype and mine.is_contiguous()
+    return mine if in_place else mine.to(device=device, dtype=dtype).contiguous()
 
 
-def _local_shard(param: DTensor, source: torch.Tensor, device: torch.device) -> nn.Parameter:
-    """`param` over this rank's rows of `source`: the mapped rows themselves on CPU when they fit as they are."""
+def _whole(tensor: torch.Tensor) -> Selection:
+    return (None,) * tensor.dim()
+
+
+def _local_shard(param: DTensor, read: Reader, device: torch.device) -> nn.Parameter:
+    """`param` over this rank's rows: the mapped rows themselves on CPU when they fit as they are, else a copy."""
     rows, chunk = local_rows(param)
-    mine = source.narrow(0, rows.start, len(rows))
-    usable_in_place = device.type == "cpu" and mine.dtype == param.dtype and len(rows) == chunk
-    if not usable_in_place:
-        mine = mine.to(device=device, dtype=param.dtype, copy=True)
+    mine = read(((rows,), *([None] * (param.dim() - 1))), param.dtype, device)
+    if len(rows) != chunk and mine.untyped_storage().nbytes() > mine.nbytes:  # FSDP2 pads it: a view must not be padded
+        mine = mine.clone()
     sharded = DTensor.from_local(
         mine, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
     )
