@@ -59,9 +59,9 @@ class ParallelConfig:
     fsdp_size: int = -1
     """Ranks that share one FSDP-sharded copy of the model; -1 means every rank of the job."""
     ep_size: int = 1
-    """Expert-parallel size for mixture-of-experts models; only 1 is supported yet."""
+    """Expert-parallel size for mixture-of-experts models: experts split over this many consecutive ranks (decode tp)."""
     ep_fsdp_size: int = 1
-    """FSDP size inside each expert-parallel group; only 1 is supported yet."""
+    """Each expert's rows split again over this many ranks; 1 and ep_size 1: experts split like a dense MLP under tp."""
     decode: str = "auto"
     """Forward layout: tp (weights stay sharded, activations move), gather, reshard, or auto (gather if it fits)."""
     reshard_after_forward: bool | None = None
@@ -76,13 +76,17 @@ class ParallelConfig:
             f"parallel.fsdp_size must be -1 (every rank) or a positive number of ranks; got {self.fsdp_size}",
         )
         require(
-            self.ep_size == 1 and self.ep_fsdp_size == 1,
-            "expert parallelism is not supported yet: set parallel.ep_size and parallel.ep_fsdp_size to 1 "
-            f"(got {self.ep_size} and {self.ep_fsdp_size}); experts are then sharded by FSDP like every other layer",
+            self.ep_size >= 1 and self.ep_fsdp_size >= 1,
+            f"parallel.ep_size and parallel.ep_fsdp_size must be >= 1; got {self.ep_size} and {self.ep_fsdp_size}",
         )
         check_choice("parallel.device", self.device, DEVICE_CHOICES)
         check_choice("parallel.decode", self.decode, DECODE_LAYOUTS)
         self.decode = decode_from_reshard_flag(self.decode, self.reshard_after_forward)
+        require(
+            self.ep_size * self.ep_fsdp_size == 1 or self.decode in ("auto", "tp"),
+            f"parallel.ep_size={self.ep_size} x ep_fsdp_size={self.ep_fsdp_size} is expert parallelism, which runs in "
+            f"the tp layout, but parallel.decode is {self.decode}: set parallel.decode tp (or auto), or both sizes to 1",
+        )
 
     def fsdp_size_for(self, world_size: int) -> int:
         """The FSDP axis size in a job of `world_size` ranks (-1 resolves to all of them)."""
@@ -198,6 +202,13 @@ def validate_for_world(config: ShardbookConfig, world_size: int) -> None:
         raise ValueError(
             f"parallel.fsdp_size={fsdp_size} does not divide the world size {world_size}; "
             f"use -1 (every rank) or one of {divisors}"
+        )
+    experts = config.parallel.ep_size * config.parallel.ep_fsdp_size
+    if world_size % experts:
+        raise ValueError(
+            f"the world size {world_size} is not divisible by parallel.ep_size x parallel.ep_fsdp_size = "
+            f"{config.parallel.ep_size} x {config.parallel.ep_fsdp_size} = {experts}: pick sizes whose product divides "
+            f"{world_size}"
         )
 
 

@@ -31,8 +31,9 @@ import torch.distributed as dist
 from torch import nn
 
 from shardbook.rankd.load_steps import LoadSteps
-from shardbook.rankd.weight_reading import plan_reads, read_shards, read_tp_slices
+from shardbook.rankd.expert_parallel import ExpertLayout, expert_layout_problem, init_expert_group, num_experts
 from shardbook.rankd.layout import apply_fsdp, choose_layout, fsdp_mesh_layout, gather_fits, init_mesh, reshard_model
+from shardbook.rankd.weight_reading import plan_reads, read_shards, read_tp_slices
 from shardbook.rankd.tensor_parallel import shard_tp, tp_unavailable
 from shardbook.rankd.summary import full_param_bytes, load_summary, rank_figures
 
@@ -129,11 +130,20 @@ def _load(
         report("skeleton", 1, 1)
     architecture = type(model).__name__  # fully_shard renames the class to FSDP<name>
     views = steps.settle(steps.run("memory", _memory_view, model, device))
-    tp_reason = tp_unavailable(ckpt.hf_config, ckpt.mesh_shape[-1])
-    layout, reason = choose_layout(config.parallel.decode, views, tp_reason)
+    parts = ckpt.mesh_shape[-1]
+    ep_sizes = (getattr(config.parallel, "ep_size", 1), getattr(config.parallel, "ep_fsdp_size", 1))
+    tp_reason = tp_unavailable(ckpt.hf_config, parts) or expert_layout_problem(ckpt.hf_config, parts, *ep_sizes)
+    requested = _requested_layout(config.parallel.decode, ep_sizes)
+    layout, reason = choose_layout(requested, views, tp_reason)
+    if requested != config.parallel.decode:
+        reason = f"parallel.ep_size x ep_fsdp_size = {ep_sizes[0] * ep_sizes[1]}: expert parallelism runs in the tp layout"
     mesh = init_mesh(device.type, ckpt.mesh_shape, ckpt.mesh_axes)
     if layout == "tp":
-        _shard_and_read_tp(steps, report, model, mesh, ckpt, device)
+        experts = ExpertLayout.of(parts, *ep_sizes) if num_experts(ckpt.hf_config.get_text_config()) else None
+        if experts is not None:
+            reason += f"; {experts.describe()}"
+        expert_group = init_expert_group(experts, mesh.get_group("shard")) if experts is not None else None
+        _shard_and_read_tp(steps, report, model, mesh, ckpt, device, experts, expert_group)
     else:
         steps.run("shard", apply_fsdp, model, mesh, layout == "reshard", steps.progress(report, "shard"))
         targets = steps.run("plan", plan_reads, model, ckpt.path)
@@ -149,10 +159,17 @@ def _load(
     return LoadedModel(model=model, tokenizer=ckpt.tokenizer, summary=summary)
 
 
-def _shard_and_read_tp(steps: LoadSteps, report: "_Reporter", model: nn.Module, mesh, ckpt: "_Checkpoint", device) -> None:
+def _requested_layout(decode: str, ep_sizes: tuple[int, int]) -> str:
+    """`parallel.decode`, where expert parallelism (ep_size x ep_fsdp_size > 1) makes `auto` mean `tp`."""
+    return "tp" if decode == "auto" and ep_sizes[0] * ep_sizes[1] > 1 else decode
+
+
+def _shard_and_read_tp(
+    steps: LoadSteps, report: "_Reporter", model: nn.Module, mesh, ckpt: "_Checkpoint", device, experts, expert_group
+) -> None:
     """The `tp` layout's shard and read steps: slice the layers, then read each rank's pieces of every weight."""
     targets = steps.run("plan", plan_reads, model, ckpt.path)  # on the global shapes, before slicing
-    plan = steps.run("shard", shard_tp, model, mesh)
+    plan = steps.run("shard", shard_tp, model, mesh, experts, expert_group)
     if steps.ok:
         report("shard", 1, 1)
     rank = mesh.get_local_rank("shard")
@@ -214,11 +231,6 @@ def read_checkpoint(config: Any, model_path: str | Path | None, device: torch.de
     from transformers import AutoConfig, AutoTokenizer
 
     mesh_shape, mesh_axes = fsdp_mesh_layout(config.parallel.fsdp_size, dist.get_world_size())
-    if config.parallel.ep_size != 1:
-        raise ValueError(
-            f"parallel.ep_size={config.parallel.ep_size}: expert parallelism is not supported yet; "
-            "set parallel.ep_size to 1 (experts are then sharded by FSDP like every other layer)"
-        )
     path = _checkpoint_dir(model_path if model_path is not None else config.model.model_name_or_path)
     trust = bool(config.model.trust_remote_code)
     hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust)

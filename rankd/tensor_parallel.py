@@ -19,6 +19,7 @@ columns of which global shape it holds, on every rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -28,8 +29,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardbook.rankd.head_split import HeadShare, balanced_ranges, split_heads, split_mlp_rows
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-"""Families whose decoder layers `plan_tp` knows: Llama (SmolLM2 too), Qwen2 (qkv bias), Qwen3 (q/k norm)."""
+if TYPE_CHECKING:
+    from shardbook.rankd.expert_parallel import ExpertLayout
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe")
+"""Families whose decoder layers `plan_tp` knows: Llama (SmolLM2 too), Qwen2 (qkv bias), Qwen3 (q/k norm), and the
+mixture-of-experts families Qwen2-MoE (shared expert), Qwen3-MoE, Mixtral and GLM-4-MoE (shared experts, dense
+first layers), whose experts go expert-parallel (`expert_parallel`)."""
 
 
 @dataclass(frozen=True)
@@ -80,16 +86,18 @@ def tp_unavailable(hf_config, parts: int) -> str | None:
     return None
 
 
-def shard_tp(model: nn.Module, mesh: DeviceMesh) -> dict[str, TPShard]:
+def shard_tp(model: nn.Module, mesh: DeviceMesh, experts: "ExpertLayout | None", expert_group) -> dict[str, TPShard]:
     """Lay `model` (still on meta) out for `tp` over the mesh's shard axis; every sliced parameter's `TPShard`."""
     group, rank = mesh.get_group("shard"), mesh.get_local_rank("shard")
-    plan = plan_tp(model, dist.get_world_size(group))
-    _apply_tp(model, group, rank)
+    plan = plan_tp(model, dist.get_world_size(group), experts)
+    _apply_tp(model, group, rank, experts, expert_group)
     return plan
 
 
-def plan_tp(model: nn.Module, parts: int) -> dict[str, TPShard]:
+def plan_tp(model: nn.Module, parts: int, experts: "ExpertLayout | None" = None) -> dict[str, TPShard]:
     """The `TPShard` of every sliced parameter of `model`, by parameter name."""
+    from shardbook.rankd.expert_parallel import moe_plan
+
     config = model.config.get_text_config()
     plan: dict[str, TPShard] = {}
     embedding = model.get_input_embeddings().weight.shape
@@ -98,11 +106,16 @@ def plan_tp(model: nn.Module, parts: int) -> dict[str, TPShard]:
     if "lm_head.weight" in dict(model.named_parameters(remove_duplicate=False)):
         plan["lm_head.weight"] = vocab
     for index, layer in enumerate(model.model.layers):
-        plan.update(_layer_plan(f"model.layers.{index}", layer, config, parts))
+        prefix = f"model.layers.{index}"
+        moe = hasattr(layer.mlp, "experts")
+        plan.update(_layer_plan(prefix, layer, config, parts, dense_mlp=not moe))
+        if moe:
+            plan.update(moe_plan(f"{prefix}.mlp", layer.mlp, experts))
     return plan
 
 
-def _layer_plan(prefix: str, layer: nn.Module, config, parts: int) -> dict[str, TPShard]:
+def _layer_plan(prefix: str, layer: nn.Module, config, parts: int, dense_mlp: bool) -> dict[str, TPShard]:
+    """Attention sliced by heads, and a dense MLP by rows that even out the weights per rank."""
     attn, mlp = layer.self_attn, layer.mlp
     head_dim = attn.head_dim
     shares = split_heads(config.num_attention_heads, config.num_key_value_heads, parts)
@@ -110,17 +123,21 @@ def _layer_plan(prefix: str, layer: nn.Module, config, parts: int) -> dict[str, 
     kv_rows = [_kv_pieces(s, head_dim) for s in shares]
     hidden = config.hidden_size
     attention_units = [2 * hidden * head_dim * (len(s.query_heads) + len(s.kv_heads)) for s in shares]
-    mlp_rows = [(rows,) for rows in split_mlp_rows(mlp.gate_proj.out_features, attention_units, hidden)]
-    plan = {}
-    for name, module, dim, pieces in [
+    slices = [
         ("self_attn.q_proj", attn.q_proj, 0, query_rows),
         ("self_attn.k_proj", attn.k_proj, 0, kv_rows),
         ("self_attn.v_proj", attn.v_proj, 0, kv_rows),
         ("self_attn.o_proj", attn.o_proj, 1, query_rows),
-        ("mlp.gate_proj", mlp.gate_proj, 0, mlp_rows),
-        ("mlp.up_proj", mlp.up_proj, 0, mlp_rows),
-        ("mlp.down_proj", mlp.down_proj, 1, mlp_rows),
-    ]:
+    ]
+    if dense_mlp:
+        mlp_rows = [(rows,) for rows in split_mlp_rows(mlp.gate_proj.out_features, attention_units, hidden)]
+        slices += [
+            ("mlp.gate_proj", mlp.gate_proj, 0, mlp_rows),
+            ("mlp.up_proj", mlp.up_proj, 0, mlp_rows),
+            ("mlp.down_proj", mlp.down_proj, 1, mlp_rows),
+        ]
+    plan = {}
+    for name, module, dim, pieces in slices:
         plan[f"{prefix}.{name}.weight"] = _split(module.weight.shape, dim, pieces)
         if module.bias is not None and dim == 0:  # a row-parallel bias is added once, after the sum
             plan[f"{prefix}.{name}.bias"] = _split(module.bias.shape, 0, pieces)
@@ -152,31 +169,37 @@ def _kv_pieces(share: HeadShare, head_dim: int) -> tuple[range, ...]:
     return tuple(pieces)
 
 
-def _apply_tp(model: nn.Module, group: dist.ProcessGroup, rank: int) -> None:
+def _apply_tp(model: nn.Module, group: dist.ProcessGroup, rank: int, experts, expert_group) -> None:
     """Give the sliced layers their forwards and attention its local head counts (before the weights are read)."""
+    from shardbook.rankd.expert_parallel import apply_moe
+
     config = model.config.get_text_config()
     parts = dist.get_world_size(group)
     shares = split_heads(config.num_attention_heads, config.num_key_value_heads, parts)
     vocab = balanced_ranges(model.get_input_embeddings().weight.shape[0], parts)
-    _become(model.get_input_embeddings(), VocabParallelEmbedding, group, vocab_start=vocab[rank].start)
+    become(model.get_input_embeddings(), VocabParallelEmbedding, group, vocab_start=vocab[rank].start)
     if model.get_output_embeddings() is not None:
-        _become(model.get_output_embeddings(), VocabGatheredLinear, group, vocab_sizes=[len(r) for r in vocab])
+        become(model.get_output_embeddings(), VocabGatheredLinear, group, vocab_sizes=[len(r) for r in vocab])
     for layer in model.model.layers:
         layer.self_attn.num_key_value_groups = shares[rank].groups
-        _become(layer.self_attn.o_proj, RowParallelLinear, group)
-        _become(layer.mlp.down_proj, RowParallelLinear, group)
+        become(layer.self_attn.o_proj, RowParallelLinear, group)
+        if hasattr(layer.mlp, "experts"):
+            apply_moe(layer.mlp, experts, rank, group, expert_group)
+        else:
+            become(layer.mlp.down_proj, RowParallelLinear, group)
 
 
-def _become(module: nn.Module, cls: type, group: dist.ProcessGroup, **attributes) -> None:
+def become(module: nn.Module, cls: type, group: dist.ProcessGroup, **attributes) -> None:
     """Turn `module` into `cls` (a subclass of its class) in place: same name, parameters and hooks."""
-    assert isinstance(module, cls.__mro__[1]), f"{type(module).__name__} is not a {cls.__mro__[1].__name__}"
+    assert issubclass(cls, type(module)), f"{cls.__name__} is not a kind of {type(module).__name__}"
     module.__class__ = cls
     module.tp_group = group
     for key, value in attributes.items():
         setattr(module, key, value)
 
 
-def _all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum `tensor` in place over `group` (nothing to do in a group of one)."""
     if dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, group=group)
     return tensor
@@ -188,7 +211,7 @@ class RowParallelLinear(nn.Linear):
     tp_group: dist.ProcessGroup
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = _all_reduce(F.linear(x, self.weight), self.tp_group)
+        out = all_reduce(F.linear(x, self.weight), self.tp_group)
         return out if self.bias is None else out + self.bias
 
 
@@ -203,7 +226,7 @@ class VocabParallelEmbedding(nn.Embedding):
         outside = (local < 0) | (local >= self.weight.shape[0])
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out.masked_fill_(outside.unsqueeze(-1), 0)
-        return _all_reduce(out, self.tp_group)
+        return all_reduce(out, self.tp_group)
 
 
 class VocabGatheredLinear(nn.Linear):

@@ -80,8 +80,11 @@ def make_tiny_lm(
     tie_word_embeddings: bool = True,
     seed: int = 0,
     max_shard_size: str | None = None,
+    **config_kwargs,
 ) -> Path:
-    """Write a random float32 causal LM of `family` (llama, qwen2, qwen3), its tokenizer and generation config.
+    """Write a random float32 causal LM of `family` (any transformers model type), its tokenizer and generation config.
+
+    `config_kwargs` go to the family's config (expert counts and sizes for the MoE families).
 
     `max_shard_size` (e.g. "40KB") splits the safetensors into several files with an index.
     """
@@ -105,6 +108,7 @@ def make_tiny_lm(
         eos_token_id=eos_id,
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
+        **config_kwargs,
     )
     with _seeded(seed):
         model = AutoModelForCausalLM.from_config(config).to(torch.float32)
@@ -203,3 +207,21 @@ def make_long_talker(path: Path) -> Path:
         data.update(changes or {"suppress_tokens": [data["eos_token_id"]]})
         (path / name).write_text(json.dumps(data))
     return path
+
+
+MOE_FAMILIES = {
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
+    "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                     first_k_dense_replace=1, n_group=1, topk_group=1, head_dim=16),
+    "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                        first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16),
+}
+"""Tiny mixture-of-experts configurations: 8 experts per layer, 2 per token; GLM and DeepSeek with a dense first layer."""
+
+
+def make_tiny_moe(path: Path, family: str, **kwargs) -> Path:
+    """Write a random float32 MoE causal LM of `family`; `save_pretrained` stores its experts one by one, as the Hub does."""
+    return make_tiny_lm(path, family=family, num_layers=2, **{**MOE_FAMILIES[family], **kwargs})
