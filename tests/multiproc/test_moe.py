@@ -1,0 +1,117 @@
+"""Mixture-of-experts checkpoints on gloo ranks: one process's logits in every layout, experts held once between the ranks.
+
+The tiny checkpoints are written by `save_pretrained`, which stores every expert apart as the Hub
+does, so each load goes through transformers' conversion mapping.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.multiproc.test_loading import prompt_ids
+from tests.tiny import make_tiny_moe
+
+EP_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"]
+LAYOUTS = {
+    "ep1-plain": ({}, 2),  # auto: FSDP2 keeping the gathered layers, experts sharded like every other weight
+    "ep2": ({"ep_size": 2}, 2),
+    "ep2-efsdp2": ({"ep_size": 2, "ep_fsdp_size": 2}, 4),
+}
+
+
+def load_and_forward(rank: int, path, parallel: dict) -> dict:
+    from shardbook.rankd.config import ModelConfig, ParallelConfig, ShardbookConfig
+    from shardbook.rankd.loading import load_sharded
+
+    config = ShardbookConfig(
+        model=ModelConfig(model_name_or_path=str(path), dtype="float32"), parallel=ParallelConfig(**parallel)
+    )
+    loaded = load_sharded(config, device="cpu")
+    # counted before the forward: the gather layout keeps FSDP2's gathered weights after it
+    experts = [p for name, p in loaded.model.named_parameters() if ".experts." in name]
+    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in experts)
+    total = sum(_global(p) for p in experts)
+    with torch.no_grad():
+        logits = loaded.model(prompt_ids(loaded.tokenizer)).logits
+    return {"logits": logits, "summary": loaded.summary, "expert_numel": local, "expert_total": total}
+
+
+def _global(param) -> int:
+    from shardbook.rankd.tensor_parallel import global_numel
+
+    return global_numel(param)
+
+
+def one_process_logits(path) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(prompt_ids(AutoTokenizer.from_pretrained(path))).logits
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory) -> dict:
+    """Each family's tiny checkpoint and its one-process logits."""
+    paths = {family: make_tiny_moe(tmp_path_factory.mktemp(family) / "model", family) for family in EP_FAMILIES}
+    return {family: (path, one_process_logits(path)) for family, path in paths.items()}
+
+
+def load_each(rank: int, paths: dict, parallel: dict) -> dict:
+    """Every family in turn on the same ranks (one process group: spawning costs more than these loads)."""
+    return {family: load_and_forward(rank, path, parallel) for family, path in paths.items()}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_moe_logits_match_one_process(ranks, families, layout):
+    parallel, world_size = LAYOUTS[layout]
+    paths = {family: path for family, (path, _) in families.items()}
+    per_rank = ranks(load_each, paths, parallel, world_size=world_size, deadline=240)
+    for family, (_, reference) in families.items():
+        for rank, results in enumerate(per_rank):
+            result = results[family]
+            assert not torch.isnan(result["logits"]).any(), f"{family} rank {rank}: NaN in the logits"
+            torch.testing.assert_close(result["logits"], reference, atol=1e-4, rtol=0, msg=f"{family} rank {rank}")
+            # every rank holds 1/(ep x ep_fsdp) of the experts (1/2 under FSDP2, which shards them over both ranks)
+            assert result["expert_numel"] * world_size == result["expert_total"], (family, rank, result["expert_numel"])
+        summary = per_rank[0][family]["summary"]
+        if parallel:
+            assert summary["decode"] == "tp" and "expert parallelism runs in the tp layout" in summary["decode_reason"]
+            ep, efsdp = parallel["ep_size"], parallel.get("ep_fsdp_size", 1)
+            assert f"mesh (edp=1, efsdp={efsdp}, ep={ep})" in summary["decode_reason"], family
+        else:
+            assert summary["decode"] == "gather", family
+
+
+def test_deepseek_v3_loads_sharded_in_the_fsdp_layouts_and_tp_says_it_cannot(ranks, tmp_path):
+    """DeepSeek-V3 (multi-head latent attention): its experts load from per-expert tensors; tp is refused clearly."""
+    path = make_tiny_moe(tmp_path / "deepseek", "deepseek_v3")
+    reference = one_process_logits(path)
+    for result in ranks(load_and_forward, path, {"decode": "reshard"}):
+        torch.testing.assert_close(result["logits"], reference, atol=1e-4, rtol=0)
+    for message in ranks(failing_load, path, {"ep_size": 2}):
+        assert "does not support 'deepseek_v3'" in message and "gather" in message
+
+
+def failing_load(rank: int, path, parallel: dict) -> str:
+    try:
+        load_and_forward(rank, path, parallel)
+    except ValueError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_bad_expert_layouts_name_the_rule(ranks, tmp_path):
+    path = make_tiny_moe(tmp_path / "qwen3", "qwen3_moe")
+    messages = ranks(failing_load, path, {"ep_size": 16, "decode": "tp"})
+    assert all("does not divide the 2 ranks" in m for m in messages), messages
+    one_expert = make_tiny_moe(tmp_path / "one-expert", "qwen3_moe", num_experts=1, num_experts_per_tok=1)
+    messages = ranks(failing_load, one_expert, {"ep_size": 2})  # more expert groups than experts
+    assert all("ep_size=2 does not divide the model's 1 experts" in m for m in messages), messages
+    dense = tmp_path / "dense"
+    from tests.tiny import make_tiny_llama
+
+    make_tiny_llama(dense)
+    messages = ranks(failing_load, dense, {"ep_size": 2})
+    assert all("apply to mixture-of-experts models" in m and "set both to 1" in m for m in messages), messages
