@@ -33,7 +33,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Write a long story about a dragon who learns to fly."
-LAYOUTS = ("gather", "tp", "reshard")
 
 
 # ----------------------------------------------------------------------------- one measured run
@@ -129,9 +128,9 @@ def run_layout(path: str, layout: str, tokens: int) -> dict | None:
     dist.init_process_group("gloo")
     warm_imports(path)
     before = rss_bytes()
-    config = ShardbookConfig(
-        model=ModelConfig(model_name_or_path=path, dtype="float32"), parallel=ParallelConfig(decode=layout)
-    )
+    # "tp+ep": the tp layout with the experts of a MoE model split over every rank (ep_size = ranks)
+    parallel = ParallelConfig(decode="tp", ep_size=dist.get_world_size()) if layout == "tp+ep" else ParallelConfig(decode=layout)
+    config = ShardbookConfig(model=ModelConfig(model_name_or_path=path, dtype="float32"), parallel=parallel)
     loaded = load_sharded(config, device="cpu")
     timed_generate(loaded.model, loaded.tokenizer, 2, synced=True)  # warm-up
     clock = CollectiveClock()
@@ -166,27 +165,34 @@ def measure(path: Path, what: str, tokens: int, nproc: int) -> dict:
         return json.loads(Path(out.name).read_text())
 
 
-def model_paths(names: list[str]) -> dict[str, Path]:
+def model_paths(names: list[str]) -> list[tuple[str, Path, str]]:
+    """(title, checkpoint, the sharded layout to compare: tp, or tp+ep for a MoE model) for each name."""
     import platformdirs
 
     sys.path.insert(0, str(ROOT))
     from tests.tiny import make_tiny_lm
 
-    paths = {}
+    scratch = Path(tempfile.mkdtemp(prefix="bench-decode-"))
+    models = []
     for name in names:
         if name == "smollm2":
-            paths["SmolLM2-135M (demo)"] = Path(platformdirs.user_cache_dir("shardbook")) / "models" / "smollm2-135m-instruct"
+            path = Path(platformdirs.user_cache_dir("shardbook")) / "models" / "smollm2-135m-instruct"
+            models.append(("SmolLM2-135M (demo)", path, "tp"))
         elif name == "llama42m":
-            scratch = Path(tempfile.mkdtemp(prefix="bench-decode-"))
-            paths["dense Llama 42M (random)"] = make_tiny_lm(
-                scratch / "llama42m", family="llama", hidden_size=768, num_layers=8, num_heads=12, num_kv_heads=4
+            path = make_tiny_lm(scratch / name, family="llama", hidden_size=768, num_layers=8, num_heads=12, num_kv_heads=4)
+            models.append(("dense Llama 42M (random)", path, "tp"))
+        elif name == "qwen3moe":
+            path = make_tiny_lm(
+                scratch / name, family="qwen3_moe", hidden_size=256, num_layers=6, num_heads=8, num_kv_heads=4,
+                num_experts=8, num_experts_per_tok=2, moe_intermediate_size=512, norm_topk_prob=True,
             )
+            models.append(("Qwen3-MoE 27M, 8 experts, hidden 256 (random)", path, "tp+ep"))
         else:
-            paths[name] = Path(name)
-    return paths
+            models.append((name, Path(name), "tp"))
+    return models
 
 
-def print_model(name: str, figures: dict[str, dict], tokens: dict[str, int]) -> None:
+def print_model(name: str, figures: dict[str, dict], tokens: dict[str, int], sharded: str) -> None:
     single = figures["single"]
     print(f"\n### {name}\n")
     print("| run | tokens | TTFT ms | decode ms/token | tok/s | vs single | peak MiB per rank | collectives |")
@@ -194,13 +200,14 @@ def print_model(name: str, figures: dict[str, dict], tokens: dict[str, int]) -> 
     for what, f in figures.items():
         memory = " / ".join(f"{m / 2**20:.0f}" for m in f["memory"])
         # FSDP2's all-gathers go through other functions: only tp's share is complete
-        share = f"{f['collective_share']:.0%}" if what == "tp" else "-"
+        share = f"{f['collective_share']:.0%}" if what == sharded else "-"
         print(f"| {what} | {tokens[what]} | {f['ttft_ms']:.0f} | {f['decode_ms']:.1f} | {1e3 / f['decode_ms']:.1f} "
               f"| {f['decode_ms'] / single['decode_ms']:.2f}x | {memory} | {share} |")
-    tp, gather, reshard = figures["tp"], figures["gather"], figures["reshard"]
-    print(f"\ntp tok/s / reshard tok/s = {reshard['decode_ms'] / tp['decode_ms']:.1f} (target >= 4)")
-    print(f"tp peak memory / gather peak memory (max over ranks) = {max(tp['memory']) / max(gather['memory']):.2f} (target <= 0.6)")
-    print(f"tp ms/token / single-process ms/token = {tp['decode_ms'] / single['decode_ms']:.2f} (target <= 2.5)")
+    tp, gather, reshard = figures[sharded], figures["gather"], figures["reshard"]
+    target = 3 if sharded == "tp+ep" else 4
+    print(f"\n{sharded} tok/s / reshard tok/s = {reshard['decode_ms'] / tp['decode_ms']:.1f} (target >= {target})")
+    print(f"{sharded} peak memory / gather peak memory (max over ranks) = {max(tp['memory']) / max(gather['memory']):.2f} (target <= 0.6)")
+    print(f"{sharded} ms/token / single-process ms/token = {tp['decode_ms'] / single['decode_ms']:.2f} (target <= 2.5)")
 
 
 # ----------------------------------------------------------------------------- the cost model
@@ -217,14 +224,20 @@ class Shape:
     vocab: int
     ranks: int
     dtype_bytes: int = 2
+    moe_layers: int = 0
+    """Layers whose MLP is a MoE block with a shared expert: three all-reduces under tp (attention, experts, shared)."""
+    expert_params: float = 0.0
 
 
 SHAPES = [
     # Sizes assumed for the GLM-744B run of configs/glm-744b-npu.yaml: 744B parameters, hidden
-    # 6144, 78 layers, a 154,880-token vocabulary, bf16, on 32 ranks.
-    Shape("GLM-744B on 32 NPUs (bf16)", 744e9, 6144, 78, 154_880, 32),
+    # 6144, 78 layers (the first 3 dense, then MoE: 256 routed experts of 3 x 6144 x 2048 weights
+    # each and a shared expert, 725B expert weights in all), a 154,880-token vocabulary, bf16, on 32 ranks.
+    Shape("GLM-744B MoE on 32 NPUs (bf16)", 744e9, 6144, 78, 154_880, 32, moe_layers=75, expert_params=725e9),
     Shape("70B dense on 8 devices (bf16)", 70.6e9, 8192, 80, 128_256, 8),
 ]
+EXPERT_LAYOUTS = [(16, 2), (8, 2)]
+"""(ep_size, ep_fsdp_size) for the MoE weights-per-rank table: configs/glm-744b-npu.yaml's, and MindSpeed's training one."""
 
 
 def cost_per_token(shape: Shape) -> dict[str, float]:
@@ -233,8 +246,9 @@ def cost_per_token(shape: Shape) -> dict[str, float]:
     ring = 2 * (n - 1) / n  # a ring all-reduce sends this many times the tensor per rank
     reshard = shape.params * size * (n - 1) / n  # all-gather: each rank sends its shard to n - 1 others
     hidden = shape.hidden * size
-    tp = (2 * shape.layers + 1) * ring * hidden + shape.vocab / n * size * (n - 1)  # + the logits' all-gather
-    return {"reshard": reshard, "tp": tp, "reshard_ops": shape.layers + 1, "tp_ops": 2 * shape.layers + 2}
+    all_reduces = 2 * shape.layers + shape.moe_layers + 1  # two per layer, one more per MoE layer, the embedding's
+    tp = all_reduces * ring * hidden + shape.vocab / n * size * (n - 1)  # + the logits' all-gather
+    return {"reshard": reshard, "tp": tp, "reshard_ops": shape.layers + 1, "tp_ops": all_reduces + 1}
 
 
 def print_cost_model(link_gbs: float, latency_us: float) -> None:
@@ -250,6 +264,20 @@ def print_cost_model(link_gbs: float, latency_us: float) -> None:
         print(f"| {shape.name} | {_bytes(cost['reshard'])} | {_bytes(cost['tp'])} | {bounds['reshard']:.3g} "
               f"| {bounds['tp']:.3g} | {bounds['tp'] / bounds['reshard']:.0f}x |")
     print("\n(communication only: compute and memory bandwidth bound tp further; reshard is bound by the link.)")
+    print_expert_weights()
+
+
+def print_expert_weights() -> None:
+    """Expert and dense weight bytes per rank of each MoE shape, for each expert layout."""
+    print("\n| model | ep_size x ep_fsdp_size | expert copies | expert GB per rank | dense GB per rank | total GB per rank |")
+    print("|---|---|---|---|---|---|")
+    for shape in (shape for shape in SHAPES if shape.expert_params):
+        dense = (shape.params - shape.expert_params) * shape.dtype_bytes / shape.ranks
+        for ep, efsdp in EXPERT_LAYOUTS:
+            copies = shape.ranks // (ep * efsdp)
+            experts = shape.expert_params * shape.dtype_bytes / (ep * efsdp)
+            print(f"| {shape.name} | {ep} x {efsdp} | {copies} | {experts / 1e9:.1f} | {dense / 1e9:.1f} "
+                  f"| {(experts + dense) / 1e9:.1f} |")
 
 
 def _bytes(n: float) -> str:
@@ -261,7 +289,9 @@ def _bytes(n: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="smollm2,llama42m", help="smollm2, llama42m or checkpoint directories")
+    parser.add_argument(
+        "--models", default="smollm2,llama42m,qwen3moe", help="smollm2, llama42m, qwen3moe or checkpoint directories"
+    )
     parser.add_argument("--tokens", type=int, default=32, help="tokens per run (single, gather, tp)")
     parser.add_argument("--tokens-reshard", type=int, default=12, help="tokens per run with reshard (slow)")
     parser.add_argument("--nproc", type=int, default=2)
@@ -276,11 +306,13 @@ def main() -> None:
         if result is not None:
             Path(args.out).write_text(json.dumps(result))
         return
-    tokens = {"single": args.tokens, "gather": args.tokens, "tp": args.tokens, "reshard": args.tokens_reshard}
+    tokens = {"single": args.tokens, "gather": args.tokens, "tp": args.tokens, "tp+ep": args.tokens,
+              "reshard": args.tokens_reshard}
     print(f"{args.nproc} ranks, gloo, 1 thread per process; prompt {PROMPT!r}; greedy")
-    for name, path in model_paths(args.models.split(",")).items():
-        figures = {what: measure(path, what, tokens[what], args.nproc) for what in ("single", *LAYOUTS)}
-        print_model(name, figures, tokens)
+    for name, path, sharded in model_paths(args.models.split(",")):
+        runs = ("single", "gather", sharded, "reshard")
+        figures = {what: measure(path, what, tokens[what], args.nproc) for what in runs}
+        print_model(name, figures, tokens, sharded)
     print_cost_model(args.link_gbs, args.latency_us)
 
 

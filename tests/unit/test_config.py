@@ -273,9 +273,21 @@ def test_fsdp_size_must_be_minus_one_or_positive(fsdp_size):
 
 
 @pytest.mark.parametrize("key", ["ep_size", "ep_fsdp_size"])
-def test_expert_parallel_is_refused(key):
-    with pytest.raises(ValueError, match="expert parallelism is not supported yet"):
-        load_config(None, [f"--parallel.{key}", "2"])
+def test_expert_parallel_sizes_must_be_positive(key):
+    with pytest.raises(ValueError, match="must be >= 1"):
+        load_config(None, [f"--parallel.{key}", "0"])
+
+
+def test_expert_parallel_must_divide_the_world():
+    assert load_config(None, ["--parallel.ep_size", "2"], world_size=2).parallel.ep_size == 2
+    with pytest.raises(ValueError, match=r"world size 2 is not divisible by parallel.ep_size x parallel.ep_fsdp_size = 3 x 1"):
+        load_config(None, ["--parallel.ep_size", "3"], world_size=2)
+
+
+@pytest.mark.parametrize("layout", ["gather", "reshard"])
+def test_expert_parallel_runs_in_the_tp_layout(layout):
+    with pytest.raises(ValueError, match=f"expert parallelism, which runs in the tp layout, but parallel.decode is {layout}"):
+        load_config(None, ["--parallel.ep_size", "2", "--parallel.decode", layout])
 
 
 @pytest.mark.parametrize(
@@ -343,6 +355,7 @@ def test_shipped_configs_say_what_they_are_for():
     glm = load_config(CONFIGS / "glm-744b-npu.yaml")
     assert (glm.parallel.device, glm.model.dtype, glm.parallel.fsdp_size) == ("npu", "bfloat16", 32)
     assert glm.parallel.decode == "tp" and glm.parallel.reshard_after_forward is None
+    assert (glm.parallel.ep_size, glm.parallel.ep_fsdp_size) == (16, 2)
     with pytest.raises(ValueError, match="does not divide the world size 12"):
         load_config(CONFIGS / "qwen-8rank.yaml", world_size=12)
 
