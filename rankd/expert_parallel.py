@@ -120,8 +120,10 @@ def moe_plan(prefix: str, block: nn.Module, layout: ExpertLayout) -> dict[str, T
         ep_index, efsdp_index = layout.position(rank)
         mine = balanced_ranges(num, layout.ep)[ep_index]
         part = balanced_ranges(rows, layout.efsdp)[efsdp_index]
-        gate_up.append(((mine,), (part, range(rows + part.start, rows + part.stop)), None))
-        down.append(((mine,), None, (part,)))
+        experts_kept = (mine,) if layout.ep > 1 else None  # None: the whole dim (shows as not split)
+        rows_kept = (part, range(rows + part.start, rows + part.stop)) if layout.efsdp > 1 else None
+        gate_up.append((experts_kept, rows_kept, None))
+        down.append((experts_kept, None, (part,) if layout.efsdp > 1 else None))
     plan = {
         f"{prefix}.experts.gate_up_proj": TPShard(tuple(experts.gate_up_proj.shape), tuple(gate_up)),
         f"{prefix}.experts.down_proj": TPShard(tuple(experts.down_proj.shape), tuple(down)),

@@ -7,7 +7,7 @@ import contextlib
 import pytest
 
 from tests.driver import interrupt_when
-from tests.tiny import make_broken_checkpoints, make_tiny_llama, make_tiny_non_causal
+from tests.tiny import make_broken_checkpoints, make_tiny_llama, make_tiny_moe, make_tiny_non_causal
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -106,6 +106,27 @@ def test_tp_for_a_model_with_too_few_heads_is_a_clear_error(kernel, tmp_path):
     ex = load(kernel, two_heads, "--parallel.decode tp")
     assert ex.status == "error"
     assert "1 attention heads, fewer than the 2 ranks" in ex.error_text() + ex.stderr()
+    assert_usable(kernel)
+
+
+def test_moe_with_expert_parallelism_in_the_kernel(kernel, tmp_path):
+    """Qwen2-MoE (8 experts and a shared expert) with ep_size 2: expert placements, a sampled chat, bad sizes."""
+    moe = make_tiny_moe(tmp_path / "qwen2-moe", "qwen2_moe")
+    for bad, words in [("3", "not divisible by parallel.ep_size x parallel.ep_fsdp_size = 3 x 1"),
+                       ("16", "not divisible by parallel.ep_size x parallel.ep_fsdp_size = 16 x 1")]:
+        ex = load(kernel, moe, f"--parallel.ep_size {bad}")
+        assert ex.status == "error" and words in ex.error_text() + ex.stderr(), ex.error_text() + ex.stderr()
+        assert_usable(kernel)
+    ex = load(kernel, moe, "--parallel.ep_size 2")
+    assert ex.status == "ok", ex.error_text() + ex.stderr()
+    summary = ex.of_type("execute_result")[0]["content"]["data"]["text/plain"]
+    assert "tp — parallel.ep_size x ep_fsdp_size = 2" in summary and "mesh (edp=1, efsdp=1, ep=2)" in summary
+    table = kernel.run("%shards model.layers.1.mlp.experts").of_type("execute_result")[0]["content"]["data"]["text/plain"]
+    row = [line for line in table.splitlines() if line.startswith("model.layers.1.mlp.experts.gate_up_proj")][0]
+    assert "tp: experts (dim 0) over 2 rank(s)" in row and row.endswith("[4, 64, 64]  [4, 64, 64]"), row
+    chat = kernel.run("%%chat --output text --do-sample --seed 3 --temperature 1.2 --max-new-tokens 12\nhello")
+    assert chat.status == "ok", chat.error_text() + chat.stderr()
+    assert "generated" in chat.stdout()
     assert_usable(kernel)
 
 
