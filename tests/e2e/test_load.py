@@ -147,7 +147,7 @@ def test_bad_inputs_leave_the_kernel_usable(kernel, tiny, tmp_path):
         (str(bad_yaml), "line"),
         ("--inference.max_new_token 3", "did you mean 'inference.max_new_tokens'"),
         (f"--model.model_name_or_path {tiny} --parallel.fsdp_size 3", "fsdp_size"),
-        (f"--model.model_name_or_path {tiny} --parallel.ep_size 2", "not supported yet"),
+        (f"--model.model_name_or_path {tiny} --parallel.ep_size 2", "apply to mixture-of-experts models, but llama has no experts"),
         ("--model.model_name_or_path no-such-demo", "or a demo model name: smollm2-135m-instruct"),
     ]
     for args, expected in cases:

@@ -271,7 +271,7 @@ EXPECTED = {
     "missing path": ["nowhere is not a checkpoint directory", "demo name"],
     "not a causal LM": ["BertModel, not a causal language model", "LlamaForCausalLM"],
     "fsdp_size does not divide": ["fsdp_size=3 does not divide the world size 2", "use -1"],
-    "expert parallel": ["ep_size=2", "set parallel.ep_size to 1"],
+    "expert parallel": ["ep_size=2", "llama has no experts: set both to 1"],
     "unsupported dtype": ["'float64' is not supported", "float32, bfloat16, float16"],
     "tensor missing from files": ["lacks 1 tensor(s)", "model.norm.weight"],
     "config does not match weights": ["expects [", "the config and the weights do not match"],
