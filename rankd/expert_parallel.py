@@ -132,11 +132,7 @@ def moe_plan(prefix: str, block: nn.Module, layout: ExpertLayout) -> dict[str, T
     if shared is not None:
         pieces = [(r,) for r in balanced_ranges(shared.gate_proj.out_features, layout.parts)]
         for proj, dim in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)):
-            weight = getattr(shared, proj).weight
-            whole = [None, None]
-            plan[f"{prefix}.{name}.{proj}.weight"] = TPShard(
-                tuple(weight.shape), tuple(tuple(p if d == dim else whole[d] for d in range(2)) for p in pieces)
-            )
+            plan[f"{prefix}.{name}.{proj}.weight"] = TPShard.along(getattr(shared, proj).weight.shape, dim, pieces)
     return plan
 
 

@@ -57,6 +57,25 @@ class TPShard:
         """The dims some rank holds only part of."""
         return sorted({dim for selection in self.selections for dim, ranges in enumerate(selection) if ranges is not None})
 
+    @classmethod
+    def along(cls, shape: tuple[int, ...], dim: int, pieces) -> "TPShard":
+        """Each rank keeps its `pieces[r]` (ranges) of `dim` and all of every other dim."""
+        whole = [None] * len(shape)
+        return cls(tuple(shape), tuple(tuple(ranges if d == dim else whole[d] for d in range(len(shape))) for ranges in pieces))
+
+    @property
+    def dim(self) -> int:
+        """The one split dim of a tensor split along a single dim (weights of attention and MLPs)."""
+        dims = self.split_dims
+        if len(dims) != 1:
+            raise ValueError(f"a tensor of shape {list(self.global_shape)} split on dims {dims}, not on one")
+        return dims[0]
+
+    @property
+    def pieces(self) -> tuple[tuple[range, ...], ...]:
+        """Every rank's ranges of `dim`."""
+        return tuple(selection[self.dim] for selection in self.selections)
+
 
 def tp_shard_of(param: torch.Tensor) -> TPShard | None:
     """The `TPShard` of a tensor-parallel parameter; None for a whole (replicated) or FSDP2 one."""
@@ -101,7 +120,7 @@ def plan_tp(model: nn.Module, parts: int, experts: "ExpertLayout | None" = None)
     config = model.config.get_text_config()
     plan: dict[str, TPShard] = {}
     embedding = model.get_input_embeddings().weight.shape
-    vocab = _split(embedding, 0, [(r,) for r in balanced_ranges(embedding[0], parts)])
+    vocab = TPShard.along(embedding, 0, [(r,) for r in balanced_ranges(embedding[0], parts)])
     plan["model.embed_tokens.weight"] = vocab
     if "lm_head.weight" in dict(model.named_parameters(remove_duplicate=False)):
         plan["lm_head.weight"] = vocab
@@ -138,19 +157,10 @@ def _layer_plan(prefix: str, layer: nn.Module, config, parts: int, dense_mlp: bo
         ]
     plan = {}
     for name, module, dim, pieces in slices:
-        plan[f"{prefix}.{name}.weight"] = _split(module.weight.shape, dim, pieces)
+        plan[f"{prefix}.{name}.weight"] = TPShard.along(module.weight.shape, dim, pieces)
         if module.bias is not None and dim == 0:  # a row-parallel bias is added once, after the sum
-            plan[f"{prefix}.{name}.bias"] = _split(module.bias.shape, 0, pieces)
+            plan[f"{prefix}.{name}.bias"] = TPShard.along(module.bias.shape, 0, pieces)
     return plan
-
-
-def _split(shape: torch.Size, dim: int, pieces: list[tuple[range, ...]]) -> TPShard:
-    """Each rank keeps its `pieces` of `dim` and all of every other dim."""
-    whole = [None] * len(shape)
-    return TPShard(
-        global_shape=tuple(shape),
-        selections=tuple(tuple(ranges if d == dim else whole[d] for d in range(len(shape))) for ranges in pieces),
-    )
 
 
 def _scaled(heads: range, head_dim: int) -> range:

@@ -61,7 +61,9 @@ def activation_split(model: nn.Module, name: str, inputs: bool) -> FeatureSplit 
     split_side = 1 if inputs else 0  # a split input belongs to a row-parallel (dim 1) weight, a split output to dim 0
     if shard.dim != split_side or name == _output_name(model):
         return None
-    rows = TPShard(global_shape=(shard.global_shape[shard.dim],), dim=0, pieces=shard.pieces)
+    if len(shard.split_dims) != 1:  # expert weights: their modules are not linear layers, so never here
+        return None
+    rows = TPShard.along((shard.global_shape[shard.dim],), 0, shard.pieces)
     return FeatureSplit(rows, group, per_head)
 
 
@@ -145,9 +147,31 @@ def full_parameter_on_rank0(model: nn.Module, param: torch.Tensor) -> torch.Tens
     shard = tp_shard_of(param)
     if shard is None:
         return param.detach() if dist.get_rank() == 0 else None
-    moved = param.detach().movedim(shard.dim, -1)
-    split = FeatureSplit(TPShard((shard.global_shape[shard.dim],), 0, shard.pieces), tp_group(model))
-    whole, _ = gather_whole_to_rank0(moved, split)
-    if whole is None:
+    return _gather_selections(param.detach(), shard, tp_group(model))
+
+
+def _gather_selections(local: torch.Tensor, shard: TPShard, group: dist.ProcessGroup) -> torch.Tensor | None:
+    """Rank 0 joins every rank's selection of a `tp` parameter (split on one dim or several, as experts are)."""
+    group_ranks = dist.get_process_group_ranks(group)
+    if 0 not in group_ranks:
         return None
-    return whole.movedim(-1, shard.dim)
+    width = max(int(torch.Size(shard.local_shape(r)).numel()) for r in range(len(group_ranks)))
+    flat = torch.nn.functional.pad(local.reshape(-1), (0, width - local.numel())).contiguous()
+    parts = [torch.empty_like(flat) for _ in group_ranks] if dist.get_rank() == 0 else None
+    dist.gather(flat, parts, dst=0, group=group)
+    if parts is None:
+        return None
+    whole = local.new_empty(shard.global_shape)
+    for rank, part in enumerate(parts):
+        shape = shard.local_shape(rank)
+        index = [_positions(ranges, size) for ranges, size in zip(shard.selections[rank], shard.global_shape)]
+        grid = [idx.view([-1 if d == i else 1 for d in range(len(index))]) for i, idx in enumerate(index)]
+        whole[tuple(grid)] = part[: int(torch.Size(shape).numel())].view(shape)
+    return whole
+
+
+def _positions(ranges: tuple[range, ...] | None, size: int) -> torch.Tensor:
+    """The indices along one dim that a rank's ranges cover, in its order (all of them for None)."""
+    if ranges is None:
+        return torch.arange(size)
+    return torch.cat([torch.arange(r.start, r.stop) for r in ranges])

@@ -34,7 +34,15 @@ def load_and_forward(rank: int, path, parallel: dict) -> dict:
     total = sum(_global(p) for p in experts)
     with torch.no_grad():
         logits = loaded.model(prompt_ids(loaded.tokenizer)).logits
-    return {"logits": logits, "summary": loaded.summary, "expert_numel": local, "expert_total": total}
+    whole = whole_experts(loaded.model) if parallel else None
+    return {"logits": logits, "summary": loaded.summary, "expert_numel": local, "expert_total": total, "whole": whole}
+
+
+def whole_experts(model) -> torch.Tensor | None:
+    """Layer 1's fused gate_up experts joined on rank 0 from every rank's experts and rows (None elsewhere)."""
+    from shardbook.rankd.wholes import full_parameter_on_rank0
+
+    return full_parameter_on_rank0(model, model.model.layers[1].mlp.experts.gate_up_proj)
 
 
 def _global(param) -> int:
@@ -43,19 +51,21 @@ def _global(param) -> int:
     return global_numel(param)
 
 
-def one_process_logits(path) -> torch.Tensor:
+def one_process(path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt's logits and layer 1's fused gate_up experts, as transformers loads them in one process."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
-        return model(prompt_ids(AutoTokenizer.from_pretrained(path))).logits
+        logits = model(prompt_ids(AutoTokenizer.from_pretrained(path))).logits
+    return logits, model.model.layers[1].mlp.experts.gate_up_proj.detach().clone()
 
 
 @pytest.fixture(scope="module")
 def families(tmp_path_factory) -> dict:
     """Each family's tiny checkpoint and its one-process logits."""
     paths = {family: make_tiny_moe(tmp_path_factory.mktemp(family) / "model", family) for family in EP_FAMILIES}
-    return {family: (path, one_process_logits(path)) for family, path in paths.items()}
+    return {family: (path, *one_process(path)) for family, path in paths.items()}
 
 
 def load_each(rank: int, paths: dict, parallel: dict) -> dict:
@@ -66,9 +76,11 @@ def load_each(rank: int, paths: dict, parallel: dict) -> dict:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_moe_logits_match_one_process(ranks, families, layout):
     parallel, world_size = LAYOUTS[layout]
-    paths = {family: path for family, (path, _) in families.items()}
+    paths = {family: path for family, (path, _, _) in families.items()}
     per_rank = ranks(load_each, paths, parallel, world_size=world_size, deadline=240)
-    for family, (_, reference) in families.items():
+    for family, (_, reference, gate_up) in families.items():
+        if parallel:  # full_parameter joins every rank's experts and rows into transformers' own fused tensor
+            torch.testing.assert_close(per_rank[0][family]["whole"], gate_up, atol=0, rtol=0, msg=family)
         for rank, results in enumerate(per_rank):
             result = results[family]
             assert not torch.isnan(result["logits"]).any(), f"{family} rank {rank}: NaN in the logits"
@@ -87,7 +99,7 @@ def test_moe_logits_match_one_process(ranks, families, layout):
 def test_deepseek_v3_loads_sharded_in_the_fsdp_layouts_and_tp_says_it_cannot(ranks, tmp_path):
     """DeepSeek-V3 (multi-head latent attention): its experts load from per-expert tensors; tp is refused clearly."""
     path = make_tiny_moe(tmp_path / "deepseek", "deepseek_v3")
-    reference = one_process_logits(path)
+    reference, _ = one_process(path)
     for result in ranks(load_and_forward, path, {"decode": "reshard"}):
         torch.testing.assert_close(result["logits"], reference, atol=1e-4, rtol=0)
     for message in ranks(failing_load, path, {"ep_size": 2}):
