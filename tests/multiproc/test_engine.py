@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import TextIteratorStreamer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/tiny.py
-from tiny import make_tiny_llama  # noqa: E402
+from tiny import make_tiny_llama, make_tiny_moe  # noqa: E402
 
 from shardbook.rankd.engine import (  # noqa: E402
     GenerationError,
@@ -75,13 +75,12 @@ def _rank_main(rank: int, init_file: str, model_path: str, layout: str, pg_timeo
 
 
 def _load_sharded(model_path: str, layout: str) -> tuple[Any, Any]:
-    """Every rank loads the checkpoint sharded over all ranks, in the forward layout `layout`."""
+    """Every rank loads the checkpoint sharded over all ranks, in the forward layout `layout` ("tp+ep": experts too)."""
     from shardbook.rankd.config import ModelConfig, ParallelConfig, ShardbookConfig
     from shardbook.rankd.loading import load_sharded
 
-    config = ShardbookConfig(
-        model=ModelConfig(model_name_or_path=model_path, dtype="float32"), parallel=ParallelConfig(decode=layout)
-    )
+    parallel = ParallelConfig(decode="tp", ep_size=WORLD_SIZE) if layout == "tp+ep" else ParallelConfig(decode=layout)
+    config = ShardbookConfig(model=ModelConfig(model_name_or_path=model_path, dtype="float32"), parallel=parallel)
     loaded = load_sharded(config, device="cpu")
     return loaded.model, loaded.tokenizer
 
@@ -335,6 +334,32 @@ def test_interrupt_stops_every_rank_and_the_next_turn_works(ranks: Ranks, single
     rank0 = answers[0]["interrupted"]
     assert "".join(rank0["chunks"]) == rank0["text"]
     print("\ninterrupted at", [a["interrupted"]["generated_tokens"] for a in answers], "tokens on ranks 0, 1")
+
+
+def test_expert_parallel_generation_matches_finishes_and_stops(tmp_path: Path) -> None:
+    """Qwen3-MoE with ep_size 2: greedy equals one process; ranks sampling different lengths and an
+    interrupt at different steps per rank finish together, the experts' all-reduce staying in step."""
+    path = make_tiny_moe(tmp_path / "moe", "qwen3_moe")
+    expected = _generate_here(AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path),
+                              _request(max_new_tokens=12))
+    moe = Ranks(path, tmp_path, pg_timeout_s=60, layout="tp+ep")
+    try:
+        greedy = moe.run("generate", [{"request": _request(max_new_tokens=12)}] * WORLD_SIZE)
+        lengths = moe.run("generate", [
+            {"request": _request(do_sample=True, temperature=1.5, seed=1, max_new_tokens=3)},
+            {"request": _request(do_sample=True, temperature=1.5, seed=2, max_new_tokens=16)},
+        ])
+        stopped = moe.run("interrupt", [
+            {"request": _request(max_new_tokens=200), "stop_after": stop, "next_request": _request(max_new_tokens=12)}
+            for stop in (3, 7)
+        ])
+    finally:
+        moe.close()
+    assert [a["text"] for a in greedy] == [expected.text] * WORLD_SIZE
+    assert [a["generated_tokens"] for a in lengths] == [3, 16]
+    for answer in stopped:
+        assert answer["interrupted"]["finish_reason"] == "interrupted"
+        assert answer["next"]["text"] == expected.text
 
 
 def test_exception_on_one_rank_surfaces_on_every_rank(tiny_path: Path, tmp_path: Path) -> None:
