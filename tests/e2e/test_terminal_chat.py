@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from tests.e2e.conftest import gone, wait_until
-from tests.tiny import make_tiny_llama, make_tiny_non_causal
+from tests.tiny import make_tiny_llama, make_tiny_moe, make_tiny_non_causal
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -181,6 +181,15 @@ def test_input_that_is_not_utf8_is_read_with_replacement_characters(tiny_config)
     assert stderr.count("is not valid UTF-8") == 3 and "byte(s) read as U+FFFD" in stderr
     assert "(system prompt set: \ufffd\ufffd be brief)" in stderr
     assert stdout.decode("utf-8").strip()
+    assert_all_gone(pids)
+
+
+def test_a_mixture_of_experts_model_chats_with_expert_parallelism(tmp_path):
+    model = make_tiny_moe(tmp_path / "moe", "glm4_moe")
+    config = write_config(tmp_path / "moe.yaml", model, max_new_tokens=6)
+    result, pids = piped_chat(chat_argv(config, "--parallel.ep_size", "2"), ["hello", "exit"], 3)
+    assert result.returncode == 0, result.stderr
+    assert "decode layout tp." in result.stderr and len(STATUS.findall(result.stderr)) == 1
     assert_all_gone(pids)
 
 
