@@ -39,7 +39,10 @@ def lens_table(lens: Any, input_tokens: list[str]) -> LensTable:
 
 
 def short(text: str) -> str:
-    text = text.replace("\n", "\\n")
+    """A token as a heatmap cell shows it: whitespace made visible (a space as ␣), at most MAX_CELL_CHARS."""
+    text = text.replace("\n", "\\n").replace("\t", "\\t")
+    if not text.strip():
+        text = text.replace(" ", "␣") or "∅"
     return text if len(text) <= MAX_CELL_CHARS else text[: MAX_CELL_CHARS - 1] + "…"
 
 

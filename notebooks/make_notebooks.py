@@ -208,6 +208,11 @@ ax.legend()
 plt.show()
 """),
     md("""
+Patching the country's position brings the answer back when done early, and stops helping
+after a certain layer (about layer 22 for SmolLM2): by then the later positions have already
+read the country from there, so the corrupt reading has moved on with them.
+"""),
+    md("""
 ## A steering vector
 
 The difference between the residual streams of two prompts at a middle layer is a direction

@@ -7,7 +7,7 @@ import torch
 from IPython.core.error import UsageError
 
 from shardbook.magics.inspection import layer_globs
-from shardbook.magics.lens_view import heatmap_png, lens_table
+from shardbook.magics.lens_view import heatmap_png, lens_table, short
 from shardbook.rankd.tracing import Lens, glob_pattern
 
 NAMES = ["model.layers.0", "model.layers.0.self_attn", "model.layers.0.self_attn.q_proj", "model.layers.1", "model.layers.12"]
@@ -40,3 +40,8 @@ def test_lens_table_and_heatmap():
     assert len(table.rows) == 6 and table.rows[-1]["top_tokens"] == [" Paris", "\n"] and table.rows[-1]["top_probs"] == [0.9, 0.05]
     assert "model.layers.1       2  ' is'        ' Paris' 0.90, '\\n' 0.05" in repr(table)
     assert heatmap_png(lens, ["The", " capital", " is"]).startswith(b"\x89PNG")
+
+
+def test_heatmap_cells_show_whitespace_tokens():
+    assert short(" ") == "␣" and short("\n") == "\\n" and short("") == "∅"
+    assert short(" Paris") == " Paris" and short(" capitalism") == " capit…"
