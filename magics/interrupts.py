@@ -18,18 +18,26 @@ from shardbook.kernel.generation_queue import CHAT_SOURCE, GenerationQueue
 
 
 class CellActivity:
-    """Whether the shell runs a cell's code: between IPython's ``pre_run_cell`` and ``post_run_cell`` events."""
+    """Whether the shell runs a cell's code: between IPython's ``pre_run_cell`` and ``post_run_cell`` events.
+
+    Counted, not flagged: rank 0's part of ``%%all`` runs the cell in the same shell, a nested
+    run whose end must not look like the end of the notebook's cell.
+    """
 
     def __init__(self, shell: Any):
-        self.running = False
+        self.depth = 0
         shell.events.register("pre_run_cell", self._started)
         shell.events.register("post_run_cell", self._ended)
 
+    @property
+    def running(self) -> bool:
+        return self.depth > 0
+
     def _started(self, info: Any) -> None:
-        self.running = True
+        self.depth += 1
 
     def _ended(self, result: Any) -> None:
-        self.running = False
+        self.depth = max(0, self.depth - 1)  # a cell that failed before it started fires only the end
 
 
 def install_interrupt_hook(shell: Any, generation_queue: GenerationQueue) -> None:
