@@ -108,7 +108,11 @@ def test_user_errors_leave_the_kernel_usable(kernel, uneven):
     assert big.status == "error" and "over the limit of 0.0 MiB" in big.error_text()
     undefined = kernel.run("%intervene nowhere model.layers.0")
     assert undefined.status == "error" and "define it in an %%all cell first" in undefined.error_text()
-    assert "no interventions" in kernel.run("%intervene").stdout()
+    kernel.run("def only_on_rank0(output, module_name):\n    return output")  # a plain cell runs on rank 0 alone
+    partial = kernel.run("%intervene only_on_rank0 model.layers.0").error_text()
+    assert "rank 1: ValueError: no function named 'only_on_rank0'" in partial, partial
+    assert "rank 0: ValueError: not registered on rank 0: another rank could not register it" in partial, partial
+    assert "no interventions" in kernel.run("%intervene").stdout()  # all or nothing: not on rank 0 either
     kernel.run("%intervene fails_on_one model.layers.*.self_attn.q_proj")
     failed = kernel.run("%%trace\nThe capital of France is")
     text = failed.error_text()
