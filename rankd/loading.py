@@ -130,20 +130,10 @@ def _load(
         report("skeleton", 1, 1)
     architecture = type(model).__name__  # fully_shard renames the class to FSDP<name>
     views = steps.settle(steps.run("memory", _memory_view, model, device))
-    parts = ckpt.mesh_shape[-1]
-    ep_sizes = (getattr(config.parallel, "ep_size", 1), getattr(config.parallel, "ep_fsdp_size", 1))
-    tp_reason = tp_unavailable(ckpt.hf_config, parts) or expert_layout_problem(ckpt.hf_config, parts, *ep_sizes)
-    requested = _requested_layout(config.parallel.decode, ep_sizes)
-    layout, reason = choose_layout(requested, views, tp_reason)
-    if requested != config.parallel.decode:
-        reason = f"parallel.ep_size x ep_fsdp_size = {ep_sizes[0] * ep_sizes[1]}: expert parallelism runs in the tp layout"
+    layout, reason, ep_sizes = _decide_layout(config.parallel, ckpt, views)
     mesh = init_mesh(device.type, ckpt.mesh_shape, ckpt.mesh_axes)
     if layout == "tp":
-        experts = ExpertLayout.of(parts, *ep_sizes) if num_experts(ckpt.hf_config.get_text_config()) else None
-        if experts is not None:
-            reason += f"; {experts.describe()}"
-        expert_group = init_expert_group(experts, mesh.get_group("shard")) if experts is not None else None
-        _shard_and_read_tp(steps, report, model, mesh, ckpt, device, experts, expert_group)
+        reason += _shard_and_read_tp(steps, report, model, mesh, ckpt, device, ep_sizes)
     else:
         steps.run("shard", apply_fsdp, model, mesh, layout == "reshard", steps.progress(report, "shard"))
         targets = steps.run("plan", plan_reads, model, ckpt.path)
@@ -159,21 +149,41 @@ def _load(
     return LoadedModel(model=model, tokenizer=ckpt.tokenizer, summary=summary)
 
 
-def _requested_layout(decode: str, ep_sizes: tuple[int, int]) -> str:
-    """`parallel.decode`, where expert parallelism (ep_size x ep_fsdp_size > 1) makes `auto` mean `tp`."""
-    return "tp" if decode == "auto" and ep_sizes[0] * ep_sizes[1] > 1 else decode
+def _decide_layout(parallel: Any, ckpt: "_Checkpoint", views: list) -> tuple[str, str, tuple[int, int]]:
+    """The forward layout, why, and (ep_size, ep_fsdp_size): the same on every rank (no collective).
+
+    Expert parallelism (ep_size x ep_fsdp_size > 1) runs in `tp`, so it makes `auto` mean `tp`.
+    """
+    parts = ckpt.mesh_shape[-1]
+    ep_sizes = (getattr(parallel, "ep_size", 1), getattr(parallel, "ep_fsdp_size", 1))
+    tp_reason = tp_unavailable(ckpt.hf_config, parts) or expert_layout_problem(ckpt.hf_config, parts, *ep_sizes)
+    experts_on = ep_sizes[0] * ep_sizes[1] > 1
+    requested = "tp" if parallel.decode == "auto" and experts_on else parallel.decode
+    layout, reason = choose_layout(requested, views, tp_reason)
+    if requested != parallel.decode:
+        reason = f"parallel.ep_size x ep_fsdp_size = {ep_sizes[0] * ep_sizes[1]}: expert parallelism runs in the tp layout"
+    return layout, reason, ep_sizes
 
 
 def _shard_and_read_tp(
-    steps: LoadSteps, report: "_Reporter", model: nn.Module, mesh, ckpt: "_Checkpoint", device, experts, expert_group
-) -> None:
-    """The `tp` layout's shard and read steps: slice the layers, then read each rank's pieces of every weight."""
+    steps: LoadSteps, report: "_Reporter", model: nn.Module, mesh, ckpt: "_Checkpoint", device, ep_sizes
+) -> str:
+    """The `tp` layout's shard and read steps: slice the layers, then read each rank's pieces of every weight.
+
+    Returns what the reason should add about the experts (empty for a dense model).
+    """
+    experts = None
+    if num_experts(ckpt.hf_config.get_text_config()):
+        experts = ExpertLayout.of(ckpt.mesh_shape[-1], *ep_sizes)
+    # a collective over the world (outside any step: every rank gets here, failed step or not)
+    expert_group = init_expert_group(experts, mesh.get_group("shard")) if experts is not None else None
     targets = steps.run("plan", plan_reads, model, ckpt.path)  # on the global shapes, before slicing
     plan = steps.run("shard", shard_tp, model, mesh, experts, expert_group)
     if steps.ok:
         report("shard", 1, 1)
     rank = mesh.get_local_rank("shard")
     steps.run("read", read_tp_slices, model, targets, plan, rank, device, steps.progress(report, "read"))
+    return f"; {experts.describe()}" if experts is not None else ""
 
 
 def _memory_view(model: nn.Module, device: torch.device) -> tuple[bool, str]:
