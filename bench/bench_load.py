@@ -78,7 +78,7 @@ def load_once(method: str, model_dir: Path) -> tuple[object, dict[str, float]]:
 
         config = types.SimpleNamespace(
             model=types.SimpleNamespace(model_name_or_path=str(model_dir), dtype="float32", trust_remote_code=False),
-            parallel=types.SimpleNamespace(fsdp_size=-1, ep_size=1, reshard_after_forward=None),
+            parallel=types.SimpleNamespace(fsdp_size=-1, ep_size=1, ep_fsdp_size=1, decode="auto"),
         )
         on_step = lambda step, done, total: done == total and part_done(step)  # noqa: E731
         model = load_sharded(config, device="cpu", progress=on_step).model

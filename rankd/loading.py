@@ -81,7 +81,7 @@ def load_sharded(
     """Load `config.model` sharded over the ranks as `config.parallel` says; call on every rank.
 
     `config` has `model.{model_name_or_path, dtype, trust_remote_code}` and
-    `parallel.{fsdp_size, ep_size, decode}` (a `ShardbookConfig` or any object
+    `parallel.{fsdp_size, ep_size, ep_fsdp_size, decode}` (a `ShardbookConfig` or any object
     shaped like it). `model_path` is the resolved checkpoint directory (rank 0 resolves demo
     names and sends the path); without it `config.model.model_name_or_path` is used as a path.
     `stop`, once set, makes every rank stop at its next safe point and raise KeyboardInterrupt.
@@ -155,7 +155,7 @@ def _decide_layout(parallel: Any, ckpt: "_Checkpoint", views: list) -> tuple[str
     Expert parallelism (ep_size x ep_fsdp_size > 1) runs in `tp`, so it makes `auto` mean `tp`.
     """
     parts = ckpt.mesh_shape[-1]
-    ep_sizes = (getattr(parallel, "ep_size", 1), getattr(parallel, "ep_fsdp_size", 1))
+    ep_sizes = (parallel.ep_size, parallel.ep_fsdp_size)
     tp_reason = tp_unavailable(ckpt.hf_config, parts) or expert_layout_problem(ckpt.hf_config, parts, *ep_sizes)
     experts_on = ep_sizes[0] * ep_sizes[1] > 1
     requested = "tp" if parallel.decode == "auto" and experts_on else parallel.decode

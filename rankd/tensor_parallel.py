@@ -124,20 +124,20 @@ def plan_tp(model: nn.Module, parts: int, experts: "ExpertLayout | None" = None)
     plan["model.embed_tokens.weight"] = vocab
     if "lm_head.weight" in dict(model.named_parameters(remove_duplicate=False)):
         plan["lm_head.weight"] = vocab
+    shares = split_heads(config.num_attention_heads, config.num_key_value_heads, parts)
     for index, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{index}"
         moe = hasattr(layer.mlp, "experts")
-        plan.update(_layer_plan(prefix, layer, config, parts, dense_mlp=not moe))
+        plan.update(_layer_plan(prefix, layer, config, shares, dense_mlp=not moe))
         if moe:
             plan.update(moe_plan(f"{prefix}.mlp", layer.mlp, experts))
     return plan
 
 
-def _layer_plan(prefix: str, layer: nn.Module, config, parts: int, dense_mlp: bool) -> dict[str, TPShard]:
+def _layer_plan(prefix: str, layer: nn.Module, config, shares: list[HeadShare], dense_mlp: bool) -> dict[str, TPShard]:
     """Attention sliced by heads, and a dense MLP by rows that even out the weights per rank."""
     attn, mlp = layer.self_attn, layer.mlp
     head_dim = attn.head_dim
-    shares = split_heads(config.num_attention_heads, config.num_key_value_heads, parts)
     query_rows = [(_scaled(s.query_heads, head_dim),) for s in shares]
     kv_rows = [_kv_pieces(s, head_dim) for s in shares]
     hidden = config.hidden_size

@@ -24,7 +24,7 @@ def stand_in_config(path, *, fsdp_size=-1, dtype="float32", decode="auto", ep_si
     """A duck-typed config with the attributes `load_sharded` reads (no validation of its own)."""
     return types.SimpleNamespace(
         model=types.SimpleNamespace(model_name_or_path=str(path), dtype=dtype, trust_remote_code=False),
-        parallel=types.SimpleNamespace(fsdp_size=fsdp_size, ep_size=ep_size, decode=decode),
+        parallel=types.SimpleNamespace(fsdp_size=fsdp_size, ep_size=ep_size, ep_fsdp_size=1, decode=decode),
     )
 
 
