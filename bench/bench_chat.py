@@ -71,7 +71,7 @@ MAX_TTFT_EXTRA_S = 0.050
 
 SETUP_ALL = r'''%%all
 import json as _bj, time as _bt, torch as _btorch, torch.distributed as _bdist
-from shardbook.rankd.layout import reshard_model as _b_reshard
+from shardbook.rankd.parallel.layout import reshard_model as _b_reshard
 from torch.distributed.tensor import DTensor as _BDTensor
 _bench_mirror = True  # raw reshards after itself when the generate handler does (set after a chat turn)
 
@@ -141,7 +141,7 @@ def _bench_raw_thread(messages, n):
 
 def _bench_engine(messages, n, stream):
     """shardbook's engine without the kernel: rank 0 streams into a list when `stream`."""
-    from shardbook.rankd.engine import GenerationRequest, generate
+    from shardbook.rankd.generation.engine import GenerationRequest, generate
     chunks, t0, steps = [], _bt.perf_counter(), globals().get("_bench_steps", [])  # rank 0's forward ends
     on_text = chunks.append if stream and _bdist.get_rank() == 0 else None
     try:
@@ -156,7 +156,7 @@ def _bench_engine(messages, n, stream):
 
 SETUP_RANK0 = r'''
 import json as _bj, dataclasses as _bdc, time as _bt
-import shardbook.magics.chat_view as _bcv
+import shardbook.magics.views.chat_view as _bcv
 _bench_chunks, _bench_chunk_at = [], []
 def _bench_spy(add):
     def spy(self, chunk):
@@ -168,7 +168,7 @@ if not getattr(_bcv, "_bench_spied", False):
     _bcv.TextChatView.add = _bench_spy(_bcv.TextChatView.add)
     _bcv._bench_spied = True
 
-import shardbook.rankd.engine as _beng
+import shardbook.rankd.generation.engine as _beng
 _bench_gen = []  # (started_at, first_step_at) of each of rank 0's generate threads, once it has ended
 if not getattr(_beng, "_bench_spied", False):
     def _bench_run(self, _run=_beng._GenerateThread.run):
@@ -214,7 +214,7 @@ class Kernel:
 
     def __init__(self, tmp: Path):
         prefix = tmp / "prefix"
-        subprocess.run([sys.executable, "-m", "shardbook.kernel.cli", "install", "--nproc", "2",
+        subprocess.run([sys.executable, "-m", "shardbook.kernel.cli.main", "install", "--nproc", "2",
                         "--prefix", str(prefix), "--name", "bench-chat"], check=True, capture_output=True)
         os.environ["JUPYTER_PATH"] = str(prefix / "share" / "jupyter")
         os.environ["IPYTHONDIR"] = str(tmp / "ipython")

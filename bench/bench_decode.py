@@ -121,8 +121,8 @@ def run_layout(path: str, layout: str, tokens: int) -> dict | None:
     import torch
     import torch.distributed as dist
 
-    from shardbook.rankd.config import ModelConfig, ParallelConfig, ShardbookConfig
-    from shardbook.rankd.loading import load_sharded
+    from shardbook.rankd.config.schema import ModelConfig, ParallelConfig, ShardbookConfig
+    from shardbook.rankd.loading.load_sharded import load_sharded
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
-from shardbook.rankd.engine import (
+from shardbook.rankd.generation.engine import (
     GenerationRequest,
     StopOnEvent,
     build_generation_config,

@@ -39,8 +39,8 @@ def interleaved_medians(fns: dict, runs: int) -> dict[str, float]:
 
 
 def load(path: str, decode: str):
-    from shardbook.rankd.config import ModelConfig, ParallelConfig, ShardbookConfig
-    from shardbook.rankd.loading import load_sharded
+    from shardbook.rankd.config.schema import ModelConfig, ParallelConfig, ShardbookConfig
+    from shardbook.rankd.loading.load_sharded import load_sharded
 
     config = ShardbookConfig(model=ModelConfig(model_name_or_path=path, dtype="float32"), parallel=ParallelConfig(decode=decode))
     return load_sharded(config, device="cpu")
@@ -49,7 +49,7 @@ def load(path: str, decode: str):
 def layout_run(rank: int, path: str, decode: str, runs: int) -> dict:
     import torch
 
-    from shardbook.rankd.tracing import trace
+    from shardbook.rankd.inspection.tracing import trace
 
     loaded = load(path, decode)
     model, tok = loaded.model, loaded.tokenizer
@@ -109,7 +109,7 @@ def nnsight_under_tp(rank: int, path: str) -> dict:
     import torch
     from nnsight import NNsight
 
-    from shardbook.rankd.tracing import trace
+    from shardbook.rankd.inspection.tracing import trace
 
     loaded = load(path, "tp")
     ids = loaded.tokenizer(PROMPT, return_tensors="pt")["input_ids"]
@@ -122,7 +122,7 @@ def nnsight_under_tp(rank: int, path: str) -> dict:
 
 
 def main() -> None:
-    from shardbook.kernel.fetch import demo_model_dir
+    from shardbook.kernel.api.fetch import demo_model_dir
     from tests.ranks import run_ranks
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

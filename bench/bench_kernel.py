@@ -275,7 +275,7 @@ def ks_shardbook(tmp: Path) -> dict:
     elif exe.exists():
         cli = [str(exe)]
     else:
-        cli = [sys.executable, "-c", "import sys; from shardbook.kernel.cli import main; sys.exit(main())"]
+        cli = [sys.executable, "-c", "import sys; from shardbook.kernel.cli.main import main; sys.exit(main())"]
     prefix = tmp / "shardbook-prefix"
     cmd = [*cli, "install", "--nproc", str(WORLD), "--prefix", str(prefix), "--name", "bench-shardbook"]
     try:

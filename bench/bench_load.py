@@ -74,7 +74,7 @@ def load_once(method: str, model_dir: Path) -> tuple[object, dict[str, float]]:
     if method == "sharded":
         import types
 
-        from shardbook.rankd.loading import load_sharded
+        from shardbook.rankd.loading.load_sharded import load_sharded
 
         config = types.SimpleNamespace(
             model=types.SimpleNamespace(model_name_or_path=str(model_dir), dtype="float32", trust_remote_code=False),
@@ -91,7 +91,7 @@ def load_once(method: str, model_dir: Path) -> tuple[object, dict[str, float]]:
     if method == "full_then_shard":
         import torch.distributed as dist
 
-        from shardbook.rankd.layout import apply_fsdp, init_mesh
+        from shardbook.rankd.parallel.layout import apply_fsdp, init_mesh
 
         mesh = init_mesh("cpu", (dist.get_world_size(),), ("shard",))
         apply_fsdp(model, mesh, reshard_after_forward=False, on_group=lambda done, total: None)
@@ -105,7 +105,7 @@ def warm_imports(model_dir: Path) -> None:
     import torch.distributed.checkpoint  # noqa: F401
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    import shardbook.rankd.loading  # noqa: F401
+    import shardbook.rankd.loading.load_sharded  # noqa: F401
 
     with torch.device("meta"):
         AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))

@@ -2,6 +2,6 @@
 
 import sys
 
-from .app import main
+from shardbook.kernel.app import main
 
 sys.exit(main())

@@ -13,8 +13,8 @@ import os
 import sys
 from typing import NoReturn
 
-from shardbook.rankd.lifetime import die_with_parent, exit_with_launcher
-from shardbook.rankd.world import JobShape
+from shardbook.rankd.control.lifetime import die_with_parent, exit_with_launcher
+from shardbook.rankd.control.world import JobShape
 
 
 def connection_file_from(argv: list[str]) -> str | None:

@@ -14,14 +14,14 @@ def load_ipython_extension(shell) -> None:
     so the kernel stays usable and the cause shows in the notebook rather than only in a server
     log; every frontend that connects also gets it on IOPub.
     """
-    from shardbook.kernel.runtime import get_runtime
+    from shardbook.kernel.ranks.runtime import get_runtime
 
-    from .cells import RankMagics
-    from .chat import ChatMagics
-    from .errors import RankError, show_rank_error
-    from .inspection import InspectionMagics
-    from .loading import LoadMagics
-    from .serve import ServeMagics
+    from shardbook.magics.cells import RankMagics
+    from shardbook.magics.chat import ChatMagics
+    from shardbook.magics.errors import RankError, show_rank_error
+    from shardbook.magics.inspection import InspectionMagics
+    from shardbook.magics.loading import LoadMagics
+    from shardbook.magics.serve import ServeMagics
 
     shell.register_magics(RankMagics)
     shell.register_magics(LoadMagics)
@@ -35,10 +35,10 @@ def load_ipython_extension(shell) -> None:
         log.exception("shardbook: the rank pool failed to start; magics will report the error")
         kernel = getattr(shell, "kernel", None)
         if kernel is not None and hasattr(kernel, "shell_handlers"):
-            from .startup import announce_on_connect
+            from shardbook.magics.startup import announce_on_connect
 
             announce_on_connect(kernel, str(e))
     else:
-        from .interrupts import install_interrupt_hook
+        from shardbook.magics.interrupts import install_interrupt_hook
 
         install_interrupt_hook(shell, runtime.generation_queue)

@@ -8,13 +8,13 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from shardbook.kernel.pool import PoolError, check_timeout
-from shardbook.kernel.runtime import get_runtime
+from shardbook.kernel.ranks.pool import PoolError, check_timeout
+from shardbook.kernel.ranks.runtime import get_runtime
 
-from .dist import DistTable
-from .errors import raise_for_outcome
-from .ranks import parse_rank_spec
-from .relay import RankRelay, frontend_for
+from shardbook.magics.views.dist_table import DistTable
+from shardbook.magics.errors import raise_for_outcome
+from shardbook.magics.ranks import parse_rank_spec
+from shardbook.magics.relay import RankRelay, frontend_for
 
 
 def timeout_seconds(text: str) -> float:

@@ -7,14 +7,14 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, argument_group, magic_arguments, parse_argstring
 from IPython.display import display
 
-from shardbook.kernel.conversation import Conversation
-from shardbook.kernel.pool import PoolError
-from shardbook.kernel.runtime import get_runtime
+from shardbook.kernel.api.conversation import Conversation
+from shardbook.kernel.ranks.pool import PoolError
+from shardbook.kernel.ranks.runtime import get_runtime
 
-from .chat_view import ScoresView, TextChatView, WidgetChatView
-from .errors import raise_for_outcome
-from .progress import widgets_available
-from .relay import RankRelay, frontend_for
+from shardbook.magics.views.chat_view import ScoresView, TextChatView, WidgetChatView
+from shardbook.magics.errors import raise_for_outcome
+from shardbook.magics.views.progress import widgets_available
+from shardbook.magics.relay import RankRelay, frontend_for
 
 
 def generation_options(fn):
@@ -97,7 +97,7 @@ class ChatMagics(Magics):
 
     def _reply(self, text: str, args):
         # imported on first use: it brings in transformers, which the kernel's start need not wait for
-        from shardbook.kernel.chat import SETTINGS, ChatModel, ChatStream, GenerationFailed, sigint_calls
+        from shardbook.kernel.api.chat import SETTINGS, ChatModel, ChatStream, GenerationFailed, sigint_calls
 
         try:
             runtime = get_runtime(self.shell)

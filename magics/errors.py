@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardbook.kernel.failures import describe_failures, group_errors, outcome_errors, ranks_label, restart_hint
-from shardbook.kernel.pool import Outcome
+from shardbook.kernel.ranks.failures import describe_failures, group_errors, outcome_errors, ranks_label, restart_hint
+from shardbook.kernel.ranks.pool import Outcome
 
 MAX_FULL_TRACEBACKS = 3
 

@@ -7,14 +7,14 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import Image, display
 
-from shardbook.kernel.inspection import DEFAULT_MAX_MB, InspectionFailed, Inspector
-from shardbook.kernel.pool import PoolError
-from shardbook.kernel.runtime import get_runtime
+from shardbook.kernel.api.inspection import DEFAULT_MAX_MB, InspectionFailed, Inspector
+from shardbook.kernel.ranks.pool import PoolError
+from shardbook.kernel.ranks.runtime import get_runtime
 
-from .errors import raise_for_outcome
-from .lens_view import heatmap_png, lens_table
-from .loading import loaded_model
-from .relay import RankRelay, frontend_for
+from shardbook.magics.errors import raise_for_outcome
+from shardbook.magics.views.lens_view import heatmap_png, lens_table
+from shardbook.magics.loading import loaded_model
+from shardbook.magics.relay import RankRelay, frontend_for
 
 
 def max_mb_option(fn):
@@ -117,7 +117,7 @@ class InspectionMagics(Magics):
             raise UsageError("--top must be at least 1")
         layers = None
         if args.layers:
-            from shardbook.rankd.tracing import layer_names
+            from shardbook.rankd.inspection.tracing import layer_names
 
             layers = layer_globs(args.layers, layer_names(loaded_model(self._inspector()[0].runtime).model))
         result = self._call("logit_lens", prompt, layers, top=args.top, chat=args.chat)

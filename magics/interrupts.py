@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from shardbook.kernel.generation_queue import CHAT_SOURCE, GenerationQueue
+from shardbook.kernel.ranks.generation_queue import CHAT_SOURCE, GenerationQueue
 
 
 class CellActivity:

@@ -9,14 +9,14 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from shardbook.kernel.load_command import load_on_ranks, prepare_load
-from shardbook.kernel.pool import PoolError
-from shardbook.kernel.runtime import get_runtime
+from shardbook.kernel.api.load import load_on_ranks, prepare_load
+from shardbook.kernel.ranks.pool import PoolError
+from shardbook.kernel.ranks.runtime import get_runtime
 
-from .errors import raise_for_outcome
-from .progress import progress_view
-from .relay import RankRelay, frontend_for
-from .tables import shards_table, summary_table
+from shardbook.magics.errors import raise_for_outcome
+from shardbook.magics.views.progress import progress_view
+from shardbook.magics.relay import RankRelay, frontend_for
+from shardbook.magics.views.tables import shards_table, summary_table
 
 
 def parse_load_args(magic, line: str) -> argparse.Namespace:
@@ -95,7 +95,7 @@ class LoadMagics(Magics):
         except PoolError as e:
             raise UsageError(str(e)) from e
         raise_for_outcome(outcome)
-        from shardbook.rankd.shard_table import shard_rows  # torch.distributed.tensor: imported on first use
+        from shardbook.rankd.parallel.shard_table import shard_rows  # torch.distributed.tensor: imported on first use
 
         rows = shard_rows(model, args.prefix)
         if not rows:

@@ -12,7 +12,7 @@ import sys
 import threading
 from typing import Any, Callable
 
-from shardbook.rankd import protocol
+from shardbook.rankd.control import protocol
 
 
 class IOPubFrontend:

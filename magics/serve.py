@@ -6,8 +6,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from shardbook.kernel.pool import PoolError
-from shardbook.kernel.runtime import get_runtime
+from shardbook.kernel.ranks.pool import PoolError
+from shardbook.kernel.ranks.runtime import get_runtime
 
 
 @magics_class
@@ -34,7 +34,7 @@ class ServeMagics(Magics):
         button stops the reply in flight and the server keeps running. ``%serve --status`` and
         ``%serve --stop``. Loading another model switches what is served.
         """
-        from shardbook.kernel.server import DEFAULT_PORT, ServeOptions, Server, read_api_key
+        from shardbook.kernel.server.server import DEFAULT_PORT, ServeOptions, Server, read_api_key
 
         args = parse_argstring(self.serve, line)
         try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from .relay import IOPubFrontend
+from shardbook.magics.relay import IOPubFrontend
 
 
 def announce_on_connect(kernel: Any, text: str) -> None:

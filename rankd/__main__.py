@@ -13,9 +13,9 @@ import argparse
 import logging
 import sys
 
-from . import protocol
-from .lifetime import die_with_parent, exit_with_launcher
-from .world import JobShape, StartupAbandoned
+from shardbook.rankd.control import protocol
+from shardbook.rankd.control.lifetime import die_with_parent, exit_with_launcher
+from shardbook.rankd.control.world import JobShape, StartupAbandoned
 
 
 def control_key(connection_file: str | None, key_file: str | None) -> tuple[bytes, str]:
@@ -36,8 +36,9 @@ def configure_logging(rank: int) -> None:
 
 
 def follower_main(connection_file: str | None = None, key_file: str | None = None) -> int:
-    from .follower import run_follower
-    from .world import init_world
+    from shardbook.rankd import commands  # noqa: F401  (fills the command table the follower dispatches from)
+    from shardbook.rankd.control.follower import run_follower
+    from shardbook.rankd.control.world import init_world
 
     shape = JobShape.from_env()
     configure_logging(shape.rank)

@@ -2,6 +2,6 @@
 
 import sys
 
-from shardbook.kernel.cli import main
+from shardbook.kernel.cli.main import main
 
 sys.exit(main())

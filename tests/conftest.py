@@ -6,7 +6,7 @@ import pytest
 
 
 def _has(kind: str) -> bool:
-    from shardbook.rankd.world import DeviceProbe
+    from shardbook.rankd.control.world import DeviceProbe
 
     probe = DeviceProbe.real()
     return (probe.cuda_count if kind == "gpu" else probe.npu_count)() > 0

@@ -27,7 +27,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell
 
-from shardbook.kernel.fetch import demo_model_dir, is_built
+from shardbook.kernel.api.fetch import demo_model_dir, is_built
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts"
@@ -133,7 +133,7 @@ def jupyterlab(tmp_path):
     """A JupyterLab server on loopback: yields (notebook URL, workspace dir); shut down afterwards."""
     prefix = tmp_path / "jupyter"
     subprocess.run(
-        [sys.executable, "-m", "shardbook.kernel.cli", "install", "--nproc", "2", "--prefix", str(prefix), "--name", "shardbook-2"],
+        [sys.executable, "-m", "shardbook.kernel.cli.main", "install", "--nproc", "2", "--prefix", str(prefix), "--name", "shardbook-2"],
         check=True, capture_output=True,
     )
     work = tmp_path / "work"

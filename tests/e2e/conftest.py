@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from jupyter_client.manager import KernelManager
 
-from shardbook.rankd.lifetime import pid_alive
+from shardbook.rankd.control.lifetime import pid_alive
 from tests.driver import execute
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def install_spec(prefix: Path, name: str, *extra: str) -> None:
     subprocess.run(
-        [sys.executable, "-m", "shardbook.kernel.cli", "install", "--prefix", str(prefix), "--name", name, *extra],
+        [sys.executable, "-m", "shardbook.kernel.cli.main", "install", "--prefix", str(prefix), "--name", name, *extra],
         check=True, capture_output=True,
     )
 

@@ -111,7 +111,7 @@ def assert_demo_model_replies(url: str, api_key: str = "unused") -> None:
     from openai import OpenAI
     from transformers import AutoTokenizer
 
-    from shardbook.kernel.fetch import resolve_model_path
+    from shardbook.kernel.api.fetch import resolve_model_path
 
     client, model = OpenAI(base_url=url, api_key=api_key), "smollm2-135m-instruct"
     question = [{"role": "user", "content": "What is the capital of France?"}]

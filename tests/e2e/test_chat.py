@@ -204,7 +204,7 @@ def test_rapid_interrupts_stop_the_reply_once_and_keep_it(loaded):
 
 INTERRUPTED_IN = """
 import os, signal
-from shardbook.magics import chat_view
+from shardbook.magics.views import chat_view
 original = getattr(chat_view.WidgetChatView, {where!r})
 def pressed_there(self, *args):  # the stop button pressed 5 times just as the view is busy
     original(self, *args)

@@ -189,8 +189,8 @@ def test_rank0_failing_before_a_collective_does_not_wedge_silently(fresh_kernel)
 
 ABUSE = """
 import zmq
-from shardbook.kernel.runtime import get_runtime
-from shardbook.rankd import protocol
+from shardbook.kernel.ranks.runtime import get_runtime
+from shardbook.rankd.control import protocol
 endpoint = get_runtime().world.store.get(protocol.CONTROL_KEY).decode()
 attacker = zmq.Context.instance().socket(zmq.DEALER)
 attacker.connect(endpoint)

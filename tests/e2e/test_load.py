@@ -171,7 +171,7 @@ def mapped_view_replaced(kernel, where: str, body: str):
     """On the ranks ``where`` selects (``%%all``, ``%%rank 1``), reading a mapped tensor runs ``body``
     (one line; ``original_view`` is the real reader)."""
     patch = (
-        f"{where}\nfrom shardbook.rankd.safetensors_files import MappedFiles\noriginal_view = MappedFiles.view\n"
+        f"{where}\nfrom shardbook.rankd.loading.safetensors_files import MappedFiles\noriginal_view = MappedFiles.view\n"
         f"def replaced_view(self, stored):\n    {body}\nMappedFiles.view = replaced_view"
     )
     assert kernel.run(patch).status == "ok"

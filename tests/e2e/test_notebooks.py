@@ -1,6 +1,6 @@
 """The example notebooks: regenerable from make_notebooks.py, and run headless with SmolLM2 on 2 ranks.
 
-The SmolLM2 runs go through the real command line (``python -m shardbook.kernel.cli run``) on the
+The SmolLM2 runs go through the real command line (``python -m shardbook.kernel.cli.main run``) on the
 notebooks in place, since they find the config relative to their own folder; the executed copies
 go to a temporary directory.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from shardbook.kernel.fetch import demo_model_dir, is_built
+from shardbook.kernel.api.fetch import demo_model_dir, is_built
 from tests.e2e.conftest import ROOT
 
 NOTEBOOKS = ROOT / "notebooks"
@@ -30,7 +30,7 @@ RUN_TIMEOUT_S = 420
 
 def shardbook_run(notebook: Path, output: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "shardbook.kernel.cli", "run", str(notebook), "--nproc", "2", "--output", str(output)],
+        [sys.executable, "-m", "shardbook.kernel.cli.main", "run", str(notebook), "--nproc", "2", "--output", str(output)],
         capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False,
     )
 

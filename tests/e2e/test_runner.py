@@ -22,7 +22,7 @@ HELLO = ROOT / "notebooks" / "hello_ranks.ipynb"
 
 def shardbook_run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "shardbook.kernel.cli", "run", *args],
+        [sys.executable, "-m", "shardbook.kernel.cli.main", "run", *args],
         capture_output=True, text=True, timeout=timeout, check=False,
     )
 
@@ -78,7 +78,7 @@ def test_output_is_live_and_a_cell_past_the_timeout_is_interrupted(tmp_path):
     notebook = write_notebook(tmp_path / "slow.ipynb", "%%all\nimport time\nprint('sleeping', flush=True)\ntime.sleep(120)")
     start = time.monotonic()
     with subprocess.Popen(
-        [sys.executable, "-m", "shardbook.kernel.cli", "run", str(notebook), "--nproc", "2", "--timeout", "5"],
+        [sys.executable, "-m", "shardbook.kernel.cli.main", "run", str(notebook), "--nproc", "2", "--timeout", "5"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     ) as proc:
         first_line_at = next(time.monotonic() for line in proc.stdout if "sleeping" in line)

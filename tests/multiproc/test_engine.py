@@ -29,13 +29,13 @@ from transformers.generation.streamers import TextIteratorStreamer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/tiny.py
 from tiny import make_tiny_llama, make_tiny_moe  # noqa: E402
 
-from shardbook.rankd.engine import (  # noqa: E402
+from shardbook.rankd.generation.engine import (  # noqa: E402
     GenerationError,
     GenerationRequest,
     fit_max_new_tokens,
     generate,
 )
-from shardbook.rankd.streaming import INCOMPLETE, TextDeltaStreamer  # noqa: E402
+from shardbook.rankd.generation.streaming import INCOMPLETE, TextDeltaStreamer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -76,8 +76,8 @@ def _rank_main(rank: int, init_file: str, model_path: str, layout: str, pg_timeo
 
 def _load_sharded(model_path: str, layout: str) -> tuple[Any, Any]:
     """Every rank loads the checkpoint sharded over all ranks, in the forward layout `layout` ("tp+ep": experts too)."""
-    from shardbook.rankd.config import ModelConfig, ParallelConfig, ShardbookConfig
-    from shardbook.rankd.loading import load_sharded
+    from shardbook.rankd.config.schema import ModelConfig, ParallelConfig, ShardbookConfig
+    from shardbook.rankd.loading.load_sharded import load_sharded
 
     parallel = ParallelConfig(decode="tp", ep_size=WORLD_SIZE) if layout == "tp+ep" else ParallelConfig(decode=layout)
     config = ShardbookConfig(model=ModelConfig(model_name_or_path=model_path, dtype="float32"), parallel=parallel)

@@ -26,8 +26,8 @@ def tiny(tmp_path_factory):
 
 
 def load(path: Path, decode: str):
-    from shardbook.rankd.config import ModelConfig, ParallelConfig, ShardbookConfig
-    from shardbook.rankd.loading import load_sharded
+    from shardbook.rankd.config.schema import ModelConfig, ParallelConfig, ShardbookConfig
+    from shardbook.rankd.loading.load_sharded import load_sharded
 
     config = ShardbookConfig(model=ModelConfig(model_name_or_path=str(path), dtype="float32"), parallel=ParallelConfig(decode=decode))
     return load_sharded(config, device="cpu")
@@ -55,9 +55,9 @@ def one_process(path: Path) -> dict:
 
 def traced(rank: int, path: Path, decode: str) -> dict:
     """Decoder layers with the lens, every module of layer 1, o_proj inputs, q_proj's weight, and a zeroing intervention."""
-    from shardbook.rankd import interventions
-    from shardbook.rankd.tracing import match_modules, trace
-    from shardbook.rankd.wholes import full_parameter_on_rank0
+    from shardbook.rankd.inspection import interventions
+    from shardbook.rankd.inspection.tracing import match_modules, trace
+    from shardbook.rankd.parallel.wholes import full_parameter_on_rank0
 
     loaded = load(path, decode)
     model, tok = loaded.model, loaded.tokenizer

@@ -72,8 +72,8 @@ def layout(model) -> dict:
 
 
 def load_and_run(rank, path, parallel: dict, dtype: str = "float32") -> dict:
-    from shardbook.rankd.config import ModelConfig, ParallelConfig, ShardbookConfig
-    from shardbook.rankd.loading import load_sharded
+    from shardbook.rankd.config.schema import ModelConfig, ParallelConfig, ShardbookConfig
+    from shardbook.rankd.loading.load_sharded import load_sharded
 
     config = ShardbookConfig(
         model=ModelConfig(model_name_or_path=str(path), dtype=dtype), parallel=ParallelConfig(**parallel)
@@ -189,8 +189,8 @@ def test_dtype_of_a_bfloat16_checkpoint(ranks, tiny_bf16, requested, dtype):
 
 def failing_loads(rank, paths: dict) -> dict:
     """Each bad request on both ranks; the messages each rank raised, and whether the group still works."""
-    from shardbook.rankd.loading import load_sharded
-    from shardbook.rankd.safetensors_files import MappedFiles
+    from shardbook.rankd.loading.load_sharded import load_sharded
+    from shardbook.rankd.loading.safetensors_files import MappedFiles
 
     tiny = paths["tiny"]
     cases = {
@@ -318,7 +318,7 @@ def interrupted_loads(rank, path) -> dict:
     """The stop event set on one rank only, before the load and midway through sharding; then a load that works."""
     import threading
 
-    from shardbook.rankd.loading import load_sharded
+    from shardbook.rankd.loading.load_sharded import load_sharded
 
     outcomes = {}
     for case, stopped_rank, at_step in (("before", 0, None), ("while sharding", 1, "shard")):
@@ -351,7 +351,7 @@ def test_interrupt_on_one_rank_stops_every_rank_at_a_safe_point(ranks, tiny, tin
 def reload_and_free(rank, path) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from shardbook.rankd.loading import free_model, load_sharded
+    from shardbook.rankd.loading.load_sharded import free_model, load_sharded
 
     def broken_progress(step, done, total):
         if rank == 0 and step == "shard":

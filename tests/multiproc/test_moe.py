@@ -21,8 +21,8 @@ LAYOUTS = {
 
 
 def load_and_forward(rank: int, path, parallel: dict) -> dict:
-    from shardbook.rankd.config import ModelConfig, ParallelConfig, ShardbookConfig
-    from shardbook.rankd.loading import load_sharded
+    from shardbook.rankd.config.schema import ModelConfig, ParallelConfig, ShardbookConfig
+    from shardbook.rankd.loading.load_sharded import load_sharded
 
     config = ShardbookConfig(
         model=ModelConfig(model_name_or_path=str(path), dtype="float32"), parallel=ParallelConfig(**parallel)
@@ -40,13 +40,13 @@ def load_and_forward(rank: int, path, parallel: dict) -> dict:
 
 def whole_experts(model) -> torch.Tensor | None:
     """Layer 1's fused gate_up experts joined on rank 0 from every rank's experts and rows (None elsewhere)."""
-    from shardbook.rankd.wholes import full_parameter_on_rank0
+    from shardbook.rankd.parallel.wholes import full_parameter_on_rank0
 
     return full_parameter_on_rank0(model, model.model.layers[1].mlp.experts.gate_up_proj)
 
 
 def _global(param) -> int:
-    from shardbook.rankd.tensor_parallel import global_numel
+    from shardbook.rankd.parallel.tp_modules import global_numel
 
     return global_numel(param)
 

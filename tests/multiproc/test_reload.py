@@ -24,8 +24,8 @@ def rank_context(rank: int):
 
 def reload_badly(rank, tiny: Path, broken: dict[str, Path]) -> dict:
     """Load tiny, then each broken checkpoint, then a read that fails on rank 1: what survived each."""
-    from shardbook.rankd.reload import replace_model
-    from shardbook.rankd.safetensors_files import MappedFiles
+    from shardbook.rankd.loading.reload import replace_model
+    from shardbook.rankd.loading.safetensors_files import MappedFiles
 
     ctx, notices = rank_context(rank), []
 
@@ -86,8 +86,8 @@ def test_a_failed_load_keeps_the_model_already_loaded(ranks, tiny, tmp_path):
 
 def reload_under_memory_pressure(rank, tiny: Path) -> dict:
     """Rank 1 reports almost no free memory: the old model must be freed first, announced before and after."""
-    from shardbook.rankd import layout
-    from shardbook.rankd.reload import replace_model
+    from shardbook.rankd.parallel import layout
+    from shardbook.rankd.loading.reload import replace_model
 
     ctx, events = rank_context(rank), []
     replace_model(ctx, stand_in_config(tiny), device="cpu", model_path=None, progress=None, notice=print)

@@ -21,8 +21,8 @@ FAMILIES = {
 
 
 def load_tp(rank: int, path: Path):
-    from shardbook.rankd.config import ModelConfig, ParallelConfig, ShardbookConfig
-    from shardbook.rankd.loading import load_sharded
+    from shardbook.rankd.config.schema import ModelConfig, ParallelConfig, ShardbookConfig
+    from shardbook.rankd.loading.load_sharded import load_sharded
 
     config = ShardbookConfig(
         model=ModelConfig(model_name_or_path=str(path), dtype="float32"), parallel=ParallelConfig(decode="tp")

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from shardbook.rankd.config_reference import config_reference_markdown, field_docs
-from shardbook.rankd.config import (
+from shardbook.rankd.config.reference import config_reference_markdown, field_docs
+from shardbook.rankd.config.schema import (
     SECTIONS,
     InferenceConfig,
     ModelConfig,
@@ -15,7 +15,7 @@ from shardbook.rankd.config import (
     ShardbookConfig,
     validate_for_world,
 )
-from shardbook.rankd.config_parsing import load_config, parse_overrides
+from shardbook.rankd.config.parsing import config_from_dict, load_config, parse_overrides
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -203,7 +203,7 @@ def test_mindspeed_sections_and_keys_are_ignored_with_a_warning(tmp_path, caplog
         "training:\n  lr: 1.0e-5\n  optimizer: adamw\n"
         "data:\n  template: qwen3\n"
     )
-    with caplog.at_level(logging.WARNING, logger="shardbook.rankd.config"):
+    with caplog.at_level(logging.WARNING, logger="shardbook.rankd.config.schema"):
         config = load_config(write(tmp_path, text))
     assert config.parallel.fsdp_size == 2
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -324,7 +324,7 @@ def test_to_dict_round_trip_and_describe():
     config = load_config(None, ["--inference.do_sample", "--parallel.fsdp_size", "2"])
     data = config.to_dict()
     assert data["parallel"]["fsdp_size"] == 2 and data["inference"]["do_sample"] is True
-    assert ShardbookConfig.from_dict(data) == config
+    assert config_from_dict(data) == config
     lines = config.describe().splitlines()
     assert len(lines) == 3
     assert "smollm2-135m-instruct" in lines[0] and "fsdp_size=2" in lines[1] and "sampling" in lines[2]
@@ -376,7 +376,7 @@ def test_every_field_is_documented_and_in_the_reference():
 
 def test_generation_request_defaults_are_the_inference_sections():
     """One set of defaults: a request without settings generates as an empty `inference` section says."""
-    from shardbook.rankd.engine import GenerationRequest  # torch and transformers: imported here only
+    from shardbook.rankd.generation.engine import GenerationRequest  # torch and transformers: imported here only
 
     request, inference = GenerationRequest(messages=[{"role": "user", "content": "Hi"}]), InferenceConfig()
     shared = [f.name for f in dataclasses.fields(GenerationRequest) if hasattr(inference, f.name)]

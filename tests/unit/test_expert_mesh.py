@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from shardbook.rankd.expert_parallel import ExpertLayout, init_expert_group
+from shardbook.rankd.parallel.expert_parallel import ExpertLayout, init_expert_group
 
 
 @pytest.fixture

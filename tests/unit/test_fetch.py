@@ -1,4 +1,4 @@
-"""Tests of shardbook.kernel.fetch: model path resolution, idempotent atomic builds, the fetch CLI."""
+"""Tests of shardbook.kernel.api.fetch: model path resolution, idempotent atomic builds, the fetch CLI."""
 
 import argparse
 import subprocess
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from shardbook.kernel import fetch
+from shardbook.kernel.api import fetch
 
 NAME = "smollm2-135m-instruct"
 MEMBER = fetch.DEMO_MODELS[NAME].gguf_member

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardbook.rankd.head_split import HeadShare, balanced_ranges, split_heads, split_mlp_rows
+from shardbook.rankd.parallel.head_split import HeadShare, balanced_ranges, split_heads, split_mlp_rows
 
 
 def test_balanced_ranges_cover_everything_in_order():

@@ -7,7 +7,7 @@ import time
 
 import zmq
 
-from shardbook.rankd.heartbeat import STALL_S, Echo, Pinger, heartbeat_socket
+from shardbook.rankd.control.heartbeat import STALL_S, Echo, Pinger, heartbeat_socket
 
 
 def echo_and_pinger():

@@ -7,8 +7,8 @@ import torch
 from IPython.core.error import UsageError
 
 from shardbook.magics.inspection import layer_globs
-from shardbook.magics.lens_view import heatmap_png, lens_table, short
-from shardbook.rankd.tracing import Lens, glob_pattern
+from shardbook.magics.views.lens_view import heatmap_png, lens_table, short
+from shardbook.rankd.inspection.tracing import Lens, glob_pattern
 
 NAMES = ["model.layers.0", "model.layers.0.self_attn", "model.layers.0.self_attn.q_proj", "model.layers.1", "model.layers.12"]
 

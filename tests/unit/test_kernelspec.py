@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from shardbook.kernel import cli, kernelspec
-from shardbook.rankd.protocol import KEY_FILE_ENV
+from shardbook.kernel.cli import main as cli, kernelspec
+from shardbook.rankd.control.protocol import KEY_FILE_ENV
 
 
 def spec(**layout):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardbook.rankd.layout import choose_layout
+from shardbook.rankd.parallel.layout import choose_layout
 
 FITS = (True, "the gathered model (0.50 GiB) fits in half of the memory free per rank (8.00 GiB on cpu)")
 MISFITS = (False, "the gathered model (9.00 GiB) does not fit in half of the memory free per rank (8.00 GiB on cpu)")

@@ -10,8 +10,8 @@ import threading
 import pytest
 import zmq
 
-from shardbook.rankd import protocol
-from shardbook.rankd.channel import Channel, MessageTooLarge, control_socket
+from shardbook.rankd.control import protocol
+from shardbook.rankd.control.channel import Channel, MessageTooLarge, control_socket
 
 
 class Endpoint:
@@ -149,7 +149,7 @@ def test_malformed_messages_are_dropped_and_the_channel_lives_on(router, caplog)
         session.send(attacker, protocol.STREAM, protocol.envelope({"text": "still here"}, rank=1))
         assert router.got.wait(10), "the channel stopped receiving after malformed messages"
     assert [m.payload.get("text") for m, _ in router.received] == ["still here"]
-    warnings = [r.getMessage() for r in caplog.records if r.name == "shardbook.rankd.channel"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "shardbook.rankd.control.channel"]
     assert 1 <= len(warnings) <= 6, warnings  # rate-limited: a burst, then a count at the next window
     assert not any("PAYLOAD" in w or "\\x" in w for w in warnings), warnings
     attacker.close(0)
@@ -157,7 +157,7 @@ def test_malformed_messages_are_dropped_and_the_channel_lives_on(router, caplog)
 
 def test_oversized_frames_are_refused_on_both_sides(monkeypatch):
     """The socket's limit (ZMQ_MAXMSGSIZE) refuses big frames; a sender learns of its own at once."""
-    from shardbook.rankd import channel as channel_module
+    from shardbook.rankd.control import channel as channel_module
 
     monkeypatch.setattr(channel_module, "MAX_MESSAGE_BYTES", 1 << 16)
     endpoint = Endpoint(b"secret")
@@ -192,7 +192,7 @@ def test_control_key_sources_in_order(tmp_path, monkeypatch):
     """One look-up for every rank and command: key file, then environment, then connection file, then session."""
     import types
 
-    from shardbook.rankd.protocol import control_key
+    from shardbook.rankd.control.protocol import control_key
 
     for name in (protocol.KEY_ENV, protocol.KEY_FILE_ENV):
         monkeypatch.delenv(name, raising=False)

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from shardbook.rankd.config_reference import config_reference_markdown
+from shardbook.rankd.config.reference import config_reference_markdown
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from shardbook.kernel.pool import Command, Outcome
-from shardbook.magics.dist import dist_text, format_bytes
-from shardbook.kernel.failures import group_errors, outcome_errors
+from shardbook.kernel.ranks.pool import Command, Outcome
+from shardbook.magics.views.dist_table import dist_text, format_bytes
+from shardbook.kernel.ranks.failures import group_errors, outcome_errors
 from shardbook.magics.errors import RankError, raise_for_outcome, render
 from shardbook.magics.relay import RankRelay
-from shardbook.magics.tables import shards_table
-from shardbook.rankd import protocol
+from shardbook.magics.views.tables import shards_table
+from shardbook.rankd.control import protocol
 
 
 class Recorder:
@@ -102,7 +102,7 @@ def test_shards_table_text():
 
 
 def test_collective_timeouts_advise_a_restart():
-    from shardbook.kernel.failures import describe_failures
+    from shardbook.kernel.ranks.failures import describe_failures
 
     timed_out = outcome({0: err("GenerationError", "rank 0: gloo Timed out waiting 5000ms"), 1: err("RuntimeError", "boom")})
     assert "restart the kernel" in describe_failures(timed_out)
@@ -113,7 +113,7 @@ def test_collective_timeouts_advise_a_restart():
 def test_text_progress_line_rewritten_in_place_and_closed():
     import io
 
-    from shardbook.kernel.progress import TextProgress
+    from shardbook.kernel.api.progress import TextProgress
 
     stream = io.StringIO()
     progress = TextProgress("loading", stream=stream)
@@ -128,7 +128,7 @@ def test_text_progress_line_rewritten_in_place_and_closed():
 
 
 def test_scores_view_colours_tokens_and_lists_alternatives():
-    from shardbook.magics.chat_view import ScoresView
+    from shardbook.magics.views.chat_view import ScoresView
 
     steps = [
         {"token_id": 5, "text": "Paris", "prob": 0.9, "alternatives": [{"token_id": 5, "text": "Paris", "prob": 0.9},

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from shardbook.rankd.safetensors_files import MappedFiles, read_index
+from shardbook.rankd.loading.safetensors_files import MappedFiles, read_index
 
 
 def write_raw(path: Path, header: dict, data: bytes) -> Path:

@@ -7,10 +7,10 @@ import threading
 
 import pytest
 
-from shardbook.kernel.generation_queue import GenerationQueue, QueueFull
-from shardbook.kernel.openai_api import ApiError, check_fits_context, parse_request
-from shardbook.kernel.server import ServeOptions, is_loopback
-from shardbook.rankd.streaming import StopTextFilter
+from shardbook.kernel.ranks.generation_queue import GenerationQueue, QueueFull
+from shardbook.kernel.server.openai_api import ApiError, check_fits_context, parse_request
+from shardbook.kernel.server.server import ServeOptions, is_loopback
+from shardbook.rankd.generation.streaming import StopTextFilter
 
 USER = [{"role": "user", "content": "hi"}]
 

@@ -2,7 +2,7 @@
 
 from torch.distributed.tensor import Replicate, Shard
 
-from shardbook.rankd.shard_table import local_shape
+from shardbook.rankd.parallel.shard_table import local_shape
 
 
 def test_even_and_uneven_shards_like_torch_chunk():
@@ -20,7 +20,7 @@ def test_chunk_rows_are_torch_chunks():
     """Loading and %shards split dim 0 as FSDP2 does, which is torch.chunk's split padded to one chunk size."""
     import torch
 
-    from shardbook.rankd.layout import chunk_rows
+    from shardbook.rankd.parallel.layout import chunk_rows
 
     for total in range(0, 12):
         for parts in range(1, 6):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardbook.rankd.world import BACKEND_FOR_DEVICE, DeviceProbe, JobShape, detect_device, device_for_rank
+from shardbook.rankd.control.world import BACKEND_FOR_DEVICE, DeviceProbe, JobShape, detect_device, device_for_rank
 
 
 def probe(npu: int = 0, cuda: int = 0) -> DeviceProbe:
@@ -52,7 +52,7 @@ def test_job_shape_from_torchrun_environment():
 
 
 def test_load_device_is_the_ranks_own_or_cpu():
-    from shardbook.rankd.world import World, load_device
+    from shardbook.rankd.control.world import World, load_device
 
     world = World(shape=JobShape(), device_type="cuda", device="cuda:1", backend="cuda:nccl,cpu:gloo")
     assert load_device("auto", world) == "cuda:1"

@@ -1,0 +1,315 @@
+"""``ChatModel``: chat with the sharded model from rank 0 — blocking, streaming and asyncio APIs.
+
+Each call sends the whole request (messages, settings, a seed chosen here) to every rank as one
+``generate`` command; every rank runs the engine together and rank 0 streams the text. The
+command runs in a worker thread so that :meth:`ChatModel.stream_chat` can hand out chunks as
+they arrive; the consumer waits with a deadline.
+
+Interrupts stop every rank at its next step and the partial reply is returned
+(``finish_reason="interrupted"``). :meth:`ChatStream.interrupt` is idempotent and may come at
+any moment, even before the command has reached the ranks. Callers that must not lose the
+reply (the magic, the terminal chat, :meth:`ChatStream.wait`) hold :func:`sigint_calls` for as
+long as the stream lives, so no SIGINT raises KeyboardInterrupt in the middle of their own code;
+a consumer that leaves the iteration early (an exception, ``break``) stops the ranks too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import signal
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from typing import Any, AsyncIterator, Callable, Iterator, NoReturn
+
+from shardbook.rankd.control import protocol
+from shardbook.rankd.generation.engine import GenerationRequest, GenerationResult
+
+from shardbook.kernel.ranks.generation_queue import CHAT_SOURCE, Turn
+from shardbook.kernel.ranks.pool import Command, Outcome, PoolError
+from shardbook.kernel.ranks.runtime import Runtime, get_runtime
+
+STREAM_DEADLINE_S = 660.0
+"""Longest silence from the ranks while a reply is generated (the engine itself gives up after 600 s)."""
+SETTINGS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "want_scores")
+
+
+@dataclass(frozen=True)
+class ChatResponse(GenerationResult):
+    """A finished reply with its measurements (rank 0's ``GenerationResult``, received as a dict).
+
+    ``scores``, when asked for, arrive as plain dicts: ``{token_id, text, prob, alternatives}``.
+    """
+
+    @classmethod
+    def from_result(cls, result: dict[str, Any]) -> "ChatResponse":
+        return cls(**{f.name: result.get(f.name) for f in fields(cls)})
+
+    def status_line(self) -> str:
+        return (
+            f"{self.prompt_tokens} prompt tokens, {self.generated_tokens} generated, first token "
+            f"{self.time_to_first_token_s * 1000:.0f} ms, {self.tokens_per_s:.1f} tok/s, {self.finish_reason}"
+        )
+
+
+class GenerationFailed(RuntimeError):
+    """One or more ranks failed while generating; ``outcome`` holds every rank's reply."""
+
+    def __init__(self, outcome: Outcome):
+        failed = {r: (x.get("error") or {}).get("evalue", x.get("status")) for r, x in outcome.replies.items() if x.get("status") != "ok"}
+        super().__init__(f"generation failed on ranks {sorted(failed) or outcome.stuck}: {failed}")
+        self.outcome = outcome
+
+
+class GenerationCancelled(PoolError):
+    """The reply was cancelled (its cell interrupted, its client gone) while it waited for its turn on the ranks."""
+
+
+class ChatStream:
+    """Iterate to get text chunks as they are generated; ``response`` is set once it is finished.
+
+    The reply first waits for its turn in the runtime's generation queue (``turn``, or a new
+    unbounded one), so %%chat cells and HTTP requests take the ranks one at a time. ``events``
+    receives ``(kind, value)`` pairs from the worker thread (``queue.Queue`` by default;
+    :class:`AsyncChatStream` passes one that feeds an event loop). The reply enters the line and
+    its worker starts at once, or at :meth:`start` when ``start=False`` (so a caller can hold
+    :func:`sigint_calls` before anything is queued).
+    """
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        request: GenerationRequest,
+        on_notice=None,
+        *,
+        turn: Turn | None = None,
+        events=None,
+        start: bool = True,
+    ):
+        self.runtime = runtime
+        self.request = request
+        self.response: ChatResponse | None = None
+        self.turn: Turn | None = turn
+        self._events = events if events is not None else queue.Queue()
+        self._on_notice = on_notice or (lambda text: None)
+        self._lock = threading.Lock()
+        self._command: Command | None = None
+        self._interrupted = False
+        self._delivered = False
+        self._thread = threading.Thread(target=self._run, name="shardbook-chat", daemon=True)
+        if start:
+            self.start()
+
+    def start(self) -> "ChatStream":
+        if self._thread.ident is None:
+            self.turn = self.turn or self.runtime.generation_queue.enter(CHAT_SOURCE)
+            self.turn.on_interrupt = self.interrupt
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        pool = self.runtime.pool
+        args = {"request": self.request.to_dict(), "stream_rank": 0}
+        try:
+            if not self.turn.wait():
+                raise GenerationCancelled(
+                    "the reply was cancelled while it waited for its turn on the ranks (they were busy with another "
+                    "reply, e.g. an HTTP request to %serve); run the cell again to queue it again"
+                )
+            self._events.put(("started", self.turn.waited_s))
+            try:
+                outcome = pool.run(
+                    "generate", args, list(range(pool.world.world_size)), self._on_output, self._on_notice,
+                    on_start=self._on_start,
+                )
+            finally:
+                self.turn.leave()
+            self._events.put(("done", outcome))
+        except BaseException as e:  # handed to the consumer, which raises it
+            self._events.put(("error", e))
+
+    def _on_output(self, rank: int, msg_type: str, payload: dict[str, Any]) -> None:
+        if msg_type == protocol.TEXT:
+            self._events.put(("text", payload["text"]))
+
+    def _on_start(self, command: Command) -> None:
+        """The command is on its way to every rank: an interrupt that came before it applies now."""
+        with self._lock:
+            self._command = command
+        if self._interrupted:
+            self._deliver_interrupt()
+
+    def interrupt(self) -> None:
+        """Leave the queue if still waiting; else stop every rank at its next step (the stream ends with the
+        partial reply). Repeats do nothing, so it is safe from a signal handler that fires again meanwhile."""
+        if self._interrupted:
+            return
+        self._interrupted = True
+        if self.turn is not None and not self.turn.cancel():  # not waiting in line any more: running, or about to
+            self._deliver_interrupt()
+
+    def _deliver_interrupt(self) -> None:
+        with self._lock:
+            command, deliver = self._command, self._command is not None and not self._delivered
+            self._delivered = self._delivered or deliver
+        if deliver:
+            self.runtime.pool.interrupt(command)
+
+    def __iter__(self) -> Iterator[str]:
+        self.start()
+        finished = False
+        try:
+            while True:
+                try:
+                    kind, value = self._next_event()
+                except KeyboardInterrupt:
+                    self.interrupt()
+                    continue
+                if kind == "text":
+                    yield value
+                elif kind == "error":
+                    finished = True
+                    raise value
+                elif kind == "done":
+                    finished = True
+                    self._finish(value)
+                    return
+        finally:
+            if not finished:  # the consumer left early (an exception or an interrupt in its code, break)
+                self.interrupt()
+
+    def _next_event(self) -> tuple[str, Any]:
+        try:
+            return self._events.get(timeout=self._deadline())
+        except queue.Empty:
+            self._next_event_timed_out()
+
+    def _deadline(self) -> float | None:
+        """No deadline while waiting in line (the turn ahead has its own); STREAM_DEADLINE_S once running."""
+        return None if self.turn.state == "waiting" else STREAM_DEADLINE_S
+
+    def _next_event_timed_out(self) -> NoReturn:
+        self.interrupt()
+        raise TimeoutError(
+            f"no output from the ranks for {STREAM_DEADLINE_S:.0f} s while generating; every rank was told to "
+            "stop. Check %dist: a busy or dead rank needs a kernel restart."
+        ) from None
+
+    def _finish(self, outcome: Outcome) -> None:
+        if not outcome.ok:
+            raise GenerationFailed(outcome)
+        self.response = ChatResponse.from_result(outcome.replies[0]["value"])
+
+    def wait(self) -> ChatResponse:
+        """The finished reply; an interrupt meanwhile stops it (the partial reply is returned)."""
+        with sigint_calls(self.interrupt):
+            for _ in self:
+                pass
+        assert self.response is not None
+        return self.response
+
+
+@contextmanager
+def sigint_calls(fn: Callable[[], None]) -> Iterator[None]:
+    """Within the block, SIGINT calls ``fn`` instead of raising KeyboardInterrupt wherever the code happens to be.
+
+    Only the main thread receives signals; elsewhere this does nothing (no KeyboardInterrupt lands there).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: fn())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+class _LoopQueue:
+    """What :class:`ChatStream`'s worker thread puts events into, handing them to an asyncio queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item: tuple[str, Any]) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncChatStream(ChatStream):
+    """``async for chunk in stream``: the same stream, awaited on the caller's event loop (no thread per chunk).
+
+    ``started`` is set when the turn begins, ``waited_s`` then says how long it waited in line.
+    """
+
+    def __init__(self, runtime: Runtime, request: GenerationRequest, on_notice=None, *, turn: Turn | None = None):
+        self._loop_queue = _LoopQueue(asyncio.get_running_loop())
+        self.started = asyncio.Event()
+        self.waited_s = 0.0
+        super().__init__(runtime, request, on_notice, turn=turn, events=self._loop_queue)
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        while True:
+            try:
+                kind, value = await asyncio.wait_for(self._loop_queue.queue.get(), self._deadline())
+            except asyncio.TimeoutError:
+                self._next_event_timed_out()
+            if kind == "started":
+                self.waited_s = value
+                self.started.set()
+            elif kind == "text":
+                yield value
+            elif kind == "error":
+                raise value
+            else:
+                self._finish(value)
+                return
+
+
+class ChatModel:
+    """Chat with the model loaded by ``%load_sharded``, from notebook code or a server.
+
+    Example::
+
+        from shardbook.kernel import ChatModel
+        chat = ChatModel()
+        print(chat.chat("What is the capital of France?").text)
+        for chunk in chat.stream_chat([{"role": "user", "content": "Tell me a story"}], max_new_tokens=64):
+            print(chunk, end="")
+    """
+
+    def __init__(self, runtime: Runtime | None = None):
+        self.runtime = runtime or get_runtime()
+
+    def build_request(self, messages: str | list[dict[str, str]], *, stop: list[str] | None = None, **settings: Any) -> GenerationRequest:
+        """A request with defaults from the loaded config's ``inference`` section and a seed."""
+        config = self.runtime.ctx0.state.get("config")
+        if config is None or "loaded" not in self.runtime.ctx0.state:
+            raise PoolError("no model is loaded: run `%load_sharded configs/smollm2-135m.yaml` (or your config) first")
+        unknown = sorted(set(settings) - set(SETTINGS))
+        if unknown:
+            raise ValueError(f"unknown generation settings {unknown}; valid: {', '.join(SETTINGS)}")
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        defaults = {k: getattr(config.inference, k) for k in SETTINGS if hasattr(config.inference, k)}
+        given = {k: v for k, v in settings.items() if v is not None}
+        return GenerationRequest(messages=list(messages), stop=list(stop or []), **{**defaults, **given}).with_seed()
+
+    def stream_chat(self, messages: str | list[dict[str, str]], *, on_notice=None, **settings: Any) -> ChatStream:
+        return ChatStream(self.runtime, self.build_request(messages, **settings), on_notice)
+
+    def chat(self, messages: str | list[dict[str, str]], **settings: Any) -> ChatResponse:
+        return self.stream_chat(messages, **settings).wait()
+
+    async def achat(self, messages: str | list[dict[str, str]], **settings: Any) -> ChatResponse:
+        """``chat`` without blocking the caller's event loop (the ranks are driven from a worker thread)."""
+        stream = AsyncChatStream(self.runtime, self.build_request(messages, **settings))
+        async for _ in stream:
+            pass
+        return stream.response
+
+    async def astream_chat(self, messages: str | list[dict[str, str]], **settings: Any) -> AsyncIterator[str]:
+        """Async iterator of text chunks; the reply's ``ChatResponse`` is not returned (use ``achat``)."""
+        async for chunk in AsyncChatStream(self.runtime, self.build_request(messages, **settings)):
+            yield chunk

@@ -1,0 +1,388 @@
+"""``shardbook chat``: chat with a sharded model in the terminal; rank 0 reads the input, every rank generates.
+
+    shardbook chat --nproc 2 configs/smollm2-135m.yaml --inference.max_new_tokens 64
+    torchrun --nproc_per_node 2 -m shardbook chat configs/smollm2-135m.yaml
+    shardbook chat configs/smollm2-135m.yaml        # one rank, in this process
+
+Every rank runs ``python -m shardbook chat CONFIG ...``: each checks the config before joining
+the job (a bad one ends every rank at once, with the same message), rank 0 loads the model on
+every rank and runs the read-reply loop, the other ranks run the ordinary follower loop. Rank 0
+sends each question with the whole conversation to every rank; the reply streams to stdout and
+everything else (progress, status lines, command output, errors) goes to stderr, so
+``echo QUESTION | shardbook chat ... > reply.txt`` keeps only the reply. ``exit``, ``quit`` or
+the end of input stops every rank; ``/reset``, ``/system TEXT``, ``/history`` and ``/help`` are
+commands.
+
+Ctrl-C: ``shardbook chat --nproc N`` starts torchrun through `launcher`, which relays Ctrl-C to
+rank 0 alone: at the prompt it clears the line, during a reply it stops the reply on every rank
+(the next question works), while the ranks start it ends the job. Under a bare ``torchrun -m
+shardbook chat``, Ctrl-C ends the job: prefer ``shardbook chat --nproc N``.
+
+The control-plane key: ``$SHARDBOOK_KEY`` or ``$SHARDBOOK_KEY_FILE`` when set (``--nproc`` sets a
+fresh random one for each run). Otherwise, on one node, rank 0 writes a fresh key to a file only
+this user can read, publishes the file's path (not the key) in torchrun's store, and deletes the
+file once every follower has connected; anyone who can reach the store learns only the path. A job
+over several nodes needs the same key on every node, set by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import logging
+import os
+import secrets
+import signal
+import sys
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+from shardbook.rankd.control import protocol
+from shardbook.rankd.config.schema import ShardbookConfig
+from shardbook.rankd.control.lifetime import die_with_parent
+from shardbook.rankd.control.text import REPLACEMENT, replace_invalid
+from shardbook.rankd.control.world import JobShape, World, init_world
+
+from shardbook.kernel.ranks.failures import describe_failures
+from shardbook.kernel.cli.launcher import launch, maybe_write_pid_file
+from shardbook.kernel.api.load import prepare_load
+from shardbook.kernel.api.progress import step_text
+
+if TYPE_CHECKING:
+    from shardbook.kernel.ranks.runtime import Runtime
+
+KEY_FILE_STORE_KEY = "shardbook/chat-key-file"
+"""torchrun store key holding the path of rank 0's key file (one node, no key in the environment)."""
+PROMPT = "> "
+EXIT_WORDS = ("exit", "quit")
+HELP = (
+    "/reset         forget the conversation (the system prompt stays)\n"
+    "/system TEXT   set the system prompt; /system alone removes it\n"
+    "/history       show the conversation\n"
+    "/help          this list\n"
+    "exit, quit or end of input (Ctrl-D) leaves; Ctrl-C stops the reply being written"
+)
+
+
+# --- command line ---------------------------------------------------------------------------
+def add_chat_parser(sub) -> None:
+    p = sub.add_parser(
+        "chat",
+        help="chat with a model sharded over N ranks, in the terminal",
+        description=(
+            "Chat with a model sharded over N ranks, in the terminal:\n\n" + __doc__.split("\n\n")[1] + "\n\n"
+            "Prefer --nproc N to a bare torchrun: Ctrl-C then stops the reply, not the whole job."
+        ),
+        epilog="Commands while chatting:\n" + HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--nproc", type=int, help="ranks to start with torchrun (default: one rank in this process; omit under torchrun)")
+    p.add_argument("config", help="YAML config (sections model, parallel, inference), e.g. configs/smollm2-135m.yaml")
+    p.add_argument("overrides", nargs=argparse.REMAINDER, help="--section.key value pairs, e.g. --inference.max_new_tokens 64")
+    p.set_defaults(run=run_chat)
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    """``--nproc N`` starts torchrun; without it this process is one rank (of torchrun's job, or of one)."""
+    shape = JobShape.from_env()
+    if args.nproc is None:
+        return run_rank(args, shape)
+    if shape.under_torchrun:
+        raise ValueError("--nproc starts torchrun itself; under torchrun run `python -m shardbook chat CONFIG` without it")
+    return launch(args)
+
+
+# --- every rank -----------------------------------------------------------------------------
+def run_rank(args: argparse.Namespace, shape: JobShape, then=None, name: str = "shardbook chat") -> int:
+    """Check the config, join the job, then chat (rank 0) or serve rank 0's commands (the others).
+
+    ``then(runtime, config, terminal)`` is what rank 0 does once the model is loaded (default: chat).
+    """
+    from shardbook.rankd.__main__ import configure_logging
+
+    configure_logging(shape.rank)
+    logging.getLogger().setLevel(logging.WARNING)
+    if shape.under_torchrun:
+        die_with_parent()
+    try:
+        config, model_path = prepare_load(args.config, args.overrides, shape.world_size)
+        check_key_source(shape)
+        requested = None if config.parallel.device == "auto" else config.parallel.device
+        world = init_world(requested, shape)
+    except ValueError as e:
+        if shape.rank == 0:
+            raise
+        if not shape.single_node:  # rank 0 reports the error of its own node
+            raise ValueError(f"rank {shape.rank}: {e}") from e
+        return 2
+    if shape.rank > 0:
+        return run_follower_rank(world)
+    return run_rank0(world, config, model_path, then or chat_in_terminal, name)
+
+
+def check_key_source(shape: JobShape) -> None:
+    if not shape.single_node and protocol.control_key() is None:
+        raise ValueError(
+            f"a chat over several nodes needs the same control-plane key on every node: set {protocol.KEY_ENV} "
+            f"(e.g. to the output of `python -c 'import secrets; print(secrets.token_hex(32))'`) or "
+            f"{protocol.KEY_FILE_ENV} on every node before starting torchrun"
+        )
+
+
+def run_follower_rank(world: World) -> int:
+    from shardbook.rankd import commands  # noqa: F401  (fills the command table the follower dispatches from)
+    from shardbook.rankd.control.follower import run_follower
+
+    run_follower(world, protocol.make_session(follower_key(world)))
+    return 0
+
+
+def follower_key(world: World) -> bytes:
+    """The key from the environment, else from the file rank 0 published in the store."""
+    from shardbook.rankd.control.world import CONNECT_TIMEOUT_S
+
+    found = protocol.control_key()
+    if found is not None:
+        return found[0]
+    try:
+        world.store.wait([KEY_FILE_STORE_KEY], timedelta(seconds=CONNECT_TIMEOUT_S))
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"rank {world.rank}: rank 0 did not publish the chat's key file within {CONNECT_TIMEOUT_S:.0f} s; "
+            "does rank 0 run `python -m shardbook chat` with the same arguments? Check its output"
+        ) from e
+    return protocol.control_key(key_file=world.store.get(KEY_FILE_STORE_KEY).decode())[0]
+
+
+@contextmanager
+def control_key(world: World) -> Iterator[bytes | None]:
+    """Rank 0's key: the environment's, else a fresh one in a private file the followers read (see above)."""
+    found = protocol.control_key()
+    if found is not None or world.world_size == 1:
+        yield None if found is None else found[0]
+        return
+    key = secrets.token_hex(32).encode()
+    fd, path = tempfile.mkstemp(prefix="shardbook-chat-", suffix=".key")  # mode 0600
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(key)
+        world.store.set(KEY_FILE_STORE_KEY, path)
+        yield key
+    finally:
+        os.unlink(path)
+
+
+# --- rank 0 ---------------------------------------------------------------------------------
+@dataclass
+class TerminalShell:
+    """What the ``load`` command needs of rank 0's shell: a namespace for ``model`` and ``tokenizer``.
+
+    There is no IPython here, so ``exec`` commands (``%%all`` cells) are not offered in the terminal.
+    """
+
+    user_ns: dict[str, Any] = field(default_factory=dict)
+
+
+def run_rank0(world: World, config: ShardbookConfig, model_path: Path, then, name: str) -> int:
+    from shardbook.kernel.ranks.pool import PoolError
+    from shardbook.kernel.ranks.runtime import start_runtime
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    maybe_write_pid_file()
+    terminal = Terminal(name)
+    runtime = None
+    try:
+        with control_key(world) as key:
+            runtime = start_runtime(TerminalShell(), key=key, world=world)
+        if not load_model(runtime, config, model_path, terminal):
+            return 1
+        return then(runtime, config, terminal)
+    except PoolError as e:
+        terminal.error(str(e))
+        return 1
+    except KeyboardInterrupt:
+        terminal.error("interrupted while the ranks started")
+        return 130
+    finally:
+        if runtime is not None:
+            runtime.close()
+
+
+def chat_in_terminal(runtime: Runtime, config: ShardbookConfig, terminal: Terminal) -> int:
+    from shardbook.kernel.api.chat import ChatModel
+    from shardbook.kernel.api.conversation import Conversation
+
+    conversation = Conversation(system_prompt=config.inference.system_prompt)
+    terminal.info("/help lists the commands; exit leaves.")
+    return TerminalChat(ChatModel(runtime), conversation, terminal).run()
+
+
+def load_model(runtime: Runtime, config: ShardbookConfig, model_path: Path, terminal: Terminal) -> bool:
+    """Load on every rank with a progress line; False (the failures shown) when any rank failed."""
+    from shardbook.kernel.api.load import load_on_ranks
+
+    terminal.info(f"loading {config.model.model_name_or_path} on {runtime.world.world_size} rank(s)")
+
+    def on_output(rank: int, msg_type: str, payload: dict[str, Any]) -> None:
+        if rank == 0 and msg_type == protocol.PROGRESS:
+            terminal.progress(step_text(payload["step"], payload["done"], payload["total"]))
+
+    try:
+        outcome = load_on_ranks(runtime.pool, config, model_path, on_output, terminal.notice)
+    except KeyboardInterrupt:
+        outcome = None
+    terminal.progress("")
+    if outcome is None or not outcome.ok:
+        terminal.error("loading failed: " + (describe_failures(outcome) if outcome else "interrupted"))
+        return False
+    s = outcome.replies[0]["value"]
+    terminal.info(
+        f"loaded {s['architecture']} ({s['num_parameters'] / 1e6:.1f}M parameters, {s['dtype']}, {s['device']}) "
+        f"on {s['world_size']} rank(s) in {s['load_seconds']:.1f} s, decode layout {s['decode']}."
+    )
+    return True
+
+
+class Terminal:
+    """Questions from stdin, replies to stdout; progress, status lines, command output and errors to stderr."""
+
+    def __init__(self, name: str = "shardbook chat"):
+        self.name = name
+        self.interactive = sys.stdin.isatty()
+        self.styled = sys.stderr.isatty()
+        self._reply_ends_line = True
+        if isinstance(sys.stdin, io.TextIOWrapper):
+            sys.stdin.reconfigure(errors="surrogateescape")  # bytes that are not UTF-8 reach read_line, not a crash
+        if self.interactive:
+            import readline  # noqa: F401  (line editing and history for input())
+
+    def read_line(self) -> str:
+        """The next line, bytes that are not UTF-8 shown as U+FFFD (with a notice); EOFError at the end of input,
+        KeyboardInterrupt on Ctrl-C."""
+        if self.interactive:
+            line = input(PROMPT)
+        else:
+            line = sys.stdin.readline()
+            if not line:
+                raise EOFError
+        line, num_invalid = replace_invalid(line)
+        if num_invalid:
+            self.notice(
+                f"this line is not valid UTF-8: {num_invalid} byte(s) read as U+FFFD ({REPLACEMENT}); "
+                "send UTF-8 text (e.g. pipe it through `iconv -f latin1 -t utf-8`)"
+            )
+        return line
+
+    def cancel_line(self) -> None:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+    def write_reply(self, text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        if text:
+            self._reply_ends_line = text.endswith("\n")
+
+    def end_reply(self) -> None:
+        if not self._reply_ends_line:
+            self.write_reply("\n")
+
+    def status(self, text: str) -> None:
+        self._stderr(f"\x1b[2m[{text}]\x1b[0m" if self.styled else f"[{text}]")
+
+    def info(self, text: str) -> None:
+        self._stderr(text)
+
+    def notice(self, text: str) -> None:
+        self._stderr(f"{self.name}: {text}")
+
+    def error(self, text: str) -> None:
+        self._stderr(f"{self.name}: error: {text}")
+
+    def progress(self, text: str) -> None:
+        """One line rewritten in place on a terminal (empty text clears it); nothing elsewhere."""
+        if self.styled:
+            sys.stderr.write(f"\r\x1b[K{text}")
+            sys.stderr.flush()
+
+    def _stderr(self, text: str) -> None:
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+
+class TerminalChat:
+    """Rank 0's read-reply loop over one conversation."""
+
+    def __init__(self, model, conversation, terminal: Terminal):
+        self.model = model
+        self.conversation = conversation
+        self.terminal = terminal
+
+    def run(self) -> int:
+        """Answer lines until ``exit``, ``quit`` or the end of input; Ctrl-C at the prompt clears the line."""
+        while True:
+            try:
+                if not self.step():
+                    return 0
+            except KeyboardInterrupt:
+                self.terminal.cancel_line()
+
+    def step(self) -> bool:
+        """Read and handle one line; False when the chat is over."""
+        try:
+            text = self.terminal.read_line().strip()
+        except EOFError:
+            if self.terminal.interactive:
+                self.terminal.cancel_line()
+            return False
+        if text.lower() in EXIT_WORDS:
+            return False
+        if text.startswith("/"):
+            self.run_command(text)
+        elif text:
+            self.reply(text)
+        return True
+
+    def run_command(self, text: str) -> None:
+        name, _, rest = text.partition(" ")
+        if name == "/reset":
+            self.conversation.reset()
+            self.terminal.info("(conversation cleared)")
+        elif name == "/system":
+            self.conversation.system_prompt = rest.strip() or None
+            self.terminal.info(f"(system prompt set: {rest.strip()})" if rest.strip() else "(system prompt removed)")
+        elif name == "/history":
+            self.terminal.info(self.conversation.history_text())
+        elif name == "/help":
+            self.terminal.info(HELP)
+        else:
+            self.terminal.error(f"unknown command {name}; the commands are:\n{HELP}")
+
+    def reply(self, text: str) -> None:
+        """Stream the reply to ``text``; Ctrl-C meanwhile stops it on every rank and keeps what was written."""
+        from shardbook.kernel.api.chat import ChatStream, GenerationFailed, sigint_calls
+
+        try:
+            request = self.model.build_request(self.conversation.request_messages(text))
+        except ValueError as e:
+            self.terminal.error(str(e))
+            return
+        stream = ChatStream(self.model.runtime, request, on_notice=self.terminal.notice, start=False)
+        with sigint_calls(stream.interrupt):
+            stream.start()
+            try:
+                for chunk in stream:
+                    self.terminal.write_reply(chunk)
+            except (GenerationFailed, TimeoutError) as e:
+                self.terminal.end_reply()
+                why = describe_failures(e.outcome) if isinstance(e, GenerationFailed) else str(e)
+                self.terminal.error(f"no reply: {why}")
+                return
+            self.terminal.end_reply()
+            response = stream.response
+            self.terminal.status(response.status_line())
+            self.conversation.add_turn(text, response.text, response.finish_reason)

@@ -1,0 +1,96 @@
+"""``--nproc N`` for the terminal commands: start torchrun in a session of its own and relay Ctrl-C to rank 0.
+
+torchrun starts every worker in a session of its own, so a terminal's Ctrl-C reaches torchrun
+alone, which ends the whole job. ``shardbook chat --nproc N`` (and ``shardbook serve``) therefore
+start torchrun in a new session and relay Ctrl-C to rank 0 only, which decides what it means
+(clear the prompt, stop the reply). While the ranks start, before rank 0 has written its pid,
+Ctrl-C ends the job. Rank 0 has no controlling terminal there yet reads it as usual (a terminal
+checks job control only for the sessions it controls).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from shardbook.rankd.control import protocol
+from shardbook.rankd.control.lifetime import die_with_parent
+
+from shardbook.kernel.cli.kernelspec import Layout
+from shardbook.kernel.api.load import prepare_load
+
+PID_FILE_ENV = "SHARDBOOK_CHAT_PIDFILE"
+"""Set by ``--nproc``: the file rank 0 writes its pid to, so that Ctrl-C can be relayed to it."""
+
+
+def launch(args: argparse.Namespace, command: list[str] | None = None, graceful_term: bool = False) -> int:
+    """Start torchrun in a session of its own, relay Ctrl-C to rank 0, and return torchrun's exit code.
+
+    Every rank runs ``python -m shardbook COMMAND`` (default: ``chat CONFIG OVERRIDES``); with
+    ``graceful_term`` SIGTERM is relayed to rank 0 as well, which then ends the job itself.
+    """
+    layout = Layout(args.nproc)
+    prepare_load(args.config, args.overrides, layout.nproc)  # a bad config fails here, before any rank starts
+    with tempfile.TemporaryDirectory(prefix="shardbook-chat-") as tmp:
+        pid_file = Path(tmp) / "rank0.pid"
+        env = {**os.environ, protocol.KEY_ENV: secrets.token_hex(32), PID_FILE_ENV: str(pid_file)}
+        env.pop(protocol.KEY_FILE_ENV, None)  # it would take precedence over the fresh key
+        argv = [
+            sys.executable, "-m", "torch.distributed.run", *layout.torchrun_args(),
+            "-m", "shardbook", *(command or ["chat", args.config, *args.overrides]),
+        ]
+        torchrun = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=die_with_parent)
+        with relayed_signals(torchrun, pid_file, graceful_term):
+            code = torchrun.wait()
+    return 128 - code if code < 0 else code  # killed by a signal: the shell's convention
+
+
+@contextmanager
+def relayed_signals(torchrun: subprocess.Popen, pid_file: Path, graceful_term: bool = False) -> Iterator[None]:
+    """Ctrl-C goes to rank 0 (or ends the job while it starts); SIGTERM (unless ``graceful_term``) and SIGHUP end the job."""
+
+    def relay(signum, frame) -> None:
+        pid = read_pid(pid_file)
+        if pid is None:
+            print("shardbook: interrupted while the ranks start; stopping them", file=sys.stderr)
+            torchrun.terminate()
+            return
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:  # rank 0 has already left; torchrun is ending the others
+            pass
+
+    def stop(signum, frame) -> None:
+        torchrun.terminate()
+
+    handlers = {signal.SIGINT: relay, signal.SIGTERM: relay if graceful_term else stop, signal.SIGHUP: stop}
+    previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def read_pid(pid_file: Path) -> int | None:
+    try:
+        return int(pid_file.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def maybe_write_pid_file() -> None:
+    """Under ``--nproc``: tell the launcher where to send Ctrl-C (written whole, then renamed)."""
+    path = os.environ.get(PID_FILE_ENV)
+    if path:
+        partial = Path(f"{path}.partial")
+        partial.write_text(str(os.getpid()))
+        partial.replace(path)

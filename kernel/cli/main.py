@@ -1,0 +1,108 @@
+"""The ``shardbook`` command line: install, uninstall, list, fetch, run, chat, serve."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shardbook.kernel.cli import kernelspec
+from shardbook.kernel.api.fetch import add_fetch_parser
+from shardbook.kernel.cli.run import add_run_parser
+from shardbook.kernel.cli.chat import add_chat_parser
+from shardbook.kernel.cli.serve import add_serve_parser
+
+
+def parse_env(items: list[str]) -> dict[str, str]:
+    env = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--env expects KEY=VALUE, got {item!r}")
+        env[key] = value
+    return env
+
+
+def run_install(args: argparse.Namespace) -> int:
+    layout = kernelspec.Layout(args.nproc, args.nnodes, args.node_rank, args.master_addr, args.master_port)
+    key_file = args.key_file
+    if layout.nnodes > 1:
+        key_file = str(kernelspec.ensure_key_file(key_file or f"~/.shardbook/{kernelspec.default_name(layout)}.key"))
+    options = kernelspec.KernelSpecOptions(layout, args.display_name, parse_env(args.env), key_file)
+    prefix = sys.prefix if args.sys_prefix else args.prefix
+    where = kernelspec.install(options, args.name, user=args.user, prefix=prefix)
+    print(f"Installed kernelspec {args.name or kernelspec.default_name(layout)} in {where}")
+    if layout.nnodes > 1:
+        print(
+            f"On each other node (node_rank 1..{layout.nnodes - 1}), with a copy of {key_file}:\n"
+            f"  python -m torch.distributed.run --nnodes {layout.nnodes} --node_rank R --nproc_per_node {layout.nproc} "
+            f"--master_addr {layout.master_addr} --master_port {layout.master_port} -m shardbook.rankd --key-file {key_file}"
+        )
+    return 0
+
+
+def run_uninstall(args: argparse.Namespace) -> int:
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    try:
+        KernelSpecManager().remove_kernel_spec(args.name)
+    except KeyError:
+        print(f"shardbook: no kernelspec named {args.name!r}; `shardbook list` shows the installed ones", file=sys.stderr)
+        return 1
+    print(f"Removed kernelspec {args.name}")
+    return 0
+
+
+def run_list(args: argparse.Namespace) -> int:
+    specs = kernelspec.shardbook_specs()
+    if not specs:
+        print("No shardbook kernels installed; `shardbook install --nproc N` adds one.")
+    for name, spec in sorted(specs.items()):
+        print(f"{name}\t{spec['spec']['display_name']}\t{spec['resource_dir']}")
+    return 0
+
+
+def add_install_parser(sub) -> None:
+    p = sub.add_parser("install", help="register a Jupyter kernel that runs N ranks under torchrun")
+    p.add_argument("--nproc", type=int, required=True, help="ranks on this node (torchrun --nproc_per_node)")
+    p.add_argument("--name", help="kernelspec name (default shardbook-N)")
+    p.add_argument("--display-name", help="name shown in Jupyter (default states the rank count)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--user", action="store_true", help="install for the current user")
+    where.add_argument("--sys-prefix", action="store_true", help="install into this Python's prefix (virtualenv, conda)")
+    where.add_argument("--prefix", help="install under PREFIX/share/jupyter/kernels")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes in the job (the kernel is on node 0)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's rank (must be 0: the kernel holds rank 0)")
+    p.add_argument("--master-addr", help="rendezvous host for multi-node jobs")
+    p.add_argument("--master-port", type=int, help="rendezvous port for multi-node jobs")
+    p.add_argument("--key-file", help="control-plane key shared with the other nodes (created if missing)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment for every rank")
+    p.set_defaults(run=run_install)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardbook", description="Sharded LLMs in Jupyter: kernels, models, chat.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_install_parser(sub)
+    p = sub.add_parser("uninstall", help="remove a kernelspec")
+    p.add_argument("name")
+    p.set_defaults(run=run_uninstall)
+    p = sub.add_parser("list", help="list installed shardbook kernels")
+    p.set_defaults(run=run_list)
+    add_fetch_parser(sub)
+    add_run_parser(sub)
+    add_chat_parser(sub)
+    add_serve_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except ValueError as e:
+        parser.exit(2, f"shardbook {args.command}: error: {e}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

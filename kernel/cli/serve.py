@@ -1,0 +1,103 @@
+"""``shardbook serve``: the OpenAI-compatible endpoint from a terminal, on ranks started with torchrun.
+
+    shardbook serve --nproc 2 configs/smollm2-135m.yaml --port 8000
+    shardbook serve --nproc 2 configs/smollm2-135m.yaml --host 0.0.0.0 --api-key-file ~/.shardbook/api.key
+
+Every rank runs ``python -m shardbook serve ...``, as for ``shardbook chat`` (same launcher,
+same Ctrl-C relay): rank 0 loads the model on every rank and serves it until Ctrl-C or SIGTERM,
+then stops listening, stops the reply in flight on every rank (its client gets what was
+generated, ``finish_reason: "length"``), tells the followers to leave and exits 0. The API key
+reaches the ranks through ``SHARDBOOK_API_KEY``, never their command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+from functools import partial
+
+from shardbook.rankd.control.world import JobShape
+
+from shardbook.kernel.cli.launcher import launch
+from shardbook.kernel.server.server import DEFAULT_PORT, ServeOptions, read_api_key
+from shardbook.kernel.cli.chat import run_rank
+
+API_KEY_ENV = "SHARDBOOK_API_KEY"
+
+
+def add_serve_flags(parser: argparse.ArgumentParser, default=None) -> None:
+    parser.add_argument("--port", type=int, default=default or DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    parser.add_argument("--host", default=default or "127.0.0.1", help="address (default loopback; others need an API key)")
+    parser.add_argument("--api-key", default=default, help=f"key clients send as 'Authorization: Bearer KEY' (or ${API_KEY_ENV})")
+    parser.add_argument("--api-key-file", default=default, help="file whose first line is the API key")
+    parser.add_argument("--max-waiting", type=int, default=default, help="requests that may wait before 429 (default 16)")
+
+
+def add_serve_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a model sharded over N ranks over an OpenAI-compatible HTTP API",
+        description=__doc__.split("\n\n")[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--nproc", type=int, help="ranks to start with torchrun (default: one rank in this process)")
+    add_serve_flags(p)
+    p.add_argument("config", help="YAML config (sections model, parallel, inference), e.g. configs/smollm2-135m.yaml")
+    p.add_argument("overrides", nargs=argparse.REMAINDER, help="--section.key value pairs; serve flags may come here too")
+    p.set_defaults(run=run_serve)
+
+
+def split_flags(args: argparse.Namespace) -> None:
+    """Serve flags given after CONFIG (``shardbook serve CONFIG --port 8001``) out of the config overrides."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_serve_flags(parser, default=argparse.SUPPRESS)
+    flags, args.overrides = parser.parse_known_args(args.overrides)
+    vars(args).update(vars(flags))
+
+
+def serve_options(args: argparse.Namespace) -> ServeOptions:
+    """Checked options; ValueError (before any rank starts) names what to fix."""
+    if args.api_key and args.api_key_file:
+        raise ValueError("give either --api-key or --api-key-file, not both")
+    key = read_api_key(args.api_key, args.api_key_file) or os.environ.get(API_KEY_ENV) or None
+    options = ServeOptions(host=args.host, port=args.port, api_key=key, max_waiting=args.max_waiting)
+    options.check()
+    return options
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    split_flags(args)
+    options = serve_options(args)
+    shape = JobShape.from_env()
+    if args.nproc is None:
+        return run_rank(args, shape, then=partial(serve_until_stopped, options), name="shardbook serve")
+    if shape.under_torchrun:
+        raise ValueError("--nproc starts torchrun itself; under torchrun run `python -m shardbook serve CONFIG` without it")
+    if options.api_key:
+        os.environ[API_KEY_ENV] = options.api_key  # the ranks' environment, not their argv
+    flags = ["--host", options.host, "--port", str(options.port)]
+    flags += ["--max-waiting", str(args.max_waiting)] if args.max_waiting is not None else []
+    return launch(args, ["serve", *flags, args.config, *args.overrides], graceful_term=True)
+
+
+def serve_until_stopped(options: ServeOptions, runtime, config, terminal) -> int:
+    """Rank 0, model loaded: serve until SIGINT or SIGTERM, then stop the reply in flight and return."""
+    from shardbook.kernel.server.server import Server
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    try:
+        server = Server(runtime, options).start()
+    except ValueError as e:
+        terminal.error(str(e))
+        return 1
+    terminal.info(f"serving {server.model_id()} at {server.url} (OpenAI chat completions); Ctrl-C stops")
+    while not stop.wait(0.5):
+        pass
+    terminal.info("stopping: the reply in flight is stopped on every rank")
+    server.stop()
+    terminal.info(f"stopped ({server.stats.served} requests served, {server.stats.errors} errors)")
+    return 0

@@ -1,0 +1,128 @@
+"""Rank 0's process-wide state: the world, the pool of ranks, and their start and end.
+
+The magics, ``ChatModel`` and the kernel app all reach the same :class:`Runtime` through
+:func:`get_runtime`. Under torchrun it joins the process group and connects the followers; in a
+plain IPython session it is a world of one rank, so every feature works the same there.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardbook.rankd.control import protocol
+from shardbook.rankd.control.dispatch import RankContext
+from shardbook.rankd.control.world import JobShape, World, init_world
+
+from shardbook.kernel.ranks.generation_queue import GenerationQueue
+from shardbook.kernel.ranks.pool import Pool, PoolError
+
+log = logging.getLogger(__name__)
+_runtime: "Runtime | None" = None
+_failure: str | None = None
+"""Why the runtime failed to start, kept for the kernel's life: start-up is tried once."""
+_lock = threading.Lock()
+
+
+@dataclass
+class Runtime:
+    """The world and pool rank 0 runs commands on, the line generations wait in, and the HTTP server if one runs."""
+
+    world: World
+    pool: Pool
+    ctx0: RankContext
+    generation_queue: GenerationQueue = field(default_factory=GenerationQueue)
+    server: Any = None
+    """The running ``shardbook.kernel.server.server.Server`` (``%serve``, ``shardbook serve``), else None."""
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+        self.pool.shutdown()
+
+
+def kernel_key(shell: Any) -> tuple[bytes, str]:
+    """The control-plane key: an explicit key (multi-node jobs) or the kernel's connection key."""
+    session = getattr(getattr(shell, "kernel", None), "session", None)
+    return protocol.control_key(session=session) or (b"", "hmac-sha256")
+
+
+def start_runtime(shell: Any, key: bytes | None = None, world: World | None = None) -> Runtime:
+    """Join the job as rank 0 and wait (with a deadline) until every follower is connected.
+
+    The terminal chat passes the ``world`` it has already joined and its own ``key``; the kernel
+    passes neither, and the key is then :func:`kernel_key`'s.
+    """
+    shape = world.shape if world else JobShape.from_env()
+    if shape.rank != 0:
+        raise RuntimeError(f"the shardbook kernel must be rank 0, this process is rank {shape.rank}")
+    world = world or init_world(shape=shape)
+    ctx0 = RankContext(world=world, shell=shell)
+    session = protocol.make_session(*((key, "hmac-sha256") if key else kernel_key(shell))) if world.world_size > 1 else None
+    pool = Pool(world, session, ctx0)
+    runtime = Runtime(world, pool, ctx0)
+    atexit.register(runtime.close)
+    if shape.under_torchrun:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        pool.wait_connected()
+    except BaseException:
+        runtime.close()  # tell the followers that did connect to leave, and stop the channel's thread
+        raise
+    return runtime
+
+
+def get_runtime(shell: Any = None) -> Runtime:
+    """The runtime, started on first use from ``shell`` (IPython's, when called from a magic).
+
+    Start-up is tried once: a failure is kept and raised again at once by every later call (a
+    second try would wait the whole connect timeout again, or join a half-made process group).
+    """
+    global _runtime, _failure
+    with _lock:
+        if _failure is not None:
+            raise PoolError(_failure)
+        if _runtime is None:
+            if shell is None:
+                from IPython import get_ipython
+
+                shell = get_ipython()
+            try:
+                _runtime = start_runtime(shell)
+            except Exception as e:
+                _failure = startup_failure(e)
+                raise PoolError(_failure) from e
+        return _runtime
+
+
+def startup_failure(error: Exception) -> str:
+    """The one paragraph every later magic shows when the pool failed to start."""
+    cause = str(error).rstrip(". ") or type(error).__name__
+    return (
+        f"the rank pool of this kernel failed to start: {cause}. Nothing can run on the ranks of this kernel; "
+        "fix the cause (the Jupyter server's log has every rank's output), then restart the kernel."
+    )
+
+
+def _on_sigterm(signum, frame) -> None:
+    """torchrun ends every worker when one dies: say which rank died in the running cell, then go."""
+    runtime = _runtime
+    if runtime is not None:
+        dead = runtime.pool.dead_ranks()
+        reason = "; ".join(f"rank {s.rank} (pid {s.pid} on {s.host}): {s.dead_reason}" for s in dead)
+        text = (
+            f"{reason or 'a worker of this job stopped'}. torchrun is ending every rank of the job, so this "
+            "kernel is stopping too: restart the kernel to start a fresh pool."
+        )
+        log.error(text)
+        for command in list(runtime.pool.commands.values()):
+            command.on_notice(text)
+        time.sleep(0.3)  # let the IOPub thread deliver the notice
+        runtime.close()
+    os._exit(1)

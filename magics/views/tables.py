@@ -1,0 +1,59 @@
+"""HTML and text renderings of the load summary and the ``%shards`` table."""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+from shardbook.magics.views.dist_table import format_bytes
+
+
+class Table:
+    """Rows of strings that display as an HTML table in notebooks and aligned text elsewhere."""
+
+    def __init__(self, header: list[str], rows: list[list[str]], title: str = ""):
+        self.header, self.rows, self.title = header, rows, title
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in self.header)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in self.rows)
+        caption = f"<caption>{html.escape(self.title)}</caption>" if self.title else ""
+        return f"<table>{caption}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+    def __repr__(self) -> str:
+        table = [self.header, *self.rows]
+        widths = [max(len(line[i]) for line in table) for i in range(len(self.header))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in table]
+        return "\n".join(([self.title] if self.title else []) + lines)
+
+
+def summary_table(summary: dict[str, Any]) -> Table:
+    """Two parts in one table: the model facts, then one line per rank."""
+    mesh = " x ".join(f"{axis}={n}" for axis, n in zip(summary["mesh_axes"], summary["mesh_shape"]))
+    facts = [
+        ["architecture", summary["architecture"]],
+        ["parameters", f"{summary['num_parameters'] / 1e6:.1f} M ({format_bytes(summary['full_param_bytes'])})"],
+        ["dtype / device", f"{summary['dtype']} / {summary['device']}"],
+        ["mesh", f"{mesh} ({summary['world_size']} ranks)"],
+        ["decode", f"{summary['decode']} — {summary['decode_reason']}"],
+        ["load time", f"{summary['load_seconds']:.2f} s"],
+    ]
+    for rank, local in enumerate(summary["local_param_bytes"]):
+        device = summary["device_bytes"][rank]
+        memory = f"rss {format_bytes(summary['rss_bytes'][rank])}" + (f", device {format_bytes(device)}" if device is not None else "")
+        facts.append([f"rank {rank}", f"local params {format_bytes(local)}; {memory}"])
+    return Table(["", "loaded " + summary["model_path"]], facts)
+
+
+def shards_table(rows: list[dict[str, Any]], world_size: int, prefix: str) -> Table:
+    header = ["parameter", "global shape", "dtype", "placement", *[f"rank {r}" for r in range(world_size)]]
+    body = []
+    for row in rows:
+        local = [_shape(row["local"].get(r)) if row["local"] else _shape(row["shape"]) for r in range(world_size)]
+        body.append([row["name"], _shape(row["shape"]), row["dtype"], row["placement"], *local])
+    title = f"{len(rows)} parameter(s) under {prefix!r}" if prefix else f"{len(rows)} parameter(s)"
+    return Table(header, body, title)
+
+
+def _shape(shape: list[int] | None) -> str:
+    return "-" if shape is None else "[" + ", ".join(map(str, shape)) + "]"

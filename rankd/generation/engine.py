@@ -1,0 +1,465 @@
+"""The generation engine every rank runs: one chat request in, one reply out, with every rank stepping together.
+
+Rank 0 owns the conversation and sends each rank the whole :class:`GenerationRequest`; every
+rank then calls :func:`generate` with it. `model.generate` runs with `synced_gpus=True` in a
+thread of its own, so a rank that is done (end of text, interrupt) keeps running dummy
+forwards until every rank is done and no rank is left alone in a collective. The calling
+thread hands the text to `on_text` (rank 0) and waits with a deadline, so an exception or a
+dead peer surfaces as an error naming the rank instead of a hang.
+
+Stopping: `stop_event` is checked by :class:`StopOnEvent` once per step on this rank only.
+A collective inside a stopping criterion would be wrong: transformers skips the criteria on a
+rank that has already finished, so ranks of different lengths would pair that collective with
+a different one. `synced_gpus`' own all-reduce of "this rank is done" (one per step) is what
+keeps the ranks in step; a rank that sees the interrupt later just stops a step or two later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import logging
+import queue
+import secrets
+import threading
+import time
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+
+from shardbook.rankd.control.agreement import agree
+from shardbook.rankd.config.schema import InferenceConfig
+from shardbook.rankd.generation.streaming import StopTextFilter, TextDeltaStreamer, find_stop
+from shardbook.rankd.control.text import check_valid
+from shardbook.rankd.control.world import set_current_device
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 600.0
+"""Longest wait for the next step or token before a rank gives up (a prefill of a long prompt counts as one step)."""
+NUM_ALTERNATIVES = 5
+"""Alternatives recorded per generated token when a request wants scores."""
+DECODE_KWARGS = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
+"""How replies are decoded, streamed and final alike, so the streamed chunks add up to the reply."""
+PLAN_WORDS = "build the prompt for this chat request"
+"""What a rank that fails in :func:`plan_generation` could not do, for the other ranks' errors."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One chat turn as rank 0 sends it to every rank: the whole conversation and the sampling settings.
+
+    Unset settings take the defaults of the config's `inference` section (`InferenceConfig`).
+    """
+
+    messages: list[dict[str, str]]
+    """The conversation so far, as `{"role": ..., "content": ...}` dicts; the reply continues it."""
+    max_new_tokens: int = InferenceConfig.max_new_tokens
+    """Most tokens to generate (fewer when the model's context is shorter)."""
+    do_sample: bool = InferenceConfig.do_sample
+    """Sample the next token (True) or take the most likely one (False, greedy)."""
+    temperature: float = InferenceConfig.temperature
+    """Sampling temperature (only with `do_sample`)."""
+    top_p: float = InferenceConfig.top_p
+    """Nucleus sampling: keep the smallest set of tokens with this much probability; 1.0 keeps all."""
+    top_k: int = InferenceConfig.top_k
+    """Keep only the `top_k` most likely tokens when sampling; 0 keeps all."""
+    repetition_penalty: float = InferenceConfig.repetition_penalty
+    """Penalty on tokens already in the text; 1.0 is none."""
+    seed: int | None = InferenceConfig.seed
+    """Seed every rank samples with; rank 0 chooses one with :meth:`with_seed` when the user gave none."""
+    want_scores: bool = False
+    """Also return each generated token's probability and its most likely alternatives."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end the reply; the reply (streamed and final) stops just before the first one."""
+
+    def __post_init__(self) -> None:
+        _check_messages(self.messages)
+        _check(self.max_new_tokens >= 1, f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        _check(self.temperature > 0, f"temperature must be > 0, got {self.temperature}; use do_sample=False for greedy")
+        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, f"top_k must be >= 0 (0 keeps all tokens), got {self.top_k}")
+        _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.seed is not None:
+            _check(0 <= self.seed < 2**63, f"seed must be in [0, 2**63), got {self.seed}")
+        _check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
+               f"stop must be a list of non-empty strings, got {self.stop!r}")
+
+    def with_seed(self) -> "GenerationRequest":
+        """This request with a random seed filled in if it has none (rank 0 calls this before sending)."""
+        return self if self.seed is not None else replace(self, seed=secrets.randbits(63))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "GenerationRequest":
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(set(data) - set(valid))
+        _check(not unknown, f"unknown generation request keys {unknown}; valid keys are {valid}")
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """A token the model could have produced instead, with its probability."""
+
+    token_id: int
+    text: str
+    prob: float
+
+
+@dataclass(frozen=True)
+class TokenScore:
+    """A generated token with the probability it was drawn with and the most likely alternatives."""
+
+    token_id: int
+    text: str
+    prob: float
+    alternatives: list[Alternative]
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """What one rank's :func:`generate` produced (rank 0's is the reply; followers' match it unless interrupted)."""
+
+    text: str
+    """The reply, special tokens removed."""
+    prompt_tokens: int
+    """Tokens in the prompt built from the messages."""
+    generated_tokens: int
+    """Tokens this rank generated, an end-of-text token included."""
+    finish_reason: str
+    """"stop" (end-of-text token or a stop string), "length" (max_new_tokens or the context) or "interrupted"."""
+    time_to_first_token_s: float
+    """Seconds from the start of generation to the end of the prompt's forward pass."""
+    tokens_per_s: float
+    """Decoding speed after the first token: (generated_tokens - 1) / decoding seconds."""
+    seed: int
+    """The seed this rank sampled with."""
+    scores: list[TokenScore] | None = None
+    """Per-token probabilities and alternatives, when the request wanted them."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class GenerationError(RuntimeError):
+    """`model.generate` raised on this rank; the message names the rank and the cause is chained."""
+
+
+class StopOnEvent(StoppingCriteria):
+    """Stops generation on this rank at the next step once `event` is set; remembers that it did."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+        self.fired = False
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
+        self.fired = self.fired or self.event.is_set()
+        return torch.full((input_ids.shape[0],), self.fired, dtype=torch.bool, device=input_ids.device)
+
+
+def generate(
+    model: Any,
+    tokenizer: Any,
+    request: GenerationRequest,
+    *,
+    device: torch.device | str,
+    on_text: Callable[[str], None] | None,
+    stop_event: threading.Event,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> GenerationResult:
+    """Generate the reply to `request` on this rank; every rank of the job calls this with the same request.
+
+    `on_text` receives the reply in whole-character chunks as it is generated (rank 0 passes
+    it, followers pass None). Setting `stop_event` (a fresh one per request) stops this rank at
+    the next step, and the interrupted reply is returned (rank 0's caller sets it when the user
+    interrupts; generation runs in a worker thread there, out of KeyboardInterrupt's reach). If
+    no step or token arrives for `timeout_s` seconds, TimeoutError is raised; an exception inside
+    `model.generate` is raised as :class:`GenerationError`.
+    """
+    device = torch.device(device)
+    prompt_ids, config = agree(lambda: plan_generation(model, tokenizer, request, device), PLAN_WORDS)
+    stop = StopOnEvent(stop_event)
+    events: queue.Queue = queue.Queue()
+    streamer = None
+    if on_text is not None and request.stop:
+        on_text = StopTextFilter(on_text, request.stop)
+    if on_text is not None:
+        streamer = TextDeltaStreamer(tokenizer, lambda text: events.put(("text", text)), **DECODE_KWARGS)
+    worker = _GenerateThread(
+        model,
+        events,
+        device=device,
+        seed=request.seed,
+        kwargs=dict(
+            inputs=prompt_ids,
+            attention_mask=torch.ones_like(prompt_ids),
+            generation_config=config,
+            synced_gpus=_world_size() > 1,
+            streamer=streamer,
+            stopping_criteria=StoppingCriteriaList([stop]),
+            **({"tokenizer": tokenizer} if request.stop else {}),  # transformers' stop_strings need it
+        ),
+    )
+    with _eval_mode(model):
+        worker.start()
+        output = _consume(events, on_text, stop_event, timeout_s)
+    if isinstance(on_text, StopTextFilter):
+        on_text.close()
+    return _result(tokenizer, request, config, output, prompt_ids.shape[1], stop.fired, worker)
+
+
+def plan_generation(
+    model: Any, tokenizer: Any, request: GenerationRequest, device: torch.device
+) -> tuple[tuple[torch.Tensor, GenerationConfig], str]:
+    """This rank's prompt ids and generation config, and a fingerprint of the prompt that every rank must share.
+
+    Nothing here is collective: :func:`generate` runs it under :func:`agree`, so a rank whose
+    tokenizer refuses the text fails here and every rank learns of it before any enters `generate`.
+    """
+    if request.seed is None:
+        raise ValueError(
+            "the request has no seed: rank 0 must fill one in (request.with_seed()) before sending it, "
+            "so that every rank samples the same tokens"
+        )
+    prompt_ids = build_prompt_ids(tokenizer, request.messages)
+    max_new_tokens = fit_max_new_tokens(model, prompt_ids.shape[1], request.max_new_tokens)
+    config = build_generation_config(model, tokenizer, request, max_new_tokens)
+    # the prompt only: ranks may sample differently (synced_gpus copes), but a forward that splits
+    # activations over ranks needs the same tokens everywhere
+    fingerprint = hashlib.sha256(prompt_ids.numpy().tobytes()).hexdigest()[:16]
+    return (prompt_ids.to(device), config), fingerprint
+
+
+def build_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> torch.Tensor:
+    """The conversation as a (1, n) tensor of token ids, ending with the assistant's turn opening."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"the tokenizer ({type(tokenizer).__name__}) has no chat template, so a conversation cannot be "
+            "turned into a prompt; load an instruct/chat model, or set tokenizer.chat_template"
+        )
+    encoded = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    return encoded["input_ids"]
+
+
+def fit_max_new_tokens(model: Any, num_prompt_tokens: int, max_new_tokens: int) -> int:
+    """`max_new_tokens`, shortened (with a warning) to what the model's context leaves after the prompt."""
+    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if context is None:
+        return max_new_tokens
+    room = context - num_prompt_tokens
+    if room <= 0:
+        raise ValueError(
+            f"the prompt is {num_prompt_tokens} tokens but the model's context holds {context} "
+            "(max_position_embeddings): shorten the conversation (drop early messages) or start a new one"
+        )
+    if max_new_tokens > room:
+        log.warning(
+            "rank %d: max_new_tokens=%d does not fit the context (%d tokens, %d in the prompt); generating at most %d",
+            _rank(), max_new_tokens, context, num_prompt_tokens, room,
+        )
+        return room
+    return max_new_tokens
+
+
+def build_generation_config(
+    model: Any, tokenizer: Any, request: GenerationRequest, max_new_tokens: int
+) -> GenerationConfig:
+    """A private copy of the model's generation config with the request's settings (the model's stays untouched)."""
+    config = copy.deepcopy(model.generation_config)
+    if request.do_sample:
+        sampling = dict(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k)
+    else:  # unset, or transformers warns that they are ignored
+        sampling = dict(temperature=None, top_p=None, top_k=None)
+    eos_ids = _eos_ids(config, tokenizer)
+    pad_id = config.pad_token_id if config.pad_token_id is not None else tokenizer.pad_token_id
+    config.update(
+        max_new_tokens=max_new_tokens,
+        do_sample=request.do_sample,
+        repetition_penalty=request.repetition_penalty,
+        stop_strings=request.stop or None,
+        num_beams=1,  # one streamed sequence
+        num_return_sequences=1,
+        use_cache=True,
+        return_dict_in_generate=True,
+        output_scores=request.want_scores,
+        eos_token_id=eos_ids or None,
+        pad_token_id=pad_id if pad_id is not None else (eos_ids[0] if eos_ids else None),
+        **sampling,
+    )
+    return config
+
+
+class _GenerateThread(threading.Thread):
+    """Runs `model.generate` on its own thread and reports each step, then its output or its exception, on `events`."""
+
+    def __init__(self, model: Any, events: queue.Queue, *, device: torch.device, seed: int, kwargs: dict[str, Any]):
+        super().__init__(name="shardbook-generate", daemon=True)
+        self.model = model
+        self.events = events
+        self.device = device
+        self.seed = seed
+        self.kwargs = kwargs
+        self.started_at = self.first_step_at = self.ended_at = 0.0
+
+    def run(self) -> None:
+        try:
+            self.events.put(("done", self._generate()))
+        except BaseException as exc:  # handed to the caller, which raises it with the rank
+            self.events.put(("error", exc))
+
+    def _generate(self) -> Any:
+        set_current_device(self.device)
+        hook = self.model.register_forward_hook(self._on_step)
+        try:
+            # no_grad, not inference_mode: with reshard_after_forward=False FSDP2 keeps the
+            # unsharded parameters made here, and a later training step (fine-tuning in %%all)
+            # then fails with "Inference tensors cannot be saved for backward" (measured).
+            with _private_rng(self.device), torch.no_grad():
+                torch.manual_seed(self.seed)
+                self.started_at = time.perf_counter()
+                output = self.model.generate(**self.kwargs)
+                self.ended_at = time.perf_counter()
+                return output
+        finally:
+            hook.remove()
+
+    def _on_step(self, module: Any, args: Any, output: Any) -> None:
+        now = time.perf_counter()
+        self.first_step_at = self.first_step_at or now
+        self.events.put(("step", now))
+
+
+def _consume(
+    events: queue.Queue, on_text: Callable[[str], None] | None, stop_event: threading.Event, timeout_s: float
+) -> Any:
+    """Hand text to `on_text` until the generate thread ends; return its output or raise its error with the rank.
+
+    If `on_text` raises, generation is stopped but still waited for (this rank keeps stepping
+    with the others until all are done), then the error is raised.
+    """
+    sink_error: Exception | None = None
+    while True:
+        try:
+            kind, value = events.get(timeout=timeout_s)
+        except queue.Empty:
+            stop_event.set()
+            raise TimeoutError(
+                f"rank {_rank()}: generation made no progress for {timeout_s:.0f} s; a peer rank may have died "
+                "or left the collectives, so the process group is probably unusable: restart the kernel "
+                "(raise the timeout if a single step of this model is really that slow)"
+            ) from None
+        if kind == "text" and on_text is not None and sink_error is None:
+            try:
+                on_text(value)
+            except Exception as exc:
+                sink_error = exc
+                stop_event.set()
+        elif kind == "error":
+            raise GenerationError(f"rank {_rank()}: generation failed: {type(value).__name__}: {value}") from value
+        elif kind == "done":
+            if sink_error is not None:
+                raise sink_error
+            return value
+
+
+def _result(
+    tokenizer: Any,
+    request: GenerationRequest,
+    config: GenerationConfig,
+    output: Any,
+    num_prompt_tokens: int,
+    interrupted: bool,
+    worker: _GenerateThread,
+) -> GenerationResult:
+    token_ids = output.sequences[0, num_prompt_tokens:].tolist()
+    text = tokenizer.decode(token_ids, **DECODE_KWARGS)
+    cut = find_stop(text, request.stop)
+    if cut is not None or (token_ids and token_ids[-1] in (config.eos_token_id or [])):
+        finish_reason = "stop"
+    else:
+        finish_reason = "interrupted" if interrupted else "length"
+    decoding_s = worker.ended_at - worker.first_step_at
+    return GenerationResult(
+        text=text[:cut],
+        prompt_tokens=num_prompt_tokens,
+        generated_tokens=len(token_ids),
+        finish_reason=finish_reason,
+        time_to_first_token_s=worker.first_step_at - worker.started_at,
+        tokens_per_s=(len(token_ids) - 1) / decoding_s if len(token_ids) > 1 and decoding_s > 0 else 0.0,
+        seed=request.seed,
+        scores=_token_scores(tokenizer, token_ids, output.scores) if request.want_scores else None,
+    )
+
+
+def _token_scores(tokenizer: Any, token_ids: list[int], scores: tuple[torch.Tensor, ...]) -> list[TokenScore]:
+    """Each token's probability under the distribution it was drawn from, and the top alternatives there."""
+    result = []
+    for token_id, step_scores in zip(token_ids, scores):
+        probs = torch.softmax(step_scores[0].float(), dim=-1)
+        top = torch.topk(probs, k=min(NUM_ALTERNATIVES, probs.numel()))
+        top_ids = top.indices.tolist()
+        texts = tokenizer.batch_decode([[token_id]] + [[i] for i in top_ids], **DECODE_KWARGS)
+        alternatives = [Alternative(i, t, p) for i, t, p in zip(top_ids, texts[1:], top.values.tolist())]
+        result.append(TokenScore(token_id, texts[0], probs[token_id].item(), alternatives))
+    return result
+
+
+def _eos_ids(config: GenerationConfig, tokenizer: Any) -> list[int]:
+    """The model's end-of-text ids plus the tokenizer's (a chat template's end-of-turn token)."""
+    ids = config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+@contextlib.contextmanager
+def _eval_mode(model: Any) -> Iterator[None]:
+    """Put the model in eval mode (no dropout, no recomputation) for the block, with a warning if it was training."""
+    was_training = model.training
+    if was_training:
+        log.warning("rank %d: the model was in training mode; generating in eval mode", _rank())
+        model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+@contextlib.contextmanager
+def _private_rng(device: torch.device) -> Iterator[None]:
+    """Seeding inside this block leaves the caller's random state as it was."""
+    devices = [] if device.type == "cpu" else [device]
+    with torch.random.fork_rng(devices=devices, device_type=device.type):
+        yield
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _check_messages(messages: Any) -> None:
+    _check(isinstance(messages, list) and messages, "messages must be a non-empty list of {role, content} dicts")
+    for i, message in enumerate(messages):
+        ok = isinstance(message, dict) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str)
+        _check(ok, f"messages[{i}] must be a dict with string 'role' and 'content', got {message!r}")
+        check_valid(message["content"], f"messages[{i}] ({message['role']!r})")
+        check_valid(message["role"], f"messages[{i}]'s role")
+
+
+def _check(condition: Any, message: str) -> None:
+    if not condition:
+        raise ValueError(message)

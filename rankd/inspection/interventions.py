@@ -1,0 +1,162 @@
+"""Interventions: a user's function applied to a module's output (or input) on every rank, in every forward.
+
+The function reaches every rank as code the user already runs there: it is defined in an
+``%%all`` cell, so each rank's namespace holds it, and rank 0 registers it *by name* over the
+signed control plane. Nothing is unpickled or evaluated from the network: a rank only looks a
+name up in its own namespace. Registration is all-or-nothing (an all-reduce of every rank's
+verdict), so no rank ever runs a hook the others lack.
+
+The function always sees the whole tensor, as under one process: under `tp`, a split tensor is
+all-gathered in the group before the call and each rank keeps its own piece of the result. The
+gather happens on every rank in every forward, whether or not the function then fails, so
+collectives stay in step, including the extra forwards `synced_gpus` runs on ranks that finished.
+A function that raises is skipped for the rest of that command on that rank, and the command
+then fails on that rank naming the function, the module and the cause.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardbook.rankd.parallel.wholes import FeatureSplit, activation_split, all_gather_whole, local_part
+
+REGISTRY_ATTRIBUTE = "shardbook_interventions"
+
+
+class InterventionError(RuntimeError):
+    """A registered intervention function raised on this rank."""
+
+
+@dataclass
+class Intervention:
+    """One registered function: where it applies, its hooks, and its first failure since the last check."""
+
+    name: str
+    modules: list[str]
+    on_input: bool
+    handles: list[Any] = field(default_factory=list)
+    failure: str | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "modules": self.modules, "on": "input" if self.on_input else "output"}
+
+
+def registry(model: nn.Module) -> dict[str, Intervention]:
+    """The interventions on `model` by name (kept on the model: a new model starts with none)."""
+    if not hasattr(model, REGISTRY_ATTRIBUTE):
+        object.__setattr__(model, REGISTRY_ATTRIBUTE, {})
+    return getattr(model, REGISTRY_ATTRIBUTE)
+
+
+def add(model: nn.Module, namespace: dict[str, Any], name: str, modules: list[str], on_input: bool) -> Intervention:
+    """Register `namespace[name]` on `modules` on every rank, or on none (a collective)."""
+    problem = _why_not(namespace, name)
+    _agree(problem, model)
+    remove(model, name)
+    fn = namespace[name]
+    iv = Intervention(name, modules, on_input)
+    for module_name in modules:
+        split = activation_split(model, module_name, on_input)
+        module = model.get_submodule(module_name)
+        if on_input:
+            iv.handles.append(module.register_forward_pre_hook(_input_hook(iv, fn, module_name, split), with_kwargs=True))
+        else:
+            iv.handles.append(module.register_forward_hook(_output_hook(iv, fn, module_name, split)))
+    registry(model)[name] = iv
+    return iv
+
+
+def remove(model: nn.Module, name: str | None) -> list[str]:
+    """Remove one intervention by name (None: all of them); the names removed."""
+    found = registry(model)
+    names = list(found) if name is None else [name] if name in found else []
+    for key in names:
+        for handle in found.pop(key).handles:
+            handle.remove()
+    return names
+
+
+def raise_failures(model: nn.Module) -> None:
+    """Raise the first failure of any intervention since the last call (and forget them)."""
+    failed = [iv for iv in registry(model).values() if iv.failure]
+    for iv in failed:
+        iv.failure, text = None, iv.failure
+    if failed:
+        raise InterventionError(text)
+
+
+def _why_not(namespace: dict[str, Any], name: str) -> str | None:
+    fn = namespace.get(name)
+    if fn is None:
+        return (
+            f"no function named {name!r} in this rank's namespace: define it in an %%all cell first, so that every "
+            f"rank has it, e.g.\n%%all\ndef {name}(output, module_name):\n    return output * 0"
+        )
+    if not callable(fn):
+        return f"{name!r} is a {type(fn).__name__}, not a function: give the name of a function defined in %%all"
+    return None
+
+
+def _agree(problem: str | None, model: nn.Module) -> None:
+    """Every rank learns whether all of them can register; each raises its own reason, or the others' absence."""
+    failed = torch.tensor([0 if problem is None else 1], device=next(model.parameters()).device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(failed)
+    if problem is not None:
+        raise ValueError(problem)
+    if failed.item():
+        raise ValueError(f"not registered on rank {dist.get_rank()}: another rank could not register it (see its error)")
+
+
+def _call(iv: Intervention, fn: Callable, module_name: str, whole: torch.Tensor) -> torch.Tensor:
+    """`fn`'s result for `whole` (whole itself when it returns None or after a failure), never raising."""
+    if iv.failure is not None:
+        return whole
+    try:
+        result = fn(whole, module_name)
+        result = whole if result is None else result
+        if not isinstance(result, torch.Tensor) or result.shape != whole.shape:
+            got = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
+            raise ValueError(f"it returned {got}; return a tensor of shape {tuple(whole.shape)}, or None")
+        return result.to(whole.dtype)
+    except Exception as e:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        where = "".join(traceback.format_exception(e)[-3:])
+        iv.failure = (
+            f"intervention {iv.name!r} raised on rank {rank} at {module_name}: {type(e).__name__}: {e}. It was "
+            f"skipped there for the rest of this command; fix it in %%all and register it again, or remove it "
+            f"(%intervene --remove {iv.name}).\n{where}"
+        )
+        return whole
+
+
+def _whole_then_back(iv: Intervention, fn: Callable, module_name: str, split: FeatureSplit | None, local: torch.Tensor) -> torch.Tensor:
+    if split is None:
+        return _call(iv, fn, module_name, local)
+    whole = all_gather_whole(local, split)  # on every rank, failed or not: the group stays in step
+    return local_part(_call(iv, fn, module_name, whole), split)
+
+
+def _output_hook(iv: Intervention, fn: Callable, module_name: str, split: FeatureSplit | None):
+    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+        if isinstance(output, tuple):
+            return (_whole_then_back(iv, fn, module_name, split, output[0]), *output[1:])
+        return _whole_then_back(iv, fn, module_name, split, output)
+
+    return hook
+
+
+def _input_hook(iv: Intervention, fn: Callable, module_name: str, split: FeatureSplit | None):
+    def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
+        if args:
+            return (_whole_then_back(iv, fn, module_name, split, args[0]), *args[1:]), kwargs
+        key = "hidden_states" if "hidden_states" in kwargs else next(iter(kwargs))
+        return args, {**kwargs, key: _whole_then_back(iv, fn, module_name, split, kwargs[key])}
+
+    return hook

@@ -1,0 +1,207 @@
+"""`trace`: one forward on every rank, capturing chosen modules' outputs, whole on rank 0 under every layout.
+
+Every rank runs the same steps in the same order: match the globs (a bad glob fails on every
+rank before any collective), hook the modules, run one forward, check the capture against the
+size limit (the same sums on every rank), then join the split activations on rank 0. The logit
+lens runs inside the same forward, in a hook on the output layer, where FSDP2 still holds the
+final norm and the output weights gathered and `tp`'s output layer gathers the whole vocabulary.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardbook.rankd.inspection.interventions import raise_failures
+from shardbook.rankd.parallel.layout import decoder_layers
+from shardbook.rankd.parallel.wholes import activation_split, gather_whole_to_rank0, whole_shape
+
+DEFAULT_MAX_BYTES = 1 << 30
+
+
+class Trace(Mapping):
+    """Module name -> whole captured tensor (on CPU), plus the prompt's tokens and the model's logits.
+
+    A read-only mapping, not a dict: replies are cleaned of invalid text by rebuilding their
+    dicts, and a trace must reach the user as it is.
+    """
+
+    def __init__(self, captures: dict[str, torch.Tensor], *, token_ids: list[int], tokens: list[str], logits: torch.Tensor,
+                 inputs: bool, lens: "Lens | None" = None, stats: dict[str, Any] | None = None):
+        self.captures = captures
+        self.token_ids, self.tokens, self.logits, self.inputs = token_ids, tokens, logits, inputs
+        self.lens, self.stats = lens, stats or {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.captures[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.captures)
+
+    def __len__(self) -> int:
+        return len(self.captures)
+
+    def __repr__(self) -> str:
+        what = "inputs" if self.inputs else "outputs"
+        shapes = ", ".join(f"{name}: {tuple(t.shape)}" for name, t in list(self.items())[:4])
+        more = f", … ({len(self)} modules)" if len(self) > 4 else ""
+        return f"Trace of {len(self.tokens)} tokens, {what} of {{{shapes}{more}}}, logits {tuple(self.logits.shape)}"
+
+
+@dataclass
+class Lens:
+    """The logit lens: for each traced layer and position, the top tokens and their probabilities."""
+
+    layers: list[str]
+    token_ids: torch.Tensor
+    """[layers, positions, top] most likely next-token ids after projecting that layer's residual stream."""
+    probs: torch.Tensor
+    """[layers, positions, top] their probabilities."""
+    tokens: list[list[list[str]]] = field(default_factory=list)
+
+
+def glob_pattern(glob: str) -> re.Pattern:
+    """`*` matches one dotted name part, `**` any number of them, `?` one character: `model.layers.*` is every layer."""
+    out = ""
+    for part in re.split(r"(\*\*|\*|\?)", glob):
+        out += {"**": ".*", "*": "[^.]*", "?": "[^.]"}.get(part, re.escape(part))
+    return re.compile(out + r"\Z")
+
+
+def match_modules(model: nn.Module, globs: list[str]) -> list[str]:
+    """Module names matching any glob, in model order; a glob matching nothing is an error naming examples."""
+    names = [name for name, _ in model.named_modules() if name]
+    found: list[str] = []
+    for glob in globs:
+        pattern = glob_pattern(glob)
+        hits = [name for name in names if pattern.match(name)]
+        if not hits:
+            examples = ", ".join(layer_names(model)[:2] + [n for n in names if n.count(".") == 3][:2])
+            raise ValueError(
+                f"no module of the model matches {glob!r}: `*` stands for one part of a dotted name and `**` "
+                f"for any number of them (e.g. model.layers.* or model.layers.3.self_attn); names look like "
+                f"{examples}. model.named_modules() lists them all"
+            )
+        found += [h for h in hits if h not in found]
+    order = {name: i for i, name in enumerate(names)}
+    return sorted(found, key=order.__getitem__)
+
+
+def layer_names(model: nn.Module) -> list[str]:
+    """The decoder layers' module names, in order."""
+    layers = {id(m) for m in decoder_layers(model)}
+    return [name for name, m in model.named_modules() if id(m) in layers]
+
+
+def first_tensor(value: Any) -> torch.Tensor:
+    """A module's output or positional input as one tensor: the first of a tuple (hidden states, not attention weights)."""
+    while isinstance(value, (tuple, list)):
+        value = value[0]
+    return value
+
+
+def trace(model: nn.Module, tokenizer: Any, args: dict[str, Any]) -> Trace | dict[str, Any]:
+    """Run `args`' trace on this rank; rank 0 returns the `Trace`, the others a small summary."""
+    names = match_modules(model, args.get("modules") or layer_names(model))
+    ids = prompt_ids(tokenizer, args["prompt"], args.get("chat", False)).to(next(model.parameters()).device)
+    inputs = bool(args.get("inputs"))
+    lens_top = args.get("lens_top")
+    local: dict[str, torch.Tensor] = {}
+    lens_out: dict[str, tuple] = {}
+    hooks = [_capture_hook(model.get_submodule(n), n, inputs, local) for n in names]
+    if lens_top:
+        hooks.append(_lens_hook(model, names, lens_top, local, lens_out))
+    started = time.perf_counter()
+    try:
+        with torch.no_grad():
+            logits = model(ids).logits
+    finally:
+        for hook in hooks:
+            hook.remove()
+    forward_s = time.perf_counter() - started
+    splits = {n: activation_split(model, n, inputs) for n in names}
+    check_size(local, splits, logits, args.get("max_bytes", DEFAULT_MAX_BYTES))
+    wholes, sent = {}, 0
+    for name in names:
+        whole, nbytes = _to_rank0(local[name], splits[name])
+        wholes[name], sent = whole, sent + nbytes
+    raise_failures(model)
+    if torch.distributed.get_rank() != 0:
+        return {"modules": len(names)}
+    stats = {"forward_s": forward_s, "total_s": time.perf_counter() - started, "bytes_to_rank0": sent}
+    token_ids = ids[0].tolist()
+    return Trace(
+        {n: t.cpu() for n, t in wholes.items()}, token_ids=token_ids, tokens=[tokenizer.decode([i]) for i in token_ids],
+        logits=logits[0].float().cpu(), inputs=inputs, lens=_lens(tokenizer, names, lens_out), stats=stats,
+    )
+
+
+def prompt_ids(tokenizer: Any, prompt: str, chat: bool) -> torch.Tensor:
+    """The prompt's token ids, [1, positions]: raw text, or one user message in the chat template."""
+    if chat:
+        from shardbook.rankd.generation.engine import build_prompt_ids
+
+        return build_prompt_ids(tokenizer, [{"role": "user", "content": prompt}])
+    return tokenizer(prompt, return_tensors="pt")["input_ids"]
+
+
+def _capture_hook(module: nn.Module, name: str, inputs: bool, into: dict[str, torch.Tensor]):
+    if inputs:
+        return module.register_forward_pre_hook(lambda m, a, kw: into.__setitem__(name, _input_of(a, kw).detach()),
+                                                with_kwargs=True)
+    return module.register_forward_hook(lambda m, a, out: into.__setitem__(name, first_tensor(out).detach()))
+
+
+def _input_of(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
+    """The first positional input, or `hidden_states` when a layer takes it by keyword."""
+    if args:
+        return first_tensor(args)
+    return first_tensor(kwargs.get("hidden_states", next(iter(kwargs.values()))))
+
+
+def check_size(local: dict[str, torch.Tensor], splits: dict[str, Any], logits: torch.Tensor, max_bytes: int) -> None:
+    """Refuse (on every rank alike) a capture whose whole tensors would exceed `max_bytes` on rank 0."""
+    total = logits.numel() * 4 + sum(
+        int(torch.Size(whole_shape(t.shape, splits[n])).numel()) * t.element_size() for n, t in local.items()
+    )
+    if total > max_bytes:
+        raise ValueError(
+            f"this capture needs {total / 2**20:.1f} MiB on rank 0, over the limit of {max_bytes / 2**20:.1f} MiB; "
+            "capture fewer modules (--modules), a shorter prompt, or raise the limit (--max-mb)"
+        )
+
+
+def _to_rank0(local: torch.Tensor, split) -> tuple[torch.Tensor | None, int]:
+    if split is None:
+        return local, 0
+    return gather_whole_to_rank0(local, split)
+
+
+def _lens_hook(model: nn.Module, names: list[str], top: int, captured: dict[str, torch.Tensor], out: dict[str, tuple]):
+    """On the output layer: project each captured layer's stream through the final norm and the unembedding."""
+    norm = model.get_decoder().norm
+
+    def project(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        for name in names:
+            stream = norm(captured[name])
+            logits = type(module).forward(module, stream)  # its own forward, without re-running hooks
+            probs = torch.softmax(logits[0].float(), dim=-1)
+            best = torch.topk(probs, k=min(top, probs.shape[-1]), dim=-1)
+            out[name] = (best.indices, best.values)
+
+    return model.get_output_embeddings().register_forward_hook(project)
+
+
+def _lens(tokenizer: Any, names: list[str], out: dict[str, tuple]) -> Lens | None:
+    if not out:
+        return None
+    ids = torch.stack([out[n][0] for n in names]).cpu()
+    probs = torch.stack([out[n][1] for n in names]).cpu()
+    tokens = [[[tokenizer.decode([i]) for i in pos.tolist()] for pos in layer] for layer in ids]
+    return Lens(layers=names, token_ids=ids, probs=probs, tokens=tokens)

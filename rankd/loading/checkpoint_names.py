@@ -1,0 +1,141 @@
+"""Which stored tensors fill each model tensor: transformers' own conversion mapping applied to the checkpoint's names.
+
+Mixture-of-experts checkpoints store every expert apart (`mlp.experts.3.gate_proj.weight`), while
+transformers 5 models hold them fused (`mlp.experts.gate_up_proj`, experts x 2I x H) and convert
+on load with the mapping of `transformers.conversion_mapping`. Sharded loading asks that same
+mapping how names change (`WeightRenaming`, e.g. Mixtral's `block_sparse_moe` -> `mlp`) and which
+stored tensors merge into one (`WeightConverter`), and describes each fused tensor as an
+`ExpertStack` that can read any slice of it (some experts, some rows) from the per-expert tensors
+without building the whole. Conversions other than stacking experts and concatenating gate with
+up are refused with a clear error rather than guessed.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardbook.rankd.loading.safetensors_files import MappedFiles, StoredTensor
+
+Selection = tuple  # per dim: a tuple of ranges to keep (joined in order), or None for the whole dim
+
+
+@dataclass(frozen=True)
+class ExpertStack:
+    """A fused expert tensor: `parts[p][e]` stored per expert, stacked on dim 0, the parts joined on `concat_dim`."""
+
+    parts: tuple[tuple[StoredTensor, ...], ...]
+    concat_dim: int | None
+    """The fused tensor's dim the parts are concatenated on (gate then up), None for a single part."""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        one = list(self.parts[0][0].shape)
+        if self.concat_dim is not None:
+            one[self.concat_dim - 1] = sum(part[0].shape[self.concat_dim - 1] for part in self.parts)
+        return (len(self.parts[0]), *one)
+
+    @property
+    def file(self):
+        """The file of the first expert's first part (for messages about this tensor)."""
+        return self.parts[0][0].file
+
+    def read(self, files: MappedFiles, selection: Selection, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The `selection` of the fused tensor, built from only the experts and rows it needs."""
+        experts = [e for piece in selection[0] for e in piece] if selection[0] is not None else range(len(self.parts[0]))
+        inner = selection[1:]
+        return torch.stack([self._expert(files, e, inner, dtype, device) for e in experts])
+
+    def _expert(self, files: MappedFiles, expert: int, inner: Selection, dtype, device) -> torch.Tensor:
+        views = [files.view(part[expert]) for part in self.parts]
+        axis = 0 if self.concat_dim is None else self.concat_dim - 1
+        pieces = _concat_pieces(views, axis, inner[axis])
+        others = tuple(None if dim == axis else sel for dim, sel in enumerate(inner))
+        return torch.cat([select(piece, others).to(device=device, dtype=dtype) for piece in pieces], dim=axis)
+
+
+def _concat_pieces(views: list[torch.Tensor], axis: int, ranges: tuple[range, ...] | None) -> list[torch.Tensor]:
+    """The slices of `views` along `axis` that `ranges` (in the concatenated tensor's coordinates) cover, in order."""
+    sizes = [view.shape[axis] for view in views]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    pieces = []
+    for wanted in ranges if ranges is not None else (range(sum(sizes)),):
+        for view, start, size in zip(views, starts, sizes):
+            low, high = max(wanted.start, start), min(wanted.stop, start + size)
+            if low < high:
+                pieces.append(view.narrow(axis, low - start, high - low))
+    return pieces
+
+
+def select(tensor: torch.Tensor, selection: Selection) -> torch.Tensor:
+    """`tensor` cut to `selection`: a view while every sliced dim keeps one range, else a joined copy."""
+    for dim, ranges in enumerate(selection):
+        if ranges is None:
+            continue
+        parts = [tensor.narrow(dim, r.start, len(r)) for r in ranges]
+        tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+    return tensor
+
+
+def checkpoint_sources(model: nn.Module, index: dict[str, StoredTensor]) -> dict[str, StoredTensor | ExpertStack]:
+    """Every model tensor name the checkpoint fills, with the stored tensor or expert stack that fills it."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, apply_renamings, rename_source_key
+
+    transforms = get_model_conversion_mapping(model, add_legacy=False)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta = model.state_dict()
+    sources: dict[str, StoredTensor | ExpertStack] = {}
+    groups: dict[str, tuple] = {}
+    members: dict[str, dict[str, list[tuple[str, StoredTensor]]]] = defaultdict(lambda: defaultdict(list))
+    for key, stored in index.items():
+        renamed = apply_renamings(key, renamings)
+        converter, pattern = _converter_for(renamed, converters)
+        target = converter.rename_source_key(renamed)[0] if converter else renamed
+        target, _ = rename_source_key(target, [], [], model.base_model_prefix, meta)  # base-model prefix only
+        if converter is None:
+            sources[target] = stored
+        else:
+            groups[target] = converter
+            members[target][pattern].append((key, stored))
+    for target, converter in groups.items():
+        sources[target] = _expert_stack(target, converter, members[target])
+    return sources
+
+
+def _converter_for(key: str, converters: list) -> tuple:
+    for converter in converters:
+        _, pattern = converter.rename_source_key(key)
+        if pattern is not None:
+            return converter, pattern
+    return None, None
+
+
+def _expert_stack(target: str, converter, by_pattern: dict[str, list[tuple[str, StoredTensor]]]) -> ExpertStack:
+    """The `ExpertStack` a supported conversion builds: experts stacked on dim 0, then parts joined on dim 1."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist, dot_natural_key
+
+    ops = [(type(op), getattr(op, "dim", None)) for op in converter.operations]
+    merge_only, merge_concat = [(MergeModulelist, 0)], [(MergeModulelist, 0), (Concatenate, 1)]
+    if ops not in (merge_only, merge_concat):
+        names = ", ".join(type(op).__name__ for op in converter.operations)
+        raise ValueError(
+            f"{target} is built on load by transformers' conversion ({names}), which sharded loading does not "
+            "do yet (it stacks per-expert tensors and joins gate with up); load this model with transformers "
+            "in one process, or convert the checkpoint with save_pretrained in that layout"
+        )
+    parts = []
+    for pattern in converter.source_patterns:
+        found = sorted(by_pattern.get(pattern, []), key=lambda item: dot_natural_key(item[0]))
+        parts.append(tuple(stored for _, stored in found))
+    counts = {len(part) for part in parts}
+    if len(counts) != 1 or 0 in counts:
+        raise ValueError(
+            f"{target} needs {' and '.join(converter.source_patterns)} for every expert, but the checkpoint holds "
+            f"{[len(part) for part in parts]} of them: the checkpoint is incomplete"
+        )
+    return ExpertStack(parts=tuple(parts), concat_dim=1 if ops == merge_concat else None)

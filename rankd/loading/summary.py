@@ -1,0 +1,68 @@
+"""The summary of a sharded load: what was loaded, how it is laid out, and what it costs each rank.
+
+Every rank measures its own figures (`rank_figures`); the load gathers them at its last sync
+point, and every rank then builds the same summary from them (`load_summary`, no collective);
+the kernel shows rank 0's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from shardbook.rankd.parallel.tp_modules import global_numel
+from shardbook.rankd.control.world import memory_in_use
+
+
+def local_param_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters this rank holds (its shards; tied parameters counted once)."""
+    return sum(_local(p).numel() * p.element_size() for p in model.parameters())
+
+
+def full_param_bytes(model: nn.Module) -> int:
+    """Bytes of the whole model's parameters, unsharded (tied parameters counted once)."""
+    return sum(global_numel(p) * p.element_size() for p in model.parameters())
+
+
+def rank_figures(model: nn.Module, device: torch.device, load_seconds: float) -> dict[str, Any]:
+    """This rank's share of the summary: its parameter bytes, its memory and its load time."""
+    return {"local_param_bytes": local_param_bytes(model), "seconds": load_seconds, **memory_in_use(str(device))}
+
+
+def load_summary(
+    model: nn.Module,
+    every: list[dict[str, Any]],
+    *,
+    architecture: str,
+    path: str,
+    mesh: DeviceMesh,
+    device: torch.device,
+    decode: str,
+    decode_reason: str,
+) -> dict[str, Any]:
+    """Architecture, sizes, layout, per-rank memory and the slowest rank's time, from every rank's `rank_figures`."""
+    return {
+        "architecture": architecture,
+        "model_path": path,
+        "num_parameters": sum(global_numel(p) for p in model.parameters()),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "device": device.type,
+        "world_size": len(every),
+        "mesh_shape": list(mesh.shape),
+        "mesh_axes": list(mesh.mesh_dim_names or ()),
+        "full_param_bytes": full_param_bytes(model),
+        "local_param_bytes": [rank["local_param_bytes"] for rank in every],
+        "rss_bytes": [rank["rss"] for rank in every],
+        "device_bytes": [rank.get("device") for rank in every],
+        "load_seconds": round(max(rank["seconds"] for rank in every), 3),
+        "decode": decode,
+        "decode_reason": decode_reason,
+    }
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param

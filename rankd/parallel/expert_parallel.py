@@ -1,0 +1,178 @@
+"""Expert parallelism in the `tp` layout: each rank keeps some experts, or a slice of each, and one all-reduce joins them.
+
+MindSpeed's `ep_size` and `ep_fsdp_size` lay the tensor-parallel group out as an expert mesh
+(edp, efsdp, ep) of shape (ranks / (ep * ep_fsdp), ep_fsdp, ep), EP innermost: consecutive
+ranks hold different experts. Here experts are split on the expert dim over `ep`, and each
+expert's intermediate rows again over `ep_fsdp` (gate and up rows alike, the matching columns of
+down), so a rank computes its experts' share for its rows without gathering anything; one
+"expert set" of ep * ep_fsdp consecutive ranks holds every expert once, and edp sets replicate.
+
+Dispatch: every rank runs `generate` on the same tokens, so each rank runs its own experts on
+the tokens routed to them and one all-reduce over the expert set per MoE layer adds the partial
+outputs (all-to-all would move the same bytes twice, out and back, for tokens every rank already
+has). The experts' forward is shardbook's own loop over local experts: transformers' grouped
+kernels leave rows routed elsewhere uninitialised unless told they run expert-parallel.
+
+With the defaults (ep_size = ep_fsdp_size = 1) in a tensor-parallel group of N > 1 ranks, the
+experts are split like a dense MLP: each expert's rows over all N ranks (ep_fsdp = N), so no rank
+holds all experts of a layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from shardbook.rankd.parallel.head_split import balanced_ranges
+from shardbook.rankd.parallel.tp_modules import RowParallelLinear, TPShard, all_reduce, become
+
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe")
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How a tensor-parallel group of `parts` ranks holds the experts: `ep` experts groups, `efsdp` row slices."""
+
+    parts: int
+    ep: int
+    efsdp: int
+
+    @classmethod
+    def of(cls, parts: int, ep_size: int, ep_fsdp_size: int) -> "ExpertLayout":
+        if ep_size == ep_fsdp_size == 1:
+            return cls(parts, 1, parts)
+        return cls(parts, ep_size, ep_fsdp_size)
+
+    @property
+    def set_size(self) -> int:
+        """Ranks that hold every expert once between them (consecutive ranks)."""
+        return self.ep * self.efsdp
+
+    def position(self, rank: int) -> tuple[int, int]:
+        """(ep index, efsdp index) of a rank of the group: EP innermost."""
+        inside = rank % self.set_size
+        return inside % self.ep, inside // self.ep
+
+    def describe(self) -> str:
+        edp = self.parts // self.set_size
+        return f"experts: mesh (edp={edp}, efsdp={self.efsdp}, ep={self.ep}), one expert set = {self.set_size} rank(s)"
+
+
+def expert_layout_problem(hf_config, parts: int, ep_size: int, ep_fsdp_size: int) -> str | None:
+    """What makes `ep_size` x `ep_fsdp_size` impossible for this model on `parts` ranks, or None."""
+    config = hf_config.get_text_config()
+    experts = num_experts(config)
+    if ep_size * ep_fsdp_size > 1 and experts is None:
+        return (
+            f"parallel.ep_size={ep_size} and ep_fsdp_size={ep_fsdp_size} apply to mixture-of-experts models, but "
+            f"{config.model_type} has no experts: set both to 1"
+        )
+    if experts is None:
+        return None
+    layout = ExpertLayout.of(parts, ep_size, ep_fsdp_size)
+    if parts % layout.set_size:
+        return (
+            f"parallel.ep_size x parallel.ep_fsdp_size = {ep_size} x {ep_fsdp_size} = {layout.set_size} does not "
+            f"divide the {parts} ranks of the tensor-parallel group: pick sizes whose product divides {parts}"
+        )
+    if experts % layout.ep:
+        return (
+            f"parallel.ep_size={ep_size} does not divide the model's {experts} experts per layer: pick an ep_size "
+            f"that divides {experts}"
+        )
+    if moe_intermediate(config) < layout.efsdp:
+        return f"ep_fsdp_size {layout.efsdp} is more than the experts' {moe_intermediate(config)} rows: pick a smaller one"
+    return None
+
+
+def num_experts(config) -> int | None:
+    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if getattr(config, name, None):
+            return int(getattr(config, name))
+    return None
+
+
+def moe_intermediate(config) -> int:
+    return int(getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
+
+
+def init_expert_group(layout: ExpertLayout, tp_group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """This rank's expert-set group (a collective over the world when sets are smaller than the TP group)."""
+    if layout.set_size == layout.parts:
+        return tp_group
+    world, size = dist.get_world_size(), layout.set_size  # TP groups, and so expert sets, are consecutive ranks
+    mine, _ = dist.new_subgroups_by_enumeration([list(range(start, start + size)) for start in range(0, world, size)])
+    return mine
+
+
+def moe_plan(prefix: str, block: nn.Module, layout: ExpertLayout) -> dict[str, TPShard]:
+    """The slices of one MoE block: its experts by `layout`, its shared expert like a dense MLP, its router whole."""
+    experts = block.experts
+    num, rows2, hidden = experts.gate_up_proj.shape
+    rows = rows2 // 2
+    gate_up, down = [], []
+    for rank in range(layout.parts):
+        ep_index, efsdp_index = layout.position(rank)
+        mine = balanced_ranges(num, layout.ep)[ep_index]
+        part = balanced_ranges(rows, layout.efsdp)[efsdp_index]
+        experts_kept = (mine,) if layout.ep > 1 else None  # None: the whole dim (shows as not split)
+        rows_kept = (part, range(rows + part.start, rows + part.stop)) if layout.efsdp > 1 else None
+        gate_up.append((experts_kept, rows_kept, None))
+        down.append((experts_kept, None, (part,) if layout.efsdp > 1 else None))
+    plan = {
+        f"{prefix}.experts.gate_up_proj": TPShard(tuple(experts.gate_up_proj.shape), tuple(gate_up)),
+        f"{prefix}.experts.down_proj": TPShard(tuple(experts.down_proj.shape), tuple(down)),
+    }
+    name, shared = shared_expert(block)
+    if shared is not None:
+        pieces = [(r,) for r in balanced_ranges(shared.gate_proj.out_features, layout.parts)]
+        for proj, dim in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)):
+            plan[f"{prefix}.{name}.{proj}.weight"] = TPShard.along(getattr(shared, proj).weight.shape, dim, pieces)
+    return plan
+
+
+def shared_expert(block: nn.Module) -> tuple[str, nn.Module | None]:
+    """The block's always-on expert (Qwen2-MoE `shared_expert`, GLM/DeepSeek `shared_experts`), if any."""
+    for name in ("shared_expert", "shared_experts"):
+        if getattr(block, name, None) is not None:
+            return name, getattr(block, name)
+    return "", None
+
+
+def apply_moe(block: nn.Module, layout: ExpertLayout, rank: int, tp_group, expert_group) -> None:
+    """Give a MoE block's experts their expert-parallel forward and its shared expert a row-parallel down_proj."""
+    ep_index, _ = layout.position(rank)
+    mine = balanced_ranges(block.experts.gate_up_proj.shape[0], layout.ep)[ep_index]
+    become(block.experts, _expert_parallel_class(type(block.experts)), expert_group, expert_start=mine.start)
+    _, shared = shared_expert(block)
+    if shared is not None:
+        become(shared.down_proj, RowParallelLinear, tp_group)
+
+
+class ExpertParallel:
+    """Mixed into a family's experts class: this rank's experts on the tokens routed to them, summed over the set."""
+
+    tp_group: dist.ProcessGroup
+    expert_start: int
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        local = top_k_index - self.expert_start
+        out = torch.zeros_like(hidden_states)
+        for expert in range(self.gate_up_proj.shape[0]):
+            token_idx, k_pos = torch.where(local == expert)
+            if token_idx.numel() == 0:
+                continue
+            gate, up = F.linear(hidden_states[token_idx], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            expert_out = F.linear(self.act_fn(gate) * up, self.down_proj[expert])
+            out.index_add_(0, token_idx, (expert_out * top_k_weights[token_idx, k_pos, None]).to(out.dtype))
+        return all_reduce(out, self.tp_group)
+
+
+@cache
+def _expert_parallel_class(base: type) -> type:
+    return type(f"ExpertParallel{base.__name__}", (ExpertParallel, base), {})
