@@ -56,7 +56,11 @@ def timed_generate(model, tokenizer, tokens: int, synced: bool) -> dict:
     start = time.perf_counter()
     with torch.no_grad():
         model.generate(
-            ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, synced_gpus=synced,
+            ids,
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=False,
+            synced_gpus=synced,
             stopping_criteria=StoppingCriteriaList([Stamp()]),
         )
     first, last = stamps[0], stamps[-1]
@@ -81,6 +85,7 @@ class CollectiveClock:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - start
+
         return timed
 
 
@@ -129,7 +134,11 @@ def run_layout(path: str, layout: str, tokens: int) -> dict | None:
     warm_imports(path)
     before = rss_bytes()
     # "tp+ep": the tp layout with the experts of a MoE model split over every rank (ep_size = ranks)
-    parallel = ParallelConfig(decode="tp", ep_size=dist.get_world_size()) if layout == "tp+ep" else ParallelConfig(decode=layout)
+    parallel = (
+        ParallelConfig(decode="tp", ep_size=dist.get_world_size())
+        if layout == "tp+ep"
+        else ParallelConfig(decode=layout)
+    )
     config = ShardbookConfig(model=ModelConfig(model_name_or_path=path, dtype="float32"), parallel=parallel)
     loaded = load_sharded(config, device="cpu")
     timed_generate(loaded.model, loaded.tokenizer, 2, synced=True)  # warm-up
@@ -157,9 +166,20 @@ def run_layout(path: str, layout: str, tokens: int) -> dict | None:
 def measure(path: Path, what: str, tokens: int, nproc: int) -> dict:
     """Run `what` (single or a layout) in fresh processes; its figures as JSON through a file."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        worker = [str(Path(__file__).resolve()), "--worker", what, "--path", str(path), "--tokens", str(tokens),
-                  "--out", out.name]
-        launcher = [] if what == "single" else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+        worker = [
+            str(Path(__file__).resolve()),
+            "--worker",
+            what,
+            "--path",
+            str(path),
+            "--tokens",
+            str(tokens),
+            "--out",
+            out.name,
+        ]
+        launcher = (
+            [] if what == "single" else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+        )
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         subprocess.run([sys.executable, *launcher, *worker], check=True, env=env, cwd=ROOT)
         return json.loads(Path(out.name).read_text())
@@ -179,12 +199,22 @@ def model_paths(names: list[str]) -> list[tuple[str, Path, str]]:
             path = Path(platformdirs.user_cache_dir("shardbook")) / "models" / "smollm2-135m-instruct"
             models.append(("SmolLM2-135M (demo)", path, "tp"))
         elif name == "llama42m":
-            path = make_tiny_lm(scratch / name, family="llama", hidden_size=768, num_layers=8, num_heads=12, num_kv_heads=4)
+            path = make_tiny_lm(
+                scratch / name, family="llama", hidden_size=768, num_layers=8, num_heads=12, num_kv_heads=4
+            )
             models.append(("dense Llama 42M (random)", path, "tp"))
         elif name == "qwen3moe":
             path = make_tiny_lm(
-                scratch / name, family="qwen3_moe", hidden_size=256, num_layers=6, num_heads=8, num_kv_heads=4,
-                num_experts=8, num_experts_per_tok=2, moe_intermediate_size=512, norm_topk_prob=True,
+                scratch / name,
+                family="qwen3_moe",
+                hidden_size=256,
+                num_layers=6,
+                num_heads=8,
+                num_kv_heads=4,
+                num_experts=8,
+                num_experts_per_tok=2,
+                moe_intermediate_size=512,
+                norm_topk_prob=True,
             )
             models.append(("Qwen3-MoE 27M, 8 experts, hidden 256 (random)", path, "tp+ep"))
         else:
@@ -201,12 +231,16 @@ def print_model(name: str, figures: dict[str, dict], tokens: dict[str, int], sha
         memory = " / ".join(f"{m / 2**20:.0f}" for m in f["memory"])
         # FSDP2's all-gathers go through other functions: only tp's share is complete
         share = f"{f['collective_share']:.0%}" if what == sharded else "-"
-        print(f"| {what} | {tokens[what]} | {f['ttft_ms']:.0f} | {f['decode_ms']:.1f} | {1e3 / f['decode_ms']:.1f} "
-              f"| {f['decode_ms'] / single['decode_ms']:.2f}x | {memory} | {share} |")
+        print(
+            f"| {what} | {tokens[what]} | {f['ttft_ms']:.0f} | {f['decode_ms']:.1f} | {1e3 / f['decode_ms']:.1f} "
+            f"| {f['decode_ms'] / single['decode_ms']:.2f}x | {memory} | {share} |"
+        )
     tp, gather, reshard = figures[sharded], figures["gather"], figures["reshard"]
     target = 3 if sharded == "tp+ep" else 4
     print(f"\n{sharded} tok/s / reshard tok/s = {reshard['decode_ms'] / tp['decode_ms']:.1f} (target >= {target})")
-    print(f"{sharded} peak memory / gather peak memory (max over ranks) = {max(tp['memory']) / max(gather['memory']):.2f} (target <= 0.6)")
+    print(
+        f"{sharded} peak memory / gather peak memory (max over ranks) = {max(tp['memory']) / max(gather['memory']):.2f} (target <= 0.6)"
+    )
     print(f"{sharded} ms/token / single-process ms/token = {tp['decode_ms'] / single['decode_ms']:.2f} (target <= 2.5)")
 
 
@@ -261,23 +295,29 @@ def print_cost_model(link_gbs: float, latency_us: float) -> None:
             layout: 1 / (cost[layout] / (link_gbs * 1e9) + cost[f"{layout}_ops"] * latency_us * 1e-6)
             for layout in ("reshard", "tp")
         }
-        print(f"| {shape.name} | {_bytes(cost['reshard'])} | {_bytes(cost['tp'])} | {bounds['reshard']:.3g} "
-              f"| {bounds['tp']:.3g} | {bounds['tp'] / bounds['reshard']:.0f}x |")
+        print(
+            f"| {shape.name} | {_bytes(cost['reshard'])} | {_bytes(cost['tp'])} | {bounds['reshard']:.3g} "
+            f"| {bounds['tp']:.3g} | {bounds['tp'] / bounds['reshard']:.0f}x |"
+        )
     print("\n(communication only: compute and memory bandwidth bound tp further; reshard is bound by the link.)")
     print_expert_weights()
 
 
 def print_expert_weights() -> None:
     """Expert and dense weight bytes per rank of each MoE shape, for each expert layout."""
-    print("\n| model | ep_size x ep_fsdp_size | expert copies | expert GB per rank | dense GB per rank | total GB per rank |")
+    print(
+        "\n| model | ep_size x ep_fsdp_size | expert copies | expert GB per rank | dense GB per rank | total GB per rank |"
+    )
     print("|---|---|---|---|---|---|")
     for shape in (shape for shape in SHAPES if shape.expert_params):
         dense = (shape.params - shape.expert_params) * shape.dtype_bytes / shape.ranks
         for ep, efsdp in EXPERT_LAYOUTS:
             copies = shape.ranks // (ep * efsdp)
             experts = shape.expert_params * shape.dtype_bytes / (ep * efsdp)
-            print(f"| {shape.name} | {ep} x {efsdp} | {copies} | {experts / 1e9:.1f} | {dense / 1e9:.1f} "
-                  f"| {(experts + dense) / 1e9:.1f} |")
+            print(
+                f"| {shape.name} | {ep} x {efsdp} | {copies} | {experts / 1e9:.1f} | {dense / 1e9:.1f} "
+                f"| {(experts + dense) / 1e9:.1f} |"
+            )
 
 
 def _bytes(n: float) -> str:
@@ -302,12 +342,21 @@ def main() -> None:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        result = run_single(args.path, args.tokens) if args.worker == "single" else run_layout(args.path, args.worker, args.tokens)
+        result = (
+            run_single(args.path, args.tokens)
+            if args.worker == "single"
+            else run_layout(args.path, args.worker, args.tokens)
+        )
         if result is not None:
             Path(args.out).write_text(json.dumps(result))
         return
-    tokens = {"single": args.tokens, "gather": args.tokens, "tp": args.tokens, "tp+ep": args.tokens,
-              "reshard": args.tokens_reshard}
+    tokens = {
+        "single": args.tokens,
+        "gather": args.tokens,
+        "tp": args.tokens,
+        "tp+ep": args.tokens,
+        "reshard": args.tokens_reshard,
+    }
     print(f"{args.nproc} ranks, gloo, 1 thread per process; prompt {PROMPT!r}; greedy")
     for name, path, sharded in model_paths(args.models.split(",")):
         runs = ("single", "gather", sharded, "reshard")

@@ -66,7 +66,9 @@ def main() -> None:
         a2a_ms = timed(all_to_all_layer(tokens, args.hidden, args.top_k), args.repeats)
         rows.append((tokens, reduce_ms, a2a_ms))
     if dist.get_rank() == 0:
-        print(f"{dist.get_world_size()} ranks, gloo, hidden {args.hidden}, top_k {args.top_k}, median of {args.repeats}")
+        print(
+            f"{dist.get_world_size()} ranks, gloo, hidden {args.hidden}, top_k {args.top_k}, median of {args.repeats}"
+        )
         print("| tokens | all-reduce ms | all-to-all out and back ms | all-to-all / all-reduce |")
         print("|---|---|---|---|")
         for tokens, reduce_ms, a2a_ms in rows:

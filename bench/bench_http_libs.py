@@ -114,8 +114,11 @@ def measure(port: int) -> dict[str, float]:
         firsts.append(time.perf_counter() - t)
         response.read()
         totals.append(time.perf_counter() - t)
-    return {"get_ms": statistics.median(gets) * 1e3, "first_ms": statistics.median(firsts) * 1e3,
-            "stream_ms": statistics.median(totals) * 1e3}
+    return {
+        "get_ms": statistics.median(gets) * 1e3,
+        "first_ms": statistics.median(firsts) * 1e3,
+        "stream_ms": statistics.median(totals) * 1e3,
+    }
 
 
 def import_ms(modules: str) -> float:

@@ -42,7 +42,9 @@ def load(path: str, decode: str):
     from shardbook.rankd.config.schema import ModelConfig, ParallelConfig, ShardbookConfig
     from shardbook.rankd.loading.load_sharded import load_sharded
 
-    config = ShardbookConfig(model=ModelConfig(model_name_or_path=path, dtype="float32"), parallel=ParallelConfig(decode=decode))
+    config = ShardbookConfig(
+        model=ModelConfig(model_name_or_path=path, dtype="float32"), parallel=ParallelConfig(decode=decode)
+    )
     return load_sharded(config, device="cpu")
 
 
@@ -60,8 +62,14 @@ def layout_run(rank: int, path: str, decode: str, runs: int) -> dict:
         return lambda: last.__setitem__(label, trace(model, tok, {"prompt": PROMPT, "modules": modules}))
 
     with torch.no_grad():
-        medians = interleaved_medians({"forward": lambda: model(ids), "layers": traced("layers", []),
-                                       "up_proj": traced("up_proj", ["model.layers.*.mlp.up_proj"])}, runs)
+        medians = interleaved_medians(
+            {
+                "forward": lambda: model(ids),
+                "layers": traced("layers", []),
+                "up_proj": traced("up_proj", ["model.layers.*.mlp.up_proj"]),
+            },
+            runs,
+        )
     result = {"tokens": ids.shape[1], **{f"{k}_s": v for k, v in medians.items()}}
     for label in ("layers", "up_proj"):
         out = last[label]
@@ -118,7 +126,10 @@ def nnsight_under_tp(rank: int, path: str) -> dict:
     with torch.no_grad(), wrapped.trace(ids):
         saved.append(wrapped.model.layers[0].self_attn.q_proj.output.save())
     ours = trace(loaded.model, loaded.tokenizer, {"prompt": PROMPT, "modules": ["model.layers.0.self_attn.q_proj"]})
-    return {"nnsight": tuple(saved[0].shape), "trace": tuple(ours["model.layers.0.self_attn.q_proj"].shape) if rank == 0 else None}
+    return {
+        "nnsight": tuple(saved[0].shape),
+        "trace": tuple(ours["model.layers.0.self_attn.q_proj"].shape) if rank == 0 else None,
+    }
 
 
 def main() -> None:
@@ -130,25 +141,38 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=10)
     args = parser.parse_args()
     print(f"model {args.model}; prompt {PROMPT!r}; median of {args.runs} interleaved rounds after a warm-up round\n")
-    print(f"{'layout':<8} {'forward ms':>10} {'trace layers ms':>16} {'x forward':>9} {'bytes to rank 0':>15} "
-          f"{'trace up_proj ms':>17} {'x forward':>9} {'bytes to rank 0':>15}")
+    print(
+        f"{'layout':<8} {'forward ms':>10} {'trace layers ms':>16} {'x forward':>9} {'bytes to rank 0':>15} "
+        f"{'trace up_proj ms':>17} {'x forward':>9} {'bytes to rank 0':>15}"
+    )
     for decode in ("gather", "reshard", "tp"):
         r = run_ranks(layout_run, args.model, decode, args.runs, deadline=900)[0]
-        print(f"{decode:<8} {r['forward_s'] * 1e3:>10.1f} {r['layers_s'] * 1e3:>16.1f} {r['layers_s'] / r['forward_s']:>9.2f} "
-              f"{r['layers_bytes']:>15,} {r['up_proj_s'] * 1e3:>17.1f} {r['up_proj_s'] / r['forward_s']:>9.2f} {r['up_proj_bytes']:>15,}")
-    print(f"(captured on rank 0: all layers {r['layers_captured']:,} bytes, every up_proj {r['up_proj_captured']:,} bytes; "
-          f"{r['tokens']} tokens)\n")
+        print(
+            f"{decode:<8} {r['forward_s'] * 1e3:>10.1f} {r['layers_s'] * 1e3:>16.1f} {r['layers_s'] / r['forward_s']:>9.2f} "
+            f"{r['layers_bytes']:>15,} {r['up_proj_s'] * 1e3:>17.1f} {r['up_proj_s'] / r['forward_s']:>9.2f} {r['up_proj_bytes']:>15,}"
+        )
+    print(
+        f"(captured on rank 0: all layers {r['layers_captured']:,} bytes, every up_proj {r['up_proj_captured']:,} bytes; "
+        f"{r['tokens']} tokens)\n"
+    )
     single = one_process(args.model, args.runs)
-    print(f"one process: forward {single['forward_s'] * 1e3:.1f} ms, hooks on every layer {single['hooks_s'] * 1e3:.1f} ms "
-          f"(x{single['hooks_s'] / single['forward_s']:.2f})", end="")
+    print(
+        f"one process: forward {single['forward_s'] * 1e3:.1f} ms, hooks on every layer {single['hooks_s'] * 1e3:.1f} ms "
+        f"(x{single['hooks_s'] / single['forward_s']:.2f})",
+        end="",
+    )
     if "nnsight_s" not in single:
         print("; nnsight not installed, skipped")
         return
-    print(f", nnsight trace saving every layer {single['nnsight_s'] * 1e3:.1f} ms (x{single['nnsight_s'] / single['forward_s']:.2f}; "
-          f"x{single['nnsight_s'] / single['hooks_s']:.2f} of hooks)")
+    print(
+        f", nnsight trace saving every layer {single['nnsight_s'] * 1e3:.1f} ms (x{single['nnsight_s'] / single['forward_s']:.2f}; "
+        f"x{single['nnsight_s'] / single['hooks_s']:.2f} of hooks)"
+    )
     shapes = run_ranks(nnsight_under_tp, args.model, deadline=600)
-    print(f"under tp, layer 0 q_proj output: nnsight saves {shapes[0]['nnsight']} on rank 0 and {shapes[1]['nnsight']} on rank 1; "
-          f"trace gives rank 0 {shapes[0]['trace']}")
+    print(
+        f"under tp, layer 0 q_proj output: nnsight saves {shapes[0]['nnsight']} on rank 0 and {shapes[1]['nnsight']} on rank 1; "
+        f"trace gives rank 0 {shapes[0]['trace']}"
+    )
 
 
 if __name__ == "__main__":

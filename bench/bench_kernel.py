@@ -77,9 +77,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 try:
     import psutil
@@ -89,7 +89,7 @@ except ImportError:  # ipykernel depends on psutil, so this is rare
 from jupyter_client.manager import KernelManager
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.driver: the kernel driver the tests use
-from tests.driver import Execution, execute  # noqa: E402
+from tests.driver import Execution, execute
 
 WORLD = 2
 BIG_LINES = 1000
@@ -166,7 +166,7 @@ def parse_ipyparallel(msgs: list[dict]) -> list[tuple[int | None, str]]:
     for text in last.values():
         m = _IPP_PREFIX.match(text)
         rank = int(m.group(1))
-        out += [(rank, line) for line in text[m.end():].splitlines() if line.strip()]
+        out += [(rank, line) for line in text[m.end() :].splitlines() if line.strip()]
     return out
 
 
@@ -281,7 +281,7 @@ def ks_shardbook(tmp: Path) -> dict:
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise Skip(f"`shardbook install` failed to run: {e}")
+        raise Skip(f"`shardbook install` failed to run: {e}") from e
     if r.returncode:
         tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["(no output)"]
         raise Skip(f"`shardbook install` exited {r.returncode}: {tail[0][:200]}")
@@ -293,8 +293,12 @@ def ks_shardbook(tmp: Path) -> dict:
 
 def ks_ipyparallel(tmp: Path) -> dict:
     py = _require_anchor("ipyparallel", "ipykernel")
-    return {"argv": [str(py), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-            "display_name": "anchor ipyparallel", "language": "python", "env": _anchor_env()}
+    return {
+        "argv": [str(py), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "anchor ipyparallel",
+        "language": "python",
+        "env": _anchor_env(),
+    }
 
 
 def ks_jupyter_distributed(tmp: Path) -> dict:
@@ -302,73 +306,134 @@ def ks_jupyter_distributed(tmp: Path) -> dict:
     # The base kernel each rank runs: the anchors venv's ipykernel.
     base = tmp / "jupyter" / "kernels" / "bench-jd-base"
     base.mkdir(parents=True, exist_ok=True)
-    (base / "kernel.json").write_text(json.dumps({
-        "argv": [str(py), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "jd base", "language": "python", "env": _anchor_env()}))
+    (base / "kernel.json").write_text(
+        json.dumps(
+            {
+                "argv": [str(py), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                "display_name": "jd base",
+                "language": "python",
+                "env": _anchor_env(),
+            }
+        )
+    )
     # The same argv/env its Jupyter Server extension swaps into a kernel
     # (coordinator.configure_proxy), so no server is needed.
-    return {"argv": [str(py), "-m", "jupyter_distributed.kernel", "-f", "{connection_file}"],
-            "display_name": "anchor jupyter-distributed", "language": "python",
-            "interrupt_mode": "message",
-            "env": {**_anchor_env(),
-                    "JUPYTER_DISTRIBUTED_BASE_KERNEL": "bench-jd-base",
-                    "JUPYTER_DISTRIBUTED_WORLD_SIZE": str(WORLD),
-                    "JUPYTER_DISTRIBUTED_REGISTRY_FILE": str(tmp / "jd-registry.json")}}
+    return {
+        "argv": [str(py), "-m", "jupyter_distributed.kernel", "-f", "{connection_file}"],
+        "display_name": "anchor jupyter-distributed",
+        "language": "python",
+        "interrupt_mode": "message",
+        "env": {
+            **_anchor_env(),
+            "JUPYTER_DISTRIBUTED_BASE_KERNEL": "bench-jd-base",
+            "JUPYTER_DISTRIBUTED_WORLD_SIZE": str(WORLD),
+            "JUPYTER_DISTRIBUTED_REGISTRY_FILE": str(tmp / "jd-registry.json"),
+        },
+    }
 
 
 def ks_nbdistributed(tmp: Path) -> dict:
     py = _require_anchor("nbdistributed", "torch", "ipykernel")
-    return {"argv": [str(py), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-            "display_name": "anchor nbdistributed", "language": "python", "env": _anchor_env()}
+    return {
+        "argv": [str(py), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "anchor nbdistributed",
+        "language": "python",
+        "env": _anchor_env(),
+    }
 
 
 SYSTEMS = [
-    System("floor", False, 1, ks_floor, lambda b: b, parse_plain,
-           rank_cells=["rank = 0"],
-           how="plain ipykernel (shardbook venv), cells run as-is"),
-    System("shardbook", False, WORLD, ks_shardbook, lambda b: f"%%all\n{b}", parse_shardbook,
-           rank_cells=["%%all\nimport os\nrank = int(os.environ['RANK'])"],
-           how="`shardbook install --nproc 2` kernelspec (torchrun); `%%all` cells"),
-    System("ipyparallel", True, WORLD, ks_ipyparallel, lambda b: f"%%px\n{b}", parse_ipyparallel,
-           startup_cells=["import ipyparallel as ipp\n"
-                          "_bench_cluster = ipp.Cluster(n=2)\n"
-                          "rc = _bench_cluster.start_and_connect_sync(activate=True)"],
-           rank_cells=["for _e in rc.ids:\n    rc[_e].push({'rank': _e}, block=True)"],
-           teardown_cells=["_bench_cluster.stop_cluster_sync()"],
-           how="ipykernel; ipp.Cluster(n=2).start_and_connect_sync(activate=True); `%%px` cells"),
-    System("jupyter-distributed", True, WORLD, ks_jupyter_distributed, lambda b: b,
-           parse_jupyter_distributed,
-           rank_cells=["import os\nrank = int(os.environ['RANK'])"],
-           how="kernelspec argv `-m jupyter_distributed.kernel` + JUPYTER_DISTRIBUTED_* env "
-               "(what its server extension sets); ranks start on the first cell; every cell broadcasts"),
-    System("nbdistributed", True, WORLD, ks_nbdistributed, lambda b: f"%%distributed\n{b}",
-           parse_nbdistributed,
-           # %dist_init returns after a fixed 2 s sleep, possibly before its
-           # workers have connected; a command sent then is silently dropped by
-           # its ZMQ ROUTER and the cell prints a timeout after 30 s.  So wait
-           # until both workers answer (probes of 0.1 s), as a user would.
-           startup_cells=["%load_ext nbdistributed\n%dist_init -n 2\n"
-                          "_m = get_ipython().magics_manager.registry['DistributedMagic']\n"
-                          "import time as _t\n"
-                          "_t0 = _t.monotonic()\n"
-                          "while True:\n"
-                          "    try:\n"
-                          "        _m._comm_manager.send_to_all('get_status', {}, timeout=0.1)\n"
-                          "        break\n"
-                          "    except TimeoutError:\n"
-                          "        _ps = _m._process_manager.processes\n"
-                          "        _dead = [(_i, _p.poll()) for _i, _p in enumerate(_ps) if _p.poll() is not None]\n"
-                          "        if _dead or _t.monotonic() - _t0 > 60:\n"
-                          "            raise RuntimeError(f'nbdistributed workers silent for "
-                          "{_t.monotonic() - _t0:.0f} s; exited (rank, code): {_dead}')"],
-           rank_cells=[],  # `rank` is predefined in its workers
-           # NOT %dist_shutdown: it pkills by pattern ("torch.*distributed", ...)
-           teardown_cells=["%dist_mode --disable",
-                           "_m = get_ipython().magics_manager.registry['DistributedMagic']\n"
-                           "_m._process_manager.shutdown()\n_m._comm_manager.shutdown()"],
-           error_re=re.compile(r"Error executing distributed code|Error on Rank \d|No distributed workers"),
-           how="ipykernel; `%load_ext nbdistributed` + `%dist_init -n 2` (+ wait until its workers answer); "
-               "`%%distributed` cells"),
+    System(
+        "floor",
+        False,
+        1,
+        ks_floor,
+        lambda b: b,
+        parse_plain,
+        rank_cells=["rank = 0"],
+        how="plain ipykernel (shardbook venv), cells run as-is",
+    ),
+    System(
+        "shardbook",
+        False,
+        WORLD,
+        ks_shardbook,
+        lambda b: f"%%all\n{b}",
+        parse_shardbook,
+        rank_cells=["%%all\nimport os\nrank = int(os.environ['RANK'])"],
+        how="`shardbook install --nproc 2` kernelspec (torchrun); `%%all` cells",
+    ),
+    System(
+        "ipyparallel",
+        True,
+        WORLD,
+        ks_ipyparallel,
+        lambda b: f"%%px\n{b}",
+        parse_ipyparallel,
+        startup_cells=[
+            (
+                "import ipyparallel as ipp\n"
+                "_bench_cluster = ipp.Cluster(n=2)\n"
+                "rc = _bench_cluster.start_and_connect_sync(activate=True)"
+            )
+        ],
+        rank_cells=["for _e in rc.ids:\n    rc[_e].push({'rank': _e}, block=True)"],
+        teardown_cells=["_bench_cluster.stop_cluster_sync()"],
+        how="ipykernel; ipp.Cluster(n=2).start_and_connect_sync(activate=True); `%%px` cells",
+    ),
+    System(
+        "jupyter-distributed",
+        True,
+        WORLD,
+        ks_jupyter_distributed,
+        lambda b: b,
+        parse_jupyter_distributed,
+        rank_cells=["import os\nrank = int(os.environ['RANK'])"],
+        how="kernelspec argv `-m jupyter_distributed.kernel` + JUPYTER_DISTRIBUTED_* env "
+        "(what its server extension sets); ranks start on the first cell; every cell broadcasts",
+    ),
+    System(
+        "nbdistributed",
+        True,
+        WORLD,
+        ks_nbdistributed,
+        lambda b: f"%%distributed\n{b}",
+        parse_nbdistributed,
+        # %dist_init returns after a fixed 2 s sleep, possibly before its
+        # workers have connected; a command sent then is silently dropped by
+        # its ZMQ ROUTER and the cell prints a timeout after 30 s.  So wait
+        # until both workers answer (probes of 0.1 s), as a user would.
+        startup_cells=[
+            (
+                "%load_ext nbdistributed\n%dist_init -n 2\n"
+                "_m = get_ipython().magics_manager.registry['DistributedMagic']\n"
+                "import time as _t\n"
+                "_t0 = _t.monotonic()\n"
+                "while True:\n"
+                "    try:\n"
+                "        _m._comm_manager.send_to_all('get_status', {}, timeout=0.1)\n"
+                "        break\n"
+                "    except TimeoutError:\n"
+                "        _ps = _m._process_manager.processes\n"
+                "        _dead = [(_i, _p.poll()) for _i, _p in enumerate(_ps) if _p.poll() is not None]\n"
+                "        if _dead or _t.monotonic() - _t0 > 60:\n"
+                "            raise RuntimeError(f'nbdistributed workers silent for "
+                "{_t.monotonic() - _t0:.0f} s; exited (rank, code): {_dead}')"
+            )
+        ],
+        rank_cells=[],  # `rank` is predefined in its workers
+        # NOT %dist_shutdown: it pkills by pattern ("torch.*distributed", ...)
+        teardown_cells=[
+            "%dist_mode --disable",
+            (
+                "_m = get_ipython().magics_manager.registry['DistributedMagic']\n"
+                "_m._process_manager.shutdown()\n_m._comm_manager.shutdown()"
+            ),
+        ],
+        error_re=re.compile(r"Error executing distributed code|Error on Rank \d|No distributed workers"),
+        how="ipykernel; `%load_ext nbdistributed` + `%dist_init -n 2` (+ wait until its workers answer); "
+        "`%%distributed` cells",
+    ),
 ]
 
 CELL_EMPTY = "pass"
@@ -414,11 +479,16 @@ def verify_lines(system: System, res: Execution, n: int) -> dict:
         r, i = int(m.group(1)), int(m.group(2))
         per_rank.setdefault(r, []).append(i)
         label_ok += label == r
-    complete = sorted(per_rank) == list(range(system.world)) and all(
-        v == list(range(n)) for v in per_rank.values())
+    complete = sorted(per_rank) == list(range(system.world)) and all(v == list(range(n)) for v in per_rank.values())
     total = sum(len(v) for v in per_rank.values())
-    return {"ok": complete and late == 0, "lines": total, "expected": n * system.world,
-            "late": late, "stray": stray, "labelled": label_ok}
+    return {
+        "ok": complete and late == 0,
+        "lines": total,
+        "expected": n * system.world,
+        "late": late,
+        "stray": stray,
+        "labelled": label_ok,
+    }
 
 
 def descendants(pid: int) -> list:
@@ -526,12 +596,16 @@ def ms(x: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     global ANCHORS_VENV
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--setup-anchors", action="store_true",
-                    help="create the anchors venv if missing, pip install -r bench/anchors/requirements.txt, exit")
+    ap.add_argument(
+        "--setup-anchors",
+        action="store_true",
+        help="create the anchors venv if missing, pip install -r bench/anchors/requirements.txt, exit",
+    )
     ap.add_argument("--anchors-venv", type=Path, default=ANCHORS_VENV)
     ap.add_argument("--anchors-python", default="python3.11", help="python used to create the anchors venv")
-    ap.add_argument("--only", default="", help="comma-separated systems (default all): "
-                    + ",".join(s.key for s in SYSTEMS))
+    ap.add_argument(
+        "--only", default="", help="comma-separated systems (default all): " + ",".join(s.key for s in SYSTEMS)
+    )
     ap.add_argument("--runs", type=int, default=50)
     ap.add_argument("--big-runs", type=int, default=None, help="runs of the 1000-line cell (default --runs)")
     ap.add_argument("--warmup", type=int, default=5)
@@ -558,8 +632,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["JUPYTER_RUNTIME_DIR"] = str(tmp / "runtime")
     os.environ["IPYTHONDIR"] = str(tmp / "ipython")  # fresh profile, no user startup files
 
-    print(f"# shardbook kernel round trips (issue 2) — world {WORLD}, "
-          f"{args.runs} runs ({big_runs} for {BIG_LINES} lines) after {args.warmup} warm-ups")
+    print(
+        f"# shardbook kernel round trips (issue 2) — world {WORLD}, "
+        f"{args.runs} runs ({big_runs} for {BIG_LINES} lines) after {args.warmup} warm-ups"
+    )
     print(f"# python {sys.version.split()[0]} at {sys.executable}; anchors venv {ANCHORS_VENV}")
     systems: list[System] = []
     names: dict[str, str] = {}
@@ -587,7 +663,7 @@ def main(argv: list[str] | None = None) -> int:
     # ---- (4) start-up, each system alone ------------------------------------
     print("\n## start-up (each system started alone)", flush=True)
     for rep in range(args.startup_reps):
-        for s in systems[rep % max(1, len(systems)):] + systems[:rep % max(1, len(systems))]:
+        for s in systems[rep % max(1, len(systems)) :] + systems[: rep % max(1, len(systems))]:
             if s.key in failed:
                 continue
             live = Live(s, names[s.key], args.cell_timeout, logs / f"{s.key}-startup{rep}.log")
@@ -596,8 +672,11 @@ def main(argv: list[str] | None = None) -> int:
                 t = live.start(args.startup_timeout)
                 results[s.key]["startup"].append(t["startup"])
                 results[s.key]["ready"].append(t["ready"])
-                print(f"  {s.key:20s} start->first broadcast reply {t['startup']:.2f} s "
-                      f"(kernel_info ready {t['ready']:.2f} s)", flush=True)
+                print(
+                    f"  {s.key:20s} start->first broadcast reply {t['startup']:.2f} s "
+                    f"(kernel_info ready {t['ready']:.2f} s)",
+                    flush=True,
+                )
             except Exception as e:
                 start_fails.setdefault(s.key, []).append(str(e))
                 print(f"  FAIL {s.key} start {rep + 1}: {e}\n{live.log_tail()}", flush=True)
@@ -631,9 +710,11 @@ def main(argv: list[str] | None = None) -> int:
                     if attempt == 2:
                         failed[s.key] = f"start/prepare: {e}"
 
-        tests = [("empty", CELL_EMPTY, args.runs, None),
-                 ("one_line", CELL_ONE, args.runs, 1),
-                 ("big", CELL_BIG, big_runs, BIG_LINES)]
+        tests = [
+            ("empty", CELL_EMPTY, args.runs, None),
+            ("one_line", CELL_ONE, args.runs, 1),
+            ("big", CELL_BIG, big_runs, BIG_LINES),
+        ]
         for tname, body, runs, nlines in tests:
             for live in lives:
                 results[live.system.key][tname] = []
@@ -646,8 +727,7 @@ def main(argv: list[str] | None = None) -> int:
                     if key in failed:
                         continue
                     try:
-                        res = run_ok(live.kc, live.system.broadcast(body), args.cell_timeout,
-                                     live.system.error_re)
+                        res = run_ok(live.kc, live.system.broadcast(body), args.cell_timeout, live.system.error_re)
                     except Exception as e:
                         failed[key] = f"{tname}: {e}"
                         print(f"  FAIL {key} {tname}: {e}\n{live.log_tail()}", flush=True)
@@ -674,9 +754,11 @@ def main(argv: list[str] | None = None) -> int:
         return pct(results[key][t], 0.9) if results.get(key, {}).get(t) else float("nan")
 
     print("\n## results (ms; start-up and shutdown in s)")
-    hdr = (f"{'system':20s} {'empty med':>9s} {'p90':>7s} {'1-line med':>10s} {'p90':>7s} "
-           f"{'1000-line med':>13s} {'p90':>7s} {'lines ok':>9s} {'start-up s':>10s} {'shutdown s':>10s} "
-           f"{'empty/floor':>11s}")
+    hdr = (
+        f"{'system':20s} {'empty med':>9s} {'p90':>7s} {'1-line med':>10s} {'p90':>7s} "
+        f"{'1000-line med':>13s} {'p90':>7s} {'lines ok':>9s} {'start-up s':>10s} {'shutdown s':>10s} "
+        f"{'empty/floor':>11s}"
+    )
     print(hdr)
     print("-" * len(hdr))
     floor_empty = med("floor", "empty") if "floor" in results else float("nan")
@@ -692,18 +774,26 @@ def main(argv: list[str] | None = None) -> int:
         su = statistics.median(results[key]["startup"]) if results[key]["startup"] else float("nan")
         down = statistics.median(results[key]["shutdown"]) if results[key]["shutdown"] else float("nan")
         ratio = med(key, "empty") / floor_empty if floor_empty == floor_empty else float("nan")
-        print(f"{key:20s} {ms(med(key, 'empty')):>9s} {ms(p90(key, 'empty')):>7s} "
-              f"{ms(med(key, 'one_line')):>10s} {ms(p90(key, 'one_line')):>7s} "
-              f"{ms(med(key, 'big')):>13s} {ms(p90(key, 'big')):>7s} "
-              f"{f'{nok}/{len(ver)}':>9s} {su:>10.2f} {down:>10.2f} {'-' if ratio != ratio else f'{ratio:.2f}x':>11s}")
+        print(
+            f"{key:20s} {ms(med(key, 'empty')):>9s} {ms(p90(key, 'empty')):>7s} "
+            f"{ms(med(key, 'one_line')):>10s} {ms(p90(key, 'one_line')):>7s} "
+            f"{ms(med(key, 'big')):>13s} {ms(p90(key, 'big')):>7s} "
+            f"{f'{nok}/{len(ver)}':>9s} {su:>10.2f} {down:>10.2f} {'-' if ratio != ratio else f'{ratio:.2f}x':>11s}"
+        )
         summary[key] = {
-            "empty_med_ms": med(key, "empty") * 1e3, "empty_p90_ms": p90(key, "empty") * 1e3,
-            "one_line_med_ms": med(key, "one_line") * 1e3, "one_line_p90_ms": p90(key, "one_line") * 1e3,
-            "big_med_ms": med(key, "big") * 1e3, "big_p90_ms": p90(key, "big") * 1e3,
+            "empty_med_ms": med(key, "empty") * 1e3,
+            "empty_p90_ms": p90(key, "empty") * 1e3,
+            "one_line_med_ms": med(key, "one_line") * 1e3,
+            "one_line_p90_ms": p90(key, "one_line") * 1e3,
+            "big_med_ms": med(key, "big") * 1e3,
+            "big_p90_ms": p90(key, "big") * 1e3,
             "big_verified": f"{nok}/{len(ver)}",
             "one_line_verified": f"{sum(v['ok'] for v in ver1)}/{len(ver1)}",
-            "startup_s": su, "startup_all_s": results[key]["startup"], "shutdown_s": down,
-            "start_failures": start_fails.get(key, []), "failed": failed.get(key),
+            "startup_s": su,
+            "startup_all_s": results[key]["startup"],
+            "shutdown_s": down,
+            "start_failures": start_fails.get(key, []),
+            "failed": failed.get(key),
         }
         bad = [v for v in ver + ver1 if not v["ok"]]
         if bad:
@@ -726,9 +816,11 @@ def main(argv: list[str] | None = None) -> int:
             if key in ("shardbook", "floor"):
                 continue
             sb = summary["shardbook"]
-            print(f"  {key:20s} empty {v['empty_med_ms'] / sb['empty_med_ms']:.2f}x  "
-                  f"1000-line {v['big_med_ms'] / sb['big_med_ms']:.2f}x  "
-                  f"start-up {v['startup_s'] / sb['startup_s']:.2f}x")
+            print(
+                f"  {key:20s} empty {v['empty_med_ms'] / sb['empty_med_ms']:.2f}x  "
+                f"1000-line {v['big_med_ms'] / sb['big_med_ms']:.2f}x  "
+                f"start-up {v['startup_s'] / sb['startup_s']:.2f}x"
+            )
 
     print("\n## targets (issue 2)")
     sb = summary.get("shardbook")
@@ -739,31 +831,45 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if "floor" in summary:
             d = sb["empty_med_ms"] - summary["floor"]["empty_med_ms"]
-            print(f"{'PASS' if d <= 3.0 else 'FAIL'} empty %%all within 3 ms of the plain-ipykernel floor: "
-                  f"{sb['empty_med_ms']:.1f} ms vs {summary['floor']['empty_med_ms']:.1f} ms (+{d:.1f} ms)")
+            print(
+                f"{'PASS' if d <= 3.0 else 'FAIL'} empty %%all within 3 ms of the plain-ipykernel floor: "
+                f"{sb['empty_med_ms']:.1f} ms vs {summary['floor']['empty_med_ms']:.1f} ms (+{d:.1f} ms)"
+            )
         else:
             print("SKIP empty %%all vs floor: floor not measured")
-        good = {k: v for k, v in anchors.items()
-                if v["big_verified"].split("/")[0] == v["big_verified"].split("/")[1] != "0"}
+        good = {
+            k: v
+            for k, v in anchors.items()
+            if v["big_verified"].split("/")[0] == v["big_verified"].split("/")[1] != "0"
+        }
         if good:
             best = min(good, key=lambda k: good[k]["big_med_ms"])
-            ok = sb["big_med_ms"] <= good[best]["big_med_ms"] and sb["big_verified"].split("/")[0] == \
-                sb["big_verified"].split("/")[1]
-            print(f"{'PASS' if ok else 'FAIL'} {BIG_LINES}-line cell no slower than the best anchor ({best}): "
-                  f"{sb['big_med_ms']:.1f} ms vs {good[best]['big_med_ms']:.1f} ms, "
-                  f"shardbook lines verified {sb['big_verified']}")
+            ok = (
+                sb["big_med_ms"] <= good[best]["big_med_ms"]
+                and sb["big_verified"].split("/")[0] == sb["big_verified"].split("/")[1]
+            )
+            print(
+                f"{'PASS' if ok else 'FAIL'} {BIG_LINES}-line cell no slower than the best anchor ({best}): "
+                f"{sb['big_med_ms']:.1f} ms vs {good[best]['big_med_ms']:.1f} ms, "
+                f"shardbook lines verified {sb['big_verified']}"
+            )
         else:
             print(f"SKIP {BIG_LINES}-line target: no anchor delivered all lines")
         if "ipyparallel" in anchors:
             ok = sb["startup_s"] <= anchors["ipyparallel"]["startup_s"]
-            print(f"{'PASS' if ok else 'FAIL'} start-up no slower than ipyparallel: "
-                  f"{sb['startup_s']:.2f} s vs {anchors['ipyparallel']['startup_s']:.2f} s")
+            print(
+                f"{'PASS' if ok else 'FAIL'} start-up no slower than ipyparallel: "
+                f"{sb['startup_s']:.2f} s vs {anchors['ipyparallel']['startup_s']:.2f} s"
+            )
         else:
             print("SKIP start-up target: ipyparallel not measured")
 
     if args.json:
-        args.json.write_text(json.dumps({"summary": summary, "skipped": skipped, "failed": failed,
-                                         "raw": results}, indent=1, default=str))
+        args.json.write_text(
+            json.dumps(
+                {"summary": summary, "skipped": skipped, "failed": failed, "raw": results}, indent=1, default=str
+            )
+        )
     return 1 if failed else 0
 
 

@@ -102,7 +102,7 @@ def load_once(method: str, model_dir: Path) -> tuple[object, dict[str, float]]:
 def warm_imports(model_dir: Path) -> None:
     """Import what every method needs (transformers' lazy modules, the model's code, FSDP, DCP), as after a first load."""
     import torch
-    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.checkpoint
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import shardbook.rankd.loading.load_sharded  # noqa: F401
@@ -238,7 +238,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=demo_model_dir(), help="checkpoint directory")
     parser.add_argument("--ranks", type=int, default=2, help="ranks for the sharded methods")
-    parser.add_argument("--repeat", type=int, default=3, help="timed rounds over the methods; times are the best round's")
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="timed rounds over the methods; times are the best round's"
+    )
     args = parser.parse_args()
     if not (args.model / "config.json").is_file():
         sys.exit(f"no checkpoint at {args.model}: run `shardbook fetch smollm2-135m-instruct` or pass --model")

@@ -35,7 +35,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_chat import Kernel  # noqa: E402
+from bench_chat import Kernel
 
 CONFIG = "configs/smollm2-135m.yaml"
 MODEL = "smollm2-135m-instruct"
@@ -46,7 +46,9 @@ STATUS = re.compile(r"\[(\d+) prompt tokens, (\d+) generated")
 
 def run_chat(kernel: Kernel, n: int) -> dict:
     cell = kernel.ok(f"%%chat --new --output text --max-new-tokens {n}\n{QUESTION}")
-    texts = [(m["received_at"], m["content"]["text"]) for m in cell.of_type("stream") if m["content"]["name"] == "stdout"]
+    texts = [
+        (m["received_at"], m["content"]["text"]) for m in cell.of_type("stream") if m["content"]["name"] == "stdout"
+    ]
     live = [t for t, text in texts if text.strip() and not STATUS.search(text)]
     tokens = int(STATUS.search(cell.stdout()).group(2))
     return {"text": cell.stdout().rsplit("\n[", 1)[0], "tokens": tokens, **timing(cell.sent_at, live, tokens)}
@@ -55,8 +57,13 @@ def run_chat(kernel: Kernel, n: int) -> dict:
 def run_http(url: str, n: int) -> dict:
     parts = urlparse(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
-    body = {"model": MODEL, "max_tokens": n, "stream": True, "stream_options": {"include_usage": True},
-            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]}
+    body = {
+        "model": MODEL,
+        "max_tokens": n,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}],
+    }
     sent = time.perf_counter()
     conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
     response = conn.getresponse()
@@ -65,7 +72,7 @@ def run_http(url: str, n: int) -> dict:
         line = line.decode().strip()
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
-        chunk = json.loads(line[len("data: "):])
+        chunk = json.loads(line[len("data: ") :])
         content = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
         if content:
             arrivals.append(time.perf_counter())
@@ -79,8 +86,12 @@ def run_http(url: str, n: int) -> dict:
 
 def timing(sent: float, arrivals: list[float], tokens: int) -> dict:
     span = arrivals[-1] - arrivals[0] if len(arrivals) > 1 else float("nan")
-    return {"first": arrivals[0], "end": arrivals[-1], "ttft_ms": (arrivals[0] - sent) * 1000,
-            "tok_s": (tokens - 1) / span if span > 0 else float("nan")}
+    return {
+        "first": arrivals[0],
+        "end": arrivals[-1],
+        "ttft_ms": (arrivals[0] - sent) * 1000,
+        "tok_s": (tokens - 1) / span if span > 0 else float("nan"),
+    }
 
 
 def concurrent_clients(url: str, num: int, n: int) -> list[dict]:
@@ -114,8 +125,10 @@ def main(argv: list[str] | None = None) -> int:
             run_chat(kernel, 4), run_http(url, 4)  # warm-up: both paths once
             chat, served = [], []
             for r in range(args.rounds):
-                for path in (("chat", "http") if r % 2 == 0 else ("http", "chat")):
-                    (chat if path == "chat" else served).append(run_chat(kernel, args.tokens) if path == "chat" else run_http(url, args.tokens))
+                for path in ("chat", "http") if r % 2 == 0 else ("http", "chat"):
+                    (chat if path == "chat" else served).append(
+                        run_chat(kernel, args.tokens) if path == "chat" else run_http(url, args.tokens)
+                    )
             clients = concurrent_clients(url, args.clients, args.client_tokens)
         finally:
             kernel.stop()
@@ -124,7 +137,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(chat: list[dict], served: list[dict], clients: list[dict | None], args) -> int:
     same = all(c["text"] == h["text"] for c, h in zip(chat, served))
-    med = {name: {k: statistics.median(r[k] for r in rows) for k in ("ttft_ms", "tok_s")} for name, rows in (("chat", chat), ("http", served))}
+    med = {
+        name: {k: statistics.median(r[k] for r in rows) for k in ("ttft_ms", "tok_s")}
+        for name, rows in (("chat", chat), ("http", served))
+    }
     ratio, extra = med["http"]["tok_s"] / med["chat"]["tok_s"], med["http"]["ttft_ms"] - med["chat"]["ttft_ms"]
     print(f"{args.rounds} rounds, {args.tokens} tokens, {MODEL} on 2 ranks; texts equal: {same}")
     print(f"{'path':<8}{'first token ms':>16}{'tok/s':>8}")

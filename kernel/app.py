@@ -21,7 +21,7 @@ def connection_file_from(argv: list[str]) -> str | None:
     for i, arg in enumerate(argv):
         if arg == "-f" and i + 1 < len(argv):
             return argv[i + 1]
-        if arg.startswith("--f=") or arg.startswith("--IPKernelApp.connection_file="):
+        if arg.startswith(("--f=", "--IPKernelApp.connection_file=")):
             return arg.split("=", 1)[1]
     return None
 

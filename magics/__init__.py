@@ -15,7 +15,6 @@ def load_ipython_extension(shell) -> None:
     log; every frontend that connects also gets it on IOPub.
     """
     from shardbook.kernel.ranks.runtime import get_runtime
-
     from shardbook.magics.cells import RankMagics
     from shardbook.magics.chat import ChatMagics
     from shardbook.magics.errors import RankError, show_rank_error

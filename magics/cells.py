@@ -10,11 +10,10 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from shardbook.kernel.ranks.pool import PoolError, check_timeout
 from shardbook.kernel.ranks.runtime import get_runtime
-
-from shardbook.magics.views.dist_table import DistTable
 from shardbook.magics.errors import raise_for_outcome
 from shardbook.magics.ranks import parse_rank_spec
 from shardbook.magics.relay import RankRelay, frontend_for
+from shardbook.magics.views.dist_table import DistTable
 
 
 def timeout_seconds(text: str) -> float:
@@ -23,14 +22,19 @@ def timeout_seconds(text: str) -> float:
         seconds = float(text)
         check_timeout(seconds)
     except ValueError as e:
-        raise ArgumentTypeError(f"{text!r}: give a positive number of seconds (leave --timeout out for no limit)") from e
+        raise ArgumentTypeError(
+            f"{text!r}: give a positive number of seconds (leave --timeout out for no limit)"
+        ) from e
     return seconds
 
 
 def exec_options(fn):
     """Flags shared by the cell magics that run code on ranks."""
     return argument(
-        "--timeout", type=timeout_seconds, default=None, metavar="S",
+        "--timeout",
+        type=timeout_seconds,
+        default=None,
+        metavar="S",
         help="interrupt the cell on every rank after S seconds (default: no limit)",
     )(fn)
 
@@ -79,8 +83,8 @@ class RankMagics(Magics):
     def some_ranks(self, line: str, cell: str) -> None:
         """Run the cell on some ranks only. Example::
 
-            %%rank 1-3
-            print(model.model.layers[0].self_attn.q_proj.weight.to_local().shape)
+        %%rank 1-3
+        print(model.model.layers[0].self_attn.q_proj.weight.to_local().shape)
         """
         args = parse_argstring(self.some_ranks, line)
         ranks = parse_rank_spec(args.spec, self._runtime().world.world_size)
@@ -91,7 +95,7 @@ class RankMagics(Magics):
     def dist(self, line: str) -> DistTable:
         """Show every rank: host, pid, device, backend, state (idle/busy/dead) and memory. Example::
 
-            %dist
+        %dist
         """
         parse_argstring(self.dist, line)
         return DistTable(self._runtime().pool.snapshot())

@@ -10,23 +10,24 @@ from IPython.display import display
 from shardbook.kernel.api.conversation import Conversation
 from shardbook.kernel.ranks.pool import PoolError
 from shardbook.kernel.ranks.runtime import get_runtime
-
-from shardbook.magics.views.chat_view import ScoresView, TextChatView, WidgetChatView
 from shardbook.magics.errors import raise_for_outcome
-from shardbook.magics.views.progress import widgets_available
 from shardbook.magics.relay import RankRelay, frontend_for
+from shardbook.magics.views.chat_view import ScoresView, TextChatView, WidgetChatView
+from shardbook.magics.views.progress import widgets_available
 
 
 def generation_options(fn):
     """Sampling flags; unset ones fall back to the loaded config's ``inference`` section."""
-    for flag, kind, text in reversed([
-        ("--max-new-tokens", int, "most tokens to generate"),
-        ("--temperature", float, "sampling temperature"),
-        ("--top-p", float, "nucleus sampling probability mass"),
-        ("--top-k", int, "sample among the K most likely tokens"),
-        ("--repetition-penalty", float, "penalty for repeated tokens (1.0 = none)"),
-        ("--seed", int, "seed for sampling (rank 0 picks one if unset; every rank uses it)"),
-    ]):
+    for flag, kind, text in reversed(
+        [
+            ("--max-new-tokens", int, "most tokens to generate"),
+            ("--temperature", float, "sampling temperature"),
+            ("--top-p", float, "nucleus sampling probability mass"),
+            ("--top-k", int, "sample among the K most likely tokens"),
+            ("--repetition-penalty", float, "penalty for repeated tokens (1.0 = none)"),
+            ("--seed", int, "seed for sampling (rank 0 picks one if unset; every rank uses it)"),
+        ]
+    ):
         fn = argument(flag, type=kind, default=None, help=text)(fn)
     fn = argument("--do-sample", action="store_true", default=None, help="sample instead of greedy decoding")(fn)
     return fn
@@ -50,8 +51,14 @@ class ChatMagics(Magics):
     @magic_arguments()
     @argument_group("reply")
     @generation_options
-    @argument("--scores", action="store_true", help="record each token's probability and top alternatives (_chat.scores) and show them")
-    @argument("--output", choices=("widget", "text"), default=None, help="live widget (default in notebooks) or plain text")
+    @argument(
+        "--scores",
+        action="store_true",
+        help="record each token's probability and top alternatives (_chat.scores) and show them",
+    )
+    @argument(
+        "--output", choices=("widget", "text"), default=None, help="live widget (default in notebooks) or plain text"
+    )
     @argument_group("conversation")
     @argument("--new", action="store_true", help="start a new conversation with this message")
     @argument("--system", metavar="TEXT", help="set the system prompt (kept for later turns)")

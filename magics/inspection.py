@@ -10,16 +10,20 @@ from IPython.display import Image, display
 from shardbook.kernel.api.inspection import DEFAULT_MAX_MB, InspectionFailed, Inspector
 from shardbook.kernel.ranks.pool import PoolError
 from shardbook.kernel.ranks.runtime import get_runtime
-
 from shardbook.magics.errors import raise_for_outcome
-from shardbook.magics.views.lens_view import heatmap_png, lens_table
 from shardbook.magics.loading import loaded_model
 from shardbook.magics.relay import RankRelay, frontend_for
+from shardbook.magics.views.lens_view import heatmap_png, lens_table
 
 
 def max_mb_option(fn):
-    return argument("--max-mb", type=float, default=DEFAULT_MAX_MB, metavar="MB",
-                    help=f"refuse a result larger than this on rank 0 (default {DEFAULT_MAX_MB:.0f} MiB)")(fn)
+    return argument(
+        "--max-mb",
+        type=float,
+        default=DEFAULT_MAX_MB,
+        metavar="MB",
+        help=f"refuse a result larger than this on rank 0 (default {DEFAULT_MAX_MB:.0f} MiB)",
+    )(fn)
 
 
 def layer_globs(spec: list[str], layer_names: list[str]) -> list[str]:
@@ -32,9 +36,11 @@ def layer_globs(spec: list[str], layer_names: list[str]) -> list[str]:
             continue
         first, last = int(low), int(high or low)
         if not first <= last < len(layer_names):
-            raise UsageError(f"--layers {item}: the model has layers 0-{len(layer_names) - 1}; give indices, ranges "
-                             "such as 0-5, or module globs")
-        globs += layer_names[first:last + 1]
+            raise UsageError(
+                f"--layers {item}: the model has layers 0-{len(layer_names) - 1}; give indices, ranges "
+                "such as 0-5, or module globs"
+            )
+        globs += layer_names[first : last + 1]
     return globs
 
 
@@ -66,8 +72,13 @@ class InspectionMagics(Magics):
 
     @magic_arguments()
     @argument("prompt", nargs="*", help="(line magic) the prompt; the cell magic reads it from the cell")
-    @argument("--modules", nargs="+", metavar="GLOB", help="modules to capture (default: every decoder layer); "
-              "`*` is one part of a dotted name, `**` any number: model.layers.*, model.layers.3.self_attn")
+    @argument(
+        "--modules",
+        nargs="+",
+        metavar="GLOB",
+        help="modules to capture (default: every decoder layer); "
+        "`*` is one part of a dotted name, `**` any number: model.layers.*, model.layers.3.self_attn",
+    )
     @argument("--inputs", action="store_true", help="capture each module's first input instead of its output")
     @argument("--chat", action="store_true", help="format the prompt as one user message with the chat template")
     @argument("--as", dest="name", default="_trace", metavar="NAME", help="variable for the result (default _trace)")
@@ -86,7 +97,9 @@ class InspectionMagics(Magics):
         """
         args = parse_argstring(self.trace, line)
         if cell is not None and args.prompt:
-            raise UsageError("%%trace reads its prompt from the cell: leave it off the first line (or use the line magic %trace)")
+            raise UsageError(
+                "%%trace reads its prompt from the cell: leave it off the first line (or use the line magic %trace)"
+            )
         text = " ".join(args.prompt) if cell is None else cell
         prompt = text.rstrip("\n") if args.chat else text.strip()
         if not prompt:
@@ -136,7 +149,7 @@ class InspectionMagics(Magics):
     def param(self, line: str):
         """The whole parameter on rank 0, gathered from the ranks' shards. Example::
 
-            w = %param model.layers.0.self_attn.q_proj.weight
+        w = %param model.layers.0.self_attn.q_proj.weight
         """
         args = parse_argstring(self.param, line)
         return self.full_parameter(args.name, max_mb=args.max_mb)
@@ -151,7 +164,9 @@ class InspectionMagics(Magics):
     @magic_arguments()
     @argument("function", nargs="?", help="name of a function every rank defined in %%all: fn(output, module_name)")
     @argument("modules", nargs="*", metavar="GLOB", help="modules whose output it changes")
-    @argument("--input", action="store_true", help="change the module's first input instead (o_proj's input: per-head values)")
+    @argument(
+        "--input", action="store_true", help="change the module's first input instead (o_proj's input: per-head values)"
+    )
     @argument("--remove", metavar="NAME", help="remove this intervention")
     @argument("--clear", action="store_true", help="remove every intervention")
     @argument("--quiet", "-q", action="store_true", help="do not list the interventions afterwards")
@@ -174,7 +189,9 @@ class InspectionMagics(Magics):
         if args.function and args.modules:
             listed = self._call("intervene", args.function, args.modules, on_input=args.input)
         elif args.function:
-            raise UsageError(f"%intervene {args.function}: name the modules too, e.g. %intervene {args.function} model.layers.3")
+            raise UsageError(
+                f"%intervene {args.function}: name the modules too, e.g. %intervene {args.function} model.layers.3"
+            )
         elif args.remove or args.clear:
             listed = self._call("remove", None if args.clear else args.remove)
         else:
@@ -192,8 +209,8 @@ class InspectionMagics(Magics):
     def share(self, line: str):
         """Copy a rank-0 tensor (or a dict of tensors, such as a %%trace result) to every rank under the same name. Example::
 
-            steer = clean["model.layers.3"][0, -1] - corrupt["model.layers.3"][0, -1]
-            %share steer
+        steer = clean["model.layers.3"][0, -1] - corrupt["model.layers.3"][0, -1]
+        %share steer
         """
         args = parse_argstring(self.share, line)
         keys = self._call("share", args.name)

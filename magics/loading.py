@@ -12,10 +12,9 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from shardbook.kernel.api.load import load_on_ranks, prepare_load
 from shardbook.kernel.ranks.pool import PoolError
 from shardbook.kernel.ranks.runtime import get_runtime
-
 from shardbook.magics.errors import raise_for_outcome
-from shardbook.magics.views.progress import progress_view
 from shardbook.magics.relay import RankRelay, frontend_for
+from shardbook.magics.views.progress import progress_view
 from shardbook.magics.views.tables import shards_table, summary_table
 
 
@@ -30,7 +29,9 @@ def parse_load_args(magic, line: str) -> argparse.Namespace:
 def loaded_model(runtime):
     loaded = runtime.ctx0.state.get("loaded")
     if loaded is None:
-        raise UsageError("no model is loaded yet: run `%load_sharded configs/smollm2-135m.yaml` (or your own config) first")
+        raise UsageError(
+            "no model is loaded yet: run `%load_sharded configs/smollm2-135m.yaml` (or your own config) first"
+        )
     return loaded
 
 

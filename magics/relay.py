@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from shardbook.rankd.control import protocol
 
@@ -30,7 +31,9 @@ class IOPubFrontend:
         self._send("stream", {"name": name, "text": text})
 
     def display(self, data: dict[str, Any], metadata: dict[str, Any], transient: dict[str, Any]) -> None:
-        msg_type = "update_display_data" if transient.get("display_id") and metadata.pop("_update", False) else "display_data"
+        msg_type = (
+            "update_display_data" if transient.get("display_id") and metadata.pop("_update", False) else "display_data"
+        )
         self._send(msg_type, {"data": data, "metadata": metadata, "transient": transient})
 
 

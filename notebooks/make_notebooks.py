@@ -50,7 +50,7 @@ or run the whole notebook headless, printing every output as it comes:
 """),
     md("`%dist` lists the ranks of the job: host, process, device, backend, state and memory."),
     code("%dist"),
-    md(f"""
+    md("""
 ## Load the model on every rank
 
 `%load_sharded` reads a YAML config (any key can be overridden, e.g.

@@ -74,7 +74,9 @@ def execute(kc, code: str, timeout: float = 60.0, on_message=None) -> Execution:
     while not (result.idle_at and result.reply):
         remaining = deadline - time.perf_counter()
         if remaining <= 0:
-            raise TimeoutError(f"no reply/idle within {timeout} s for {code[:60]!r}; got {[m['msg_type'] for m in result.messages]}")
+            raise TimeoutError(
+                f"no reply/idle within {timeout} s for {code[:60]!r}; got {[m['msg_type'] for m in result.messages]}"
+            )
         poller.poll(remaining * 1000)
         while shell.msg_ready():
             candidate = shell.get_msg(timeout=0)
@@ -154,7 +156,9 @@ def wait_for_interrupt_replies(km, count: int, deadline: float) -> None:
 
     socket = km._control_socket
     while count:
-        assert socket.poll(max(0.0, deadline - time.monotonic()) * 1000, zmq.POLLIN), f"{count} interrupt replies never came"
+        assert socket.poll(max(0.0, deadline - time.monotonic()) * 1000, zmq.POLLIN), (
+            f"{count} interrupt replies never came"
+        )
         _, msg = km.session.recv(socket)
         if msg is not None and msg["msg_type"] == "interrupt_reply":
             count -= 1

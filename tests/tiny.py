@@ -211,13 +211,34 @@ def make_long_talker(path: Path) -> Path:
 
 MOE_FAMILIES = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
-    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48),
+    "qwen2_moe": dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48
+    ),
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
-    "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-                     first_k_dense_replace=1, n_group=1, topk_group=1, head_dim=16),
-    "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-                        first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
-                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16),
+    "glm4_moe": dict(
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        head_dim=16,
+    ),
+    "deepseek_v3": dict(
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+    ),
 }
 """Tiny mixture-of-experts configurations: 8 experts per layer, 2 per token; GLM and DeepSeek with a dense first layer."""
 

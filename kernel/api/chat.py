@@ -19,16 +19,16 @@ import asyncio
 import queue
 import signal
 import threading
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import Any, AsyncIterator, Callable, Iterator, NoReturn
-
-from shardbook.rankd.control import protocol
-from shardbook.rankd.generation.engine import GenerationRequest, GenerationResult
+from typing import Any, NoReturn
 
 from shardbook.kernel.ranks.generation_queue import CHAT_SOURCE, Turn
 from shardbook.kernel.ranks.pool import Command, Outcome, PoolError
 from shardbook.kernel.ranks.runtime import Runtime, get_runtime
+from shardbook.rankd.control import protocol
+from shardbook.rankd.generation.engine import GenerationRequest, GenerationResult
 
 STREAM_DEADLINE_S = 660.0
 """Longest silence from the ranks while a reply is generated (the engine itself gives up after 600 s)."""
@@ -43,7 +43,7 @@ class ChatResponse(GenerationResult):
     """
 
     @classmethod
-    def from_result(cls, result: dict[str, Any]) -> "ChatResponse":
+    def from_result(cls, result: dict[str, Any]) -> ChatResponse:
         return cls(**{f.name: result.get(f.name) for f in fields(cls)})
 
     def status_line(self) -> str:
@@ -57,7 +57,11 @@ class GenerationFailed(RuntimeError):
     """One or more ranks failed while generating; ``outcome`` holds every rank's reply."""
 
     def __init__(self, outcome: Outcome):
-        failed = {r: (x.get("error") or {}).get("evalue", x.get("status")) for r, x in outcome.replies.items() if x.get("status") != "ok"}
+        failed = {
+            r: (x.get("error") or {}).get("evalue", x.get("status"))
+            for r, x in outcome.replies.items()
+            if x.get("status") != "ok"
+        }
         super().__init__(f"generation failed on ranks {sorted(failed) or outcome.stuck}: {failed}")
         self.outcome = outcome
 
@@ -101,7 +105,7 @@ class ChatStream:
         if start:
             self.start()
 
-    def start(self) -> "ChatStream":
+    def start(self) -> ChatStream:
         if self._thread.ident is None:
             self.turn = self.turn or self.runtime.generation_queue.enter(CHAT_SOURCE)
             self.turn.on_interrupt = self.interrupt
@@ -120,7 +124,11 @@ class ChatStream:
             self._events.put(("started", self.turn.waited_s))
             try:
                 outcome = pool.run(
-                    "generate", args, list(range(pool.world.world_size)), self._on_output, self._on_notice,
+                    "generate",
+                    args,
+                    list(range(pool.world.world_size)),
+                    self._on_output,
+                    self._on_notice,
                     on_start=self._on_start,
                 )
             finally:
@@ -282,7 +290,9 @@ class ChatModel:
     def __init__(self, runtime: Runtime | None = None):
         self.runtime = runtime or get_runtime()
 
-    def build_request(self, messages: str | list[dict[str, str]], *, stop: list[str] | None = None, **settings: Any) -> GenerationRequest:
+    def build_request(
+        self, messages: str | list[dict[str, str]], *, stop: list[str] | None = None, **settings: Any
+    ) -> GenerationRequest:
         """A request with defaults from the loaded config's ``inference`` section and a seed."""
         config = self.runtime.ctx0.state.get("config")
         if config is None or "loaded" not in self.runtime.ctx0.state:

@@ -48,7 +48,7 @@ class Conversation:
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> "Conversation":
+    def load(cls, path: str | Path) -> Conversation:
         """Read a conversation saved by :meth:`save`; ValueError naming the file and what is wrong with it."""
         path = Path(path).expanduser()
         try:
@@ -65,11 +65,16 @@ class Conversation:
         if not isinstance(turns, list) or not all(
             isinstance(t, dict) and isinstance(t.get("role"), str) and isinstance(t.get("content"), str) for t in turns
         ):
-            raise ValueError(f"{path} is not a saved conversation: expected {{'system_prompt': ..., 'turns': [{{'role', 'content'}}, ...]}}")
+            raise ValueError(
+                f"{path} is not a saved conversation: expected {{'system_prompt': ..., 'turns': [{{'role', 'content'}}, ...]}}"
+            )
         system_prompt = data.get("system_prompt")
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise ValueError(f"{path} is not a saved conversation: system_prompt must be text or null")
-        for what, value in [("the system prompt", system_prompt or ""), *((f"turn {i} ({t['role']})", t["content"]) for i, t in enumerate(turns))]:
+        for what, value in [
+            ("the system prompt", system_prompt or ""),
+            *((f"turn {i} ({t['role']})", t["content"]) for i, t in enumerate(turns)),
+        ]:
             check_valid(value, f"{path}: {what}")
         return cls(system_prompt=system_prompt, turns=turns)
 

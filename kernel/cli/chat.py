@@ -35,22 +35,22 @@ import secrets
 import signal
 import sys
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
-from shardbook.rankd.control import protocol
+from shardbook.kernel.api.load import prepare_load
+from shardbook.kernel.api.progress import step_text
+from shardbook.kernel.cli.launcher import launch, maybe_write_pid_file
+from shardbook.kernel.ranks.failures import describe_failures
 from shardbook.rankd.config.schema import ShardbookConfig
+from shardbook.rankd.control import protocol
 from shardbook.rankd.control.lifetime import die_with_parent
 from shardbook.rankd.control.text import REPLACEMENT, replace_invalid
 from shardbook.rankd.control.world import JobShape, World, init_world
-
-from shardbook.kernel.ranks.failures import describe_failures
-from shardbook.kernel.cli.launcher import launch, maybe_write_pid_file
-from shardbook.kernel.api.load import prepare_load
-from shardbook.kernel.api.progress import step_text
 
 if TYPE_CHECKING:
     from shardbook.kernel.ranks.runtime import Runtime
@@ -80,9 +80,15 @@ def add_chat_parser(sub) -> None:
         epilog="Commands while chatting:\n" + HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--nproc", type=int, help="ranks to start with torchrun (default: one rank in this process; omit under torchrun)")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        help="ranks to start with torchrun (default: one rank in this process; omit under torchrun)",
+    )
     p.add_argument("config", help="YAML config (sections model, parallel, inference), e.g. configs/smollm2-135m.yaml")
-    p.add_argument("overrides", nargs=argparse.REMAINDER, help="--section.key value pairs, e.g. --inference.max_new_tokens 64")
+    p.add_argument(
+        "overrides", nargs=argparse.REMAINDER, help="--section.key value pairs, e.g. --inference.max_new_tokens 64"
+    )
     p.set_defaults(run=run_chat)
 
 
@@ -92,7 +98,9 @@ def run_chat(args: argparse.Namespace) -> int:
     if args.nproc is None:
         return run_rank(args, shape)
     if shape.under_torchrun:
-        raise ValueError("--nproc starts torchrun itself; under torchrun run `python -m shardbook chat CONFIG` without it")
+        raise ValueError(
+            "--nproc starts torchrun itself; under torchrun run `python -m shardbook chat CONFIG` without it"
+        )
     return launch(args)
 
 

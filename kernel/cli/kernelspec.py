@@ -41,15 +41,25 @@ class Layout:
                 "`torchrun ... -m shardbook.rankd --key-file KEYFILE`"
             )
         if self.nnodes > 1 and not (self.master_addr and self.master_port):
-            raise ValueError("a multi-node kernel needs --master-addr HOST and --master-port PORT (reachable from every node)")
+            raise ValueError(
+                "a multi-node kernel needs --master-addr HOST and --master-port PORT (reachable from every node)"
+            )
 
     def torchrun_args(self) -> list[str]:
         """Single node: ``--standalone`` picks a free rendezvous port at each start, so kernels never collide."""
         if self.nnodes == 1:
             return ["--standalone", "--nnodes", "1", "--nproc_per_node", str(self.nproc)]
         return [
-            "--nnodes", str(self.nnodes), "--node_rank", str(self.node_rank), "--nproc_per_node", str(self.nproc),
-            "--master_addr", str(self.master_addr), "--master_port", str(self.master_port),
+            "--nnodes",
+            str(self.nnodes),
+            "--node_rank",
+            str(self.node_rank),
+            "--nproc_per_node",
+            str(self.nproc),
+            "--master_addr",
+            str(self.master_addr),
+            "--master_port",
+            str(self.master_port),
         ]
 
 
@@ -76,7 +86,16 @@ def default_display_name(layout: Layout) -> str:
 def kernelspec_dict(options: KernelSpecOptions) -> dict:
     """The kernel.json content."""
     layout = options.layout
-    argv = [options.python, "-m", "torch.distributed.run", *layout.torchrun_args(), "-m", "shardbook.kernel", "-f", "{connection_file}"]
+    argv = [
+        options.python,
+        "-m",
+        "torch.distributed.run",
+        *layout.torchrun_args(),
+        "-m",
+        "shardbook.kernel",
+        "-f",
+        "{connection_file}",
+    ]
     env = dict(options.env)
     if options.key_file:
         env[KEY_FILE_ENV] = str(options.key_file)
@@ -86,7 +105,9 @@ def kernelspec_dict(options: KernelSpecOptions) -> dict:
         "language": "python",
         "interrupt_mode": "message",
         "env": env,
-        "metadata": {"shardbook": {"nproc": layout.nproc, "nnodes": layout.nnodes, "world_size": layout.nproc * layout.nnodes}},
+        "metadata": {
+            "shardbook": {"nproc": layout.nproc, "nnodes": layout.nnodes, "world_size": layout.nproc * layout.nnodes}
+        },
     }
 
 

@@ -17,15 +17,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
+from shardbook.kernel.api.load import prepare_load
+from shardbook.kernel.cli.kernelspec import Layout
 from shardbook.rankd.control import protocol
 from shardbook.rankd.control.lifetime import die_with_parent
-
-from shardbook.kernel.cli.kernelspec import Layout
-from shardbook.kernel.api.load import prepare_load
 
 PID_FILE_ENV = "SHARDBOOK_CHAT_PIDFILE"
 """Set by ``--nproc``: the file rank 0 writes its pid to, so that Ctrl-C can be relayed to it."""
@@ -44,8 +43,13 @@ def launch(args: argparse.Namespace, command: list[str] | None = None, graceful_
         env = {**os.environ, protocol.KEY_ENV: secrets.token_hex(32), PID_FILE_ENV: str(pid_file)}
         env.pop(protocol.KEY_FILE_ENV, None)  # it would take precedence over the fresh key
         argv = [
-            sys.executable, "-m", "torch.distributed.run", *layout.torchrun_args(),
-            "-m", "shardbook", *(command or ["chat", args.config, *args.overrides]),
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            *layout.torchrun_args(),
+            "-m",
+            "shardbook",
+            *(command or ["chat", args.config, *args.overrides]),
         ]
         torchrun = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=die_with_parent)
         with relayed_signals(torchrun, pid_file, graceful_term):

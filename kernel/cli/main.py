@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shardbook.kernel.cli import kernelspec
 from shardbook.kernel.api.fetch import add_fetch_parser
-from shardbook.kernel.cli.run import add_run_parser
+from shardbook.kernel.cli import kernelspec
 from shardbook.kernel.cli.chat import add_chat_parser
+from shardbook.kernel.cli.run import add_run_parser
 from shardbook.kernel.cli.serve import add_serve_parser
 
 
@@ -46,7 +46,9 @@ def run_uninstall(args: argparse.Namespace) -> int:
     try:
         KernelSpecManager().remove_kernel_spec(args.name)
     except KeyError:
-        print(f"shardbook: no kernelspec named {args.name!r}; `shardbook list` shows the installed ones", file=sys.stderr)
+        print(
+            f"shardbook: no kernelspec named {args.name!r}; `shardbook list` shows the installed ones", file=sys.stderr
+        )
         return 1
     print(f"Removed kernelspec {args.name}")
     return 0
@@ -68,7 +70,9 @@ def add_install_parser(sub) -> None:
     p.add_argument("--display-name", help="name shown in Jupyter (default states the rank count)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--user", action="store_true", help="install for the current user")
-    where.add_argument("--sys-prefix", action="store_true", help="install into this Python's prefix (virtualenv, conda)")
+    where.add_argument(
+        "--sys-prefix", action="store_true", help="install into this Python's prefix (virtualenv, conda)"
+    )
     where.add_argument("--prefix", help="install under PREFIX/share/jupyter/kernels")
     p.add_argument("--nnodes", type=int, default=1, help="nodes in the job (the kernel is on node 0)")
     p.add_argument("--node-rank", type=int, default=0, help="this node's rank (must be 0: the kernel holds rank 0)")

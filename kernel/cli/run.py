@@ -26,9 +26,9 @@ import os
 import re
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
 
 from shardbook.kernel.cli import kernelspec
 
@@ -192,7 +192,8 @@ def execute(nb, kernel_name: str, workdir: Path, timeout_s: int) -> None:
 
     current = {}  # on_cell_start records the index of the cell being run
     client = echoing_client(
-        nb, echo_output,
+        nb,
+        echo_output,
         kernel_name=kernel_name,
         timeout=timeout_s,
         startup_timeout=STARTUP_TIMEOUT_S,
@@ -272,12 +273,22 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument("notebook", help="the .ipynb file to execute")
     parser.add_argument(
-        "--nproc", type=int, default=None, metavar="N",
+        "--nproc",
+        type=int,
+        default=None,
+        metavar="N",
         help="ranks to run (default: N of the notebook's shardbook-N kernelspec, else 1)",
     )
-    parser.add_argument("--output", metavar="OUT.ipynb", help="where to write the executed notebook (default: NAME.out.ipynb next to NOTEBOOK)")
     parser.add_argument(
-        "--timeout", type=int, default=DEFAULT_TIMEOUT_S, metavar="S",
+        "--output",
+        metavar="OUT.ipynb",
+        help="where to write the executed notebook (default: NAME.out.ipynb next to NOTEBOOK)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=int,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="S",
         help=f"per-cell limit in seconds; a cell past it is interrupted on every rank (default {DEFAULT_TIMEOUT_S})",
     )
     parser.set_defaults(run=run_notebook)

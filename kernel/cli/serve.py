@@ -18,21 +18,26 @@ import signal
 import threading
 from functools import partial
 
-from shardbook.rankd.control.world import JobShape
-
+from shardbook.kernel.cli.chat import run_rank
 from shardbook.kernel.cli.launcher import launch
 from shardbook.kernel.server.server import DEFAULT_PORT, ServeOptions, read_api_key
-from shardbook.kernel.cli.chat import run_rank
+from shardbook.rankd.control.world import JobShape
 
 API_KEY_ENV = "SHARDBOOK_API_KEY"
 
 
 def add_serve_flags(parser: argparse.ArgumentParser, default=None) -> None:
     parser.add_argument("--port", type=int, default=default or DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
-    parser.add_argument("--host", default=default or "127.0.0.1", help="address (default loopback; others need an API key)")
-    parser.add_argument("--api-key", default=default, help=f"key clients send as 'Authorization: Bearer KEY' (or ${API_KEY_ENV})")
+    parser.add_argument(
+        "--host", default=default or "127.0.0.1", help="address (default loopback; others need an API key)"
+    )
+    parser.add_argument(
+        "--api-key", default=default, help=f"key clients send as 'Authorization: Bearer KEY' (or ${API_KEY_ENV})"
+    )
     parser.add_argument("--api-key-file", default=default, help="file whose first line is the API key")
-    parser.add_argument("--max-waiting", type=int, default=default, help="requests that may wait before 429 (default 16)")
+    parser.add_argument(
+        "--max-waiting", type=int, default=default, help="requests that may wait before 429 (default 16)"
+    )
 
 
 def add_serve_parser(sub) -> None:
@@ -45,7 +50,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--nproc", type=int, help="ranks to start with torchrun (default: one rank in this process)")
     add_serve_flags(p)
     p.add_argument("config", help="YAML config (sections model, parallel, inference), e.g. configs/smollm2-135m.yaml")
-    p.add_argument("overrides", nargs=argparse.REMAINDER, help="--section.key value pairs; serve flags may come here too")
+    p.add_argument(
+        "overrides", nargs=argparse.REMAINDER, help="--section.key value pairs; serve flags may come here too"
+    )
     p.set_defaults(run=run_serve)
 
 
@@ -74,7 +81,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.nproc is None:
         return run_rank(args, shape, then=partial(serve_until_stopped, options), name="shardbook serve")
     if shape.under_torchrun:
-        raise ValueError("--nproc starts torchrun itself; under torchrun run `python -m shardbook serve CONFIG` without it")
+        raise ValueError(
+            "--nproc starts torchrun itself; under torchrun run `python -m shardbook serve CONFIG` without it"
+        )
     if options.api_key:
         os.environ[API_KEY_ENV] = options.api_key  # the ranks' environment, not their argv
     flags = ["--host", options.host, "--port", str(options.port)]

@@ -12,9 +12,9 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 DEFAULT_MAX_WAITING = 16
 CHAT_SOURCE = "chat"
@@ -33,7 +33,7 @@ class QueueFull(RuntimeError):
 class Turn:
     """One place in the line: waiting, then running, then done (or cancelled while waiting)."""
 
-    queue: "GenerationQueue"
+    queue: GenerationQueue
     source: str
     bounded: bool
     entered_at: float = field(default_factory=time.monotonic)

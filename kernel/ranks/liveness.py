@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shardbook.rankd.control.protocol import positive_number_env
 from shardbook.rankd.control.lifetime import pid_alive
+from shardbook.rankd.control.protocol import positive_number_env
 
 SILENCE_TIMEOUT_S = positive_number_env("SHARDBOOK_HEARTBEAT_TIMEOUT", 60.0)
 """A follower whose process may still exist is declared dead only after this long without answering heartbeats."""
@@ -43,7 +43,10 @@ def judge(state: RankState, silence_s: float, closed: bool) -> tuple[str | None,
     """
     state.silent_s = silence_s
     if state.local and state.pid and not pid_alive(state.pid):
-        return f"its process (pid {state.pid}) exited; torchrun now ends every rank of the job, so restart the kernel", None
+        return (
+            f"its process (pid {state.pid}) exited; torchrun now ends every rank of the job, so restart the kernel",
+            None,
+        )
     if closed:
         return f"its heartbeat connection closed: its process on {state.host} ended. Restart the kernel", None
     if silence_s > SILENCE_TIMEOUT_S:

@@ -15,19 +15,19 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import zmq
 
+from shardbook.kernel.ranks.liveness import SILENT_S, RankState, judge
 from shardbook.rankd import commands  # noqa: F401  (fills the command table rank 0 dispatches from)
 from shardbook.rankd.control import protocol, text
 from shardbook.rankd.control.channel import Channel, MessageTooLarge, control_socket, log_to_process_stderr
 from shardbook.rankd.control.dispatch import STOPPED_BY_EVENT, RankContext, dispatch
 from shardbook.rankd.control.heartbeat import ECHO_KEY, PINGER_KEY, Echo, Pinger, heartbeat_socket
 from shardbook.rankd.control.world import CONNECT_TIMEOUT_S, World, memory_in_use
-
-from shardbook.kernel.ranks.liveness import SILENT_S, RankState, judge
 
 log = logging.getLogger(__name__)
 
@@ -361,7 +361,9 @@ class Pool:
             busy = {r for c in self.commands.values() for r in c.pending}
             rows = []
             for r, s in sorted(self.ranks.items()):
-                state = "dead" if s.dead_reason else "connecting" if not s.connected else "busy" if r in busy else "idle"
+                state = (
+                    "dead" if s.dead_reason else "connecting" if not s.connected else "busy" if r in busy else "idle"
+                )
                 if state in ("busy", "idle") and s.silent_s > SILENT_S:
                     state += f", silent {s.silent_s:.0f} s"
                 rows.append({**vars(s), "state": state})

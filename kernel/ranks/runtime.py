@@ -16,15 +16,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardbook.kernel.ranks.generation_queue import GenerationQueue
+from shardbook.kernel.ranks.pool import Pool, PoolError
 from shardbook.rankd.control import protocol
 from shardbook.rankd.control.dispatch import RankContext
 from shardbook.rankd.control.world import JobShape, World, init_world
 
-from shardbook.kernel.ranks.generation_queue import GenerationQueue
-from shardbook.kernel.ranks.pool import Pool, PoolError
-
 log = logging.getLogger(__name__)
-_runtime: "Runtime | None" = None
+_runtime: Runtime | None = None
 _failure: str | None = None
 """Why the runtime failed to start, kept for the kernel's life: start-up is tried once."""
 _lock = threading.Lock()
@@ -64,7 +63,9 @@ def start_runtime(shell: Any, key: bytes | None = None, world: World | None = No
         raise RuntimeError(f"the shardbook kernel must be rank 0, this process is rank {shape.rank}")
     world = world or init_world(shape=shape)
     ctx0 = RankContext(world=world, shell=shell)
-    session = protocol.make_session(*((key, "hmac-sha256") if key else kernel_key(shell))) if world.world_size > 1 else None
+    session = (
+        protocol.make_session(*((key, "hmac-sha256") if key else kernel_key(shell))) if world.world_size > 1 else None
+    )
     pool = Pool(world, session, ctx0)
     runtime = Runtime(world, pool, ctx0)
     atexit.register(runtime.close)

@@ -19,10 +19,17 @@ from tornado.iostream import StreamClosedError
 
 from shardbook.kernel.api.chat import AsyncChatStream, ChatModel, GenerationCancelled
 from shardbook.kernel.ranks.generation_queue import QueueFull
-from shardbook.kernel.server.openai_api import (
-    ApiError, check_fits_context, chunk_body, completion_body, models_body, new_completion_id, parse_request, usage_body,
-)
 from shardbook.kernel.ranks.pool import PoolError
+from shardbook.kernel.server.openai_api import (
+    ApiError,
+    check_fits_context,
+    chunk_body,
+    completion_body,
+    models_body,
+    new_completion_id,
+    parse_request,
+    usage_body,
+)
 
 log = logging.getLogger(__name__)
 BODY_READ_LIMIT = 64 * 1024 * 1024
@@ -41,9 +48,13 @@ class ApiHandler(tornado.web.RequestHandler):
             return
         auth = self.request.headers.get("Authorization", "")
         if not auth.startswith("Bearer "):
-            raise ApiError(401, "missing API key: send the header 'Authorization: Bearer KEY'", code="invalid_api_key",
-                           type="authentication_error")
-        if not hmac.compare_digest(auth[len("Bearer "):].strip().encode(), key.encode()):
+            raise ApiError(
+                401,
+                "missing API key: send the header 'Authorization: Bearer KEY'",
+                code="invalid_api_key",
+                type="authentication_error",
+            )
+        if not hmac.compare_digest(auth[len("Bearer ") :].strip().encode(), key.encode()):
             raise ApiError(401, "invalid API key", code="invalid_api_key", type="authentication_error")
 
     def write_json(self, body: dict[str, Any], status: int = 200) -> None:
@@ -60,7 +71,9 @@ class ApiHandler(tornado.web.RequestHandler):
     def write_error(self, status_code: int, **kwargs: Any) -> None:
         error = kwargs.get("exc_info", (None, None))[1]
         if not isinstance(error, ApiError):
-            error = ApiError(status_code, self._reason, type="server_error" if status_code >= 500 else "invalid_request_error")
+            error = ApiError(
+                status_code, self._reason, type="server_error" if status_code >= 500 else "invalid_request_error"
+            )
         self.clear()
         self.send_api_error(error)
 
@@ -72,12 +85,20 @@ class ApiHandler(tornado.web.RequestHandler):
 class NotFoundHandler(ApiHandler):
     def prepare(self) -> None:
         super().prepare()
-        raise ApiError(404, f"no endpoint {self.request.method} {self.request.path}; see /v1/models, /v1/chat/completions, /health")
+        raise ApiError(
+            404, f"no endpoint {self.request.method} {self.request.path}; see /v1/models, /v1/chat/completions, /health"
+        )
 
 
 class HealthHandler(ApiHandler):
     def get(self) -> None:
-        self.write_json({"status": "ok", "model": self.server.model_id(), "waiting": self.server.runtime.generation_queue.num_waiting()})
+        self.write_json(
+            {
+                "status": "ok",
+                "model": self.server.model_id(),
+                "waiting": self.server.runtime.generation_queue.num_waiting(),
+            }
+        )
 
 
 class ModelsHandler(ApiHandler):
@@ -115,7 +136,9 @@ class ChatCompletionsHandler(ApiHandler):
 
     def start_reply(self):
         if self.too_large:
-            raise ApiError(413, f"the request body is over {self.server.options.max_body_bytes} bytes", code="request_too_large")
+            raise ApiError(
+                413, f"the request body is over {self.server.options.max_body_bytes} bytes", code="request_too_large"
+            )
         request = parse_request(bytes(self.body))
         loaded = self.server.served_model(request.model)
         model = ChatModel(self.server.runtime)
@@ -129,8 +152,9 @@ class ChatCompletionsHandler(ApiHandler):
         try:
             turn = self.server.runtime.generation_queue.enter("http", bounded=True)
         except QueueFull as e:
-            raise ApiError(429, str(e), code="queue_full", type="rate_limit_error",
-                           headers={"Retry-After": str(e.retry_after_s)}) from None
+            raise ApiError(
+                429, str(e), code="queue_full", type="rate_limit_error", headers={"Retry-After": str(e.retry_after_s)}
+            ) from None
         self.stream = AsyncChatStream(self.server.runtime, generation, on_notice=log.warning, turn=turn)
         return request, self.stream
 
@@ -156,7 +180,9 @@ class ChatCompletionsHandler(ApiHandler):
                 if not sent_any:
                     self.open_stream(request, stream, completion_id)
                     sent_any = True
-                self.send_event(chunk_body(completion_id, request.model, {"content": text}, include_usage=request.include_usage))
+                self.send_event(
+                    chunk_body(completion_id, request.model, {"content": text}, include_usage=request.include_usage)
+                )
                 await self.flush()
         except StreamClosedError:
             stream.interrupt()  # the client left: free the ranks at the next step
@@ -180,7 +206,9 @@ class ChatCompletionsHandler(ApiHandler):
         finish = completion_body(completion_id, request.model, response)["choices"][0]["finish_reason"]
         self.send_event(chunk_body(completion_id, request.model, {}, finish, include_usage=request.include_usage))
         if request.include_usage:
-            self.send_event(chunk_body(completion_id, request.model, None, usage=usage_body(response), include_usage=True))
+            self.send_event(
+                chunk_body(completion_id, request.model, None, usage=usage_body(response), include_usage=True)
+            )
         self.write("data: [DONE]\n\n")
         self.server.stats.served += 1
         self.finish()
@@ -200,8 +228,11 @@ class ChatCompletionsHandler(ApiHandler):
             return
         log.warning("chat completion failed: %s", error)
         if isinstance(error, PoolError):  # e.g. a %%all cell holds the ranks
-            self.send_api_error(ApiError(503, f"the ranks cannot generate now: {error}", type="server_error",
-                                         headers={"Retry-After": "5"}))
+            self.send_api_error(
+                ApiError(
+                    503, f"the ranks cannot generate now: {error}", type="server_error", headers={"Retry-After": "5"}
+                )
+            )
         else:
             self.send_api_error(ApiError(500, f"generation failed: {error}", type="server_error"))
 
@@ -227,6 +258,8 @@ def make_app(server: Any) -> tornado.web.Application:
         (r"/v1/chat/completions", ChatCompletionsHandler, {"server": server}),
     ]
     return tornado.web.Application(
-        handlers, default_handler_class=NotFoundHandler, default_handler_args={"server": server},
+        handlers,
+        default_handler_class=NotFoundHandler,
+        default_handler_args={"server": server},
         log_function=lambda handler: None,
     )

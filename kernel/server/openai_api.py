@@ -17,12 +17,32 @@ from dataclasses import dataclass
 from typing import Any
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-HANDLED = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
-           "stream", "stream_options", "user"}
+HANDLED = {
+    "model",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "user",
+}
 HARMLESS_DEFAULTS = {
-    "n": (1,), "logprobs": (False,), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
-    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "logit_bias": ({},), "parallel_tool_calls": (False, True),
-    "response_format": ({"type": "text"},), "store": (False,), "metadata": ({},),
+    "n": (1,),
+    "logprobs": (False,),
+    "frequency_penalty": (0, 0.0),
+    "presence_penalty": (0, 0.0),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "logit_bias": ({},),
+    "parallel_tool_calls": (False, True),
+    "response_format": ({"type": "text"},),
+    "store": (False,),
+    "metadata": ({},),
 }
 """Fields accepted only at a value that asks for nothing (``None`` always passes)."""
 MAX_STOP_STRINGS = 4
@@ -33,8 +53,15 @@ FINISH_REASONS = {"stop": "stop", "length": "length", "interrupted": "length"}
 class ApiError(Exception):
     """A request the server refuses, with its HTTP status and an OpenAI-style error body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error", headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.param, self.code, self.type = status, param, code, type
         self.headers = headers or {}
@@ -72,10 +99,16 @@ def parse_request(raw: bytes) -> CompletionRequest:
     if options and not stream:
         raise ApiError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
     if set(options) - {"include_usage"}:
-        raise ApiError(400, f"unsupported stream_options {sorted(set(options) - {'include_usage'})}", param="stream_options")
+        raise ApiError(
+            400, f"unsupported stream_options {sorted(set(options) - {'include_usage'})}", param="stream_options"
+        )
     return CompletionRequest(
-        model=model, messages=parse_messages(body.get("messages")), settings=parse_settings(body),
-        stop=parse_stop(body.get("stop")), stream=stream, include_usage=bool(options.get("include_usage")),
+        model=model,
+        messages=parse_messages(body.get("messages")),
+        settings=parse_settings(body),
+        stop=parse_stop(body.get("stop")),
+        stream=stream,
+        include_usage=bool(options.get("include_usage")),
     )
 
 
@@ -86,7 +119,9 @@ def check_fields(body: dict[str, Any]) -> None:
         if key not in HARMLESS_DEFAULTS:
             raise ApiError(400, f"unsupported field '{key}': this server does not implement it", param=key)
         if value not in HARMLESS_DEFAULTS[key]:
-            raise ApiError(400, f"unsupported value for '{key}': only {HARMLESS_DEFAULTS[key][0]!r} is implemented", param=key)
+            raise ApiError(
+                400, f"unsupported value for '{key}': only {HARMLESS_DEFAULTS[key][0]!r} is implemented", param=key
+            )
 
 
 def parse_messages(messages: Any) -> list[dict[str, str]]:
@@ -103,7 +138,9 @@ def parse_message(message: Any, i: int) -> dict[str, str]:
         raise ApiError(400, f"{param} must be an object with only 'role' and 'content'", param=param)
     role = message.get("role")
     if role not in ROLES:
-        raise ApiError(400, f"{param}.role {role!r} is not supported; use one of {sorted(ROLES)}", param=f"{param}.role")
+        raise ApiError(
+            400, f"{param}.role {role!r} is not supported; use one of {sorted(ROLES)}", param=f"{param}.role"
+        )
     content = message.get("content")
     if isinstance(content, list):
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
@@ -147,7 +184,9 @@ def parse_settings(body: dict[str, Any]) -> dict[str, Any]:
 def parse_stop(stop: Any) -> list[str]:
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOP_STRINGS:
-        raise ApiError(400, f"'stop' must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them", param="stop")
+        raise ApiError(
+            400, f"'stop' must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them", param="stop"
+        )
     return stops
 
 
@@ -182,25 +221,43 @@ def usage_body(response: Any) -> dict[str, int]:
 def completion_body(completion_id: str, model: str, response: Any) -> dict[str, Any]:
     message = {"role": "assistant", "content": response.text}
     return {
-        "id": completion_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": FINISH_REASONS[response.finish_reason], "logprobs": None}],
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {"index": 0, "message": message, "finish_reason": FINISH_REASONS[response.finish_reason], "logprobs": None}
+        ],
         "usage": usage_body(response),
     }
 
 
-def chunk_body(completion_id: str, model: str, delta: dict[str, str] | None, finish_reason: str | None = None,
-               usage: dict[str, int] | None = None, include_usage: bool = False) -> dict[str, Any]:
+def chunk_body(
+    completion_id: str,
+    model: str,
+    delta: dict[str, str] | None,
+    finish_reason: str | None = None,
+    usage: dict[str, int] | None = None,
+    include_usage: bool = False,
+) -> dict[str, Any]:
     """One streamed chunk; ``delta=None`` makes the usage chunk (no choices) that ends a stream with include_usage."""
     choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
-    chunk = {"id": completion_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-             "choices": choices}
+    chunk = {
+        "id": completion_id,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+    }
     if include_usage:
         chunk["usage"] = usage
     return chunk
 
 
 def models_body(model_id: str | None, created: int) -> dict[str, Any]:
-    data = [] if model_id is None else [{"id": model_id, "object": "model", "created": created, "owned_by": "shardbook"}]
+    data = (
+        [] if model_id is None else [{"id": model_id, "object": "model", "created": created, "owned_by": "shardbook"}]
+    )
     return {"object": "list", "data": data}
 
 

@@ -121,11 +121,19 @@ class Server:
         """The loaded model if ``requested`` names it; ApiError 503 (none loaded) or 404 (another name)."""
         model_id = self.model_id()
         if model_id is None:
-            raise ApiError(503, "no model is loaded yet: load one (%load_sharded) and retry", type="server_error",
-                           code="model_not_loaded")
+            raise ApiError(
+                503,
+                "no model is loaded yet: load one (%load_sharded) and retry",
+                type="server_error",
+                code="model_not_loaded",
+            )
         if requested not in (model_id, self.runtime.ctx0.state["config"].model.model_name_or_path):
-            raise ApiError(404, f"the model '{requested}' does not exist here; this server serves '{model_id}'",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"the model '{requested}' does not exist here; this server serves '{model_id}'",
+                param="model",
+                code="model_not_found",
+            )
         return self.runtime.ctx0.state["loaded"]
 
     def status_text(self) -> str:
@@ -138,9 +146,11 @@ class Server:
         )
 
     # --- lifecycle -----------------------------------------------------------------------
-    def start(self) -> "Server":
+    def start(self) -> Server:
         ready = threading.Event()
-        self._thread = threading.Thread(target=asyncio.run, args=(self._serve(ready),), name="shardbook-serve", daemon=True)
+        self._thread = threading.Thread(
+            target=asyncio.run, args=(self._serve(ready),), name="shardbook-serve", daemon=True
+        )
         self._thread.start()
         if not ready.wait(START_TIMEOUT_S):
             raise RuntimeError(f"the HTTP server did not start within {START_TIMEOUT_S:.0f} s")

@@ -57,7 +57,9 @@ class WidgetChatView:
     def _settle(self, status: str) -> None:
         """Replace the live widgets, in place, by the reply as markdown and the status as HTML; close the widgets."""
         self._reply_display.update({"text/markdown": self.text, "text/plain": self.text}, raw=True)
-        self._status_display.update({"text/html": f"<small>{html.escape(status)}</small>", "text/plain": f"[{status}]"}, raw=True)
+        self._status_display.update(
+            {"text/html": f"<small>{html.escape(status)}</small>", "text/plain": f"[{status}]"}, raw=True
+        )
         self.reply.close()
         self.status.close()
 
@@ -78,7 +80,7 @@ class TextChatView:
 
     def _write_pending(self) -> None:
         if self._written < len(self.text):
-            self.stream.write(self.text[self._written:])
+            self.stream.write(self.text[self._written :])
             self.stream.flush()
             self._written = len(self.text)
         self._last_write = time.monotonic()
@@ -112,10 +114,14 @@ class ScoresView:
 
     def _span(self, step: dict) -> str:
         others = [a for a in step["alternatives"] if a["token_id"] != step["token_id"]][:4]
-        tip = "\n".join([f"{self._label(step)!r} {step['prob']:.3f}"] + [f"{a['text']!r} {a['prob']:.3f}" for a in others])
+        tip = "\n".join(
+            [f"{self._label(step)!r} {step['prob']:.3f}"] + [f"{a['text']!r} {a['prob']:.3f}" for a in others]
+        )
         hue = round(120 * step["prob"])  # red (unsure) to green (sure)
-        return (f"<span title='{html.escape(tip, quote=True)}' style='background: hsl({hue}, 70%, 80%); "
-                f"white-space: pre-wrap; color: black'>{html.escape(self._label(step))}</span>")
+        return (
+            f"<span title='{html.escape(tip, quote=True)}' style='background: hsl({hue}, 70%, 80%); "
+            f"white-space: pre-wrap; color: black'>{html.escape(self._label(step))}</span>"
+        )
 
     def _repr_html_(self) -> str:
         legend = "<small>colour: probability of each token (red low, green high); hover for the alternatives</small>"

@@ -27,7 +27,15 @@ def memory_text(memory: dict[str, int]) -> str:
 
 def cells(row: dict[str, Any]) -> list[str]:
     state = row["state"] + (f" ({row['dead_reason']})" if row.get("dead_reason") else "")
-    return [str(row["rank"]), str(row["host"]), str(row["pid"]), str(row["device"]), str(row["backend"]), state, memory_text(row["memory"])]
+    return [
+        str(row["rank"]),
+        str(row["host"]),
+        str(row["pid"]),
+        str(row["device"]),
+        str(row["backend"]),
+        state,
+        memory_text(row["memory"]),
+    ]
 
 
 def dist_text(rows: list[dict[str, Any]]) -> str:

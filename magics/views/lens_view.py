@@ -31,9 +31,15 @@ class LensTable:
 
 def lens_table(lens: Any, input_tokens: list[str]) -> LensTable:
     rows = [
-        {"layer": layer, "position": pos, "input": input_tokens[pos],
-         "top_tokens": lens.tokens[i][pos], "top_probs": [round(p, 4) for p in lens.probs[i, pos].tolist()]}
-        for i, layer in enumerate(lens.layers) for pos in range(len(input_tokens))
+        {
+            "layer": layer,
+            "position": pos,
+            "input": input_tokens[pos],
+            "top_tokens": lens.tokens[i][pos],
+            "top_probs": [round(p, 4) for p in lens.probs[i, pos].tolist()],
+        }
+        for i, layer in enumerate(lens.layers)
+        for pos in range(len(input_tokens))
     ]
     return LensTable(rows, lens)
 

@@ -40,7 +40,9 @@ def summary_table(summary: dict[str, Any]) -> Table:
     ]
     for rank, local in enumerate(summary["local_param_bytes"]):
         device = summary["device_bytes"][rank]
-        memory = f"rss {format_bytes(summary['rss_bytes'][rank])}" + (f", device {format_bytes(device)}" if device is not None else "")
+        memory = f"rss {format_bytes(summary['rss_bytes'][rank])}" + (
+            f", device {format_bytes(device)}" if device is not None else ""
+        )
         facts.append([f"rank {rank}", f"local params {format_bytes(local)}; {memory}"])
     return Table(["", "loaded " + summary["model_path"]], facts)
 

@@ -37,8 +37,12 @@ def handle_generate(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[
 
     streams = args.get("stream_rank", 0) == ctx.world.rank
     result = generate(
-        loaded.model, loaded.tokenizer, request,
-        device=next(loaded.model.parameters()).device, on_text=on_text if streams else None, stop_event=ctx.stop_event,
+        loaded.model,
+        loaded.tokenizer,
+        request,
+        device=next(loaded.model.parameters()).device,
+        on_text=on_text if streams else None,
+        stop_event=ctx.stop_event,
     )
     raise_failures(loaded.model)  # an intervention that raised during this reply fails it on that rank
     return {"status": "ok", "value": result.to_dict()}

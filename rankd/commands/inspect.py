@@ -104,7 +104,11 @@ def handle_share(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[str
 def describe_shareable(value: Any, name: str) -> dict[str, dict[str, Any]]:
     """`share`'s entries for `value` (rank 0 calls it before sending): key -> shape and dtype; "" for one tensor."""
     items = {"": value} if isinstance(value, torch.Tensor) else dict(value) if isinstance(value, Mapping) else None
-    if items is None or not all(isinstance(t, torch.Tensor) for t in items.values()) or not all(isinstance(k, str) for k in items):
+    if (
+        items is None
+        or not all(isinstance(t, torch.Tensor) for t in items.values())
+        or not all(isinstance(k, str) for k in items)
+    ):
         raise ValueError(f"{name} is a {type(value).__name__}; share needs {SHAREABLE}")
     return {k: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for k, t in items.items()}
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardbook.rankd.config.parsing import config_from_dict
 from shardbook.rankd.control import protocol
 from shardbook.rankd.control.capture import Sink
-from shardbook.rankd.config.parsing import config_from_dict
 from shardbook.rankd.control.dispatch import RankContext, handler
 from shardbook.rankd.control.world import load_device
 

@@ -40,8 +40,20 @@ MINDSPEED_SECTIONS = frozenset(
 
 MINDSPEED_KEYS = {
     "model": frozenset({"model_id", "train_from_scratch", "init_model_with_meta_device", "tokenizer_name_or_path"}),
-    "parallel": frozenset({"fsdp_modules", "tp_size", "ep_modules", "ep_fsdp_modules", "ep_dispatcher", "recompute",
-                           "recompute_modules", "reduce_dtype", "cp_size", "cp_type"}),
+    "parallel": frozenset(
+        {
+            "fsdp_modules",
+            "tp_size",
+            "ep_modules",
+            "ep_fsdp_modules",
+            "ep_dispatcher",
+            "recompute",
+            "recompute_modules",
+            "reduce_dtype",
+            "cp_size",
+            "cp_type",
+        }
+    ),
 }
 
 

@@ -21,13 +21,24 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DECODE_LAYOUTS = ("auto", "tp", "gather", "reshard")
 INFER_BACKENDS = ("huggingface",)
 BOOL_WORDS = {
-    "true": True, "yes": True, "on": True, "1": True,
-    "false": False, "no": False, "off": False, "0": False,
+    "true": True,
+    "yes": True,
+    "on": True,
+    "1": True,
+    "false": False,
+    "no": False,
+    "off": False,
+    "0": False,
 }
 NONE_WORDS = ("none", "null")
 # Spellings difflib would get wrong ("gpu" is closest to "cpu") or miss.
 SUGGESTIONS = {
-    "gpu": "cuda", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "hf": "huggingface"
+    "gpu": "cuda",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "hf": "huggingface",
 }
 
 
@@ -106,7 +117,8 @@ def decode_from_reshard_flag(decode: str, reshard_after_forward: bool | None) ->
     if decode == "auto":
         logger.warning(
             "parallel.reshard_after_forward=%s: using parallel.decode %s (the layout it names)",
-            yaml_text(reshard_after_forward), implied,
+            yaml_text(reshard_after_forward),
+            implied,
         )
     return implied
 

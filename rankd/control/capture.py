@@ -16,7 +16,8 @@ import io
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from IPython.core.displayhook import DisplayHook
 from IPython.core.displaypub import DisplayPublisher
@@ -167,11 +168,15 @@ class CellCapture:
         """Replaces the shell's ``_showtraceback``: the error becomes a message, not terminal text."""
         self.flush()
         self.failed = True
-        self.error = {"ename": getattr(etype, "__name__", str(etype)), "evalue": exception_text(evalue), "traceback": list(stb)}
+        self.error = {
+            "ename": getattr(etype, "__name__", str(etype)),
+            "evalue": exception_text(evalue),
+            "traceback": list(stb),
+        }
         self.sink(protocol.ERROR, self.error)
 
     @contextlib.contextmanager
-    def installed(self) -> Iterator["CellCapture"]:
+    def installed(self) -> Iterator[CellCapture]:
         """Swap the shell's output machinery for this capture, restoring it afterwards."""
         shell = self.shell
         hook = SinkDisplayHook(shell, self.sink, self.flush)
@@ -201,7 +206,14 @@ def exception_text(exc: BaseException) -> str:
         return f"(the {type(exc).__name__}'s message could not be shown: its __str__ raised {type(e).__name__})"
 
 
-def run_cell(shell, code: str, sink: Sink, *, store_history: bool, on_capture: Callable[[CellCapture | None], None] = lambda c: None) -> dict[str, Any]:
+def run_cell(
+    shell,
+    code: str,
+    sink: Sink,
+    *,
+    store_history: bool,
+    on_capture: Callable[[CellCapture | None], None] = lambda c: None,
+) -> dict[str, Any]:
     """Run ``code`` in ``shell`` with all output going to ``sink``; returns ``{"status": ...}``.
 
     ``on_capture`` receives the live capture (and ``None`` at the end) so the caller's periodic

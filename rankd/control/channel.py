@@ -19,7 +19,8 @@ import logging
 import sys
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -89,7 +90,10 @@ class DropLog:
         if self._suppressed:
             log.warning(
                 "control plane: dropped %d more bad messages in the last %.0f s (warnings are limited to %d per %.0f s)",
-                self._suppressed, now - self._window_start, self.burst, self.window_s,
+                self._suppressed,
+                now - self._window_start,
+                self.burst,
+                self.window_s,
             )
         self._window_start, self._logged, self._suppressed = now, 0, 0
 
@@ -137,7 +141,7 @@ class Channel:
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
-    def start(self) -> "Channel":
+    def start(self) -> Channel:
         self._thread.start()
         return self
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import logging
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from shardbook.rankd.control import protocol
 from shardbook.rankd.control.capture import CellCapture, Sink, exception_text, run_cell

@@ -13,7 +13,7 @@ connect to it), and publishes both in the torch.distributed store next to the co
 from __future__ import annotations
 
 import threading
-from typing import Iterable
+from collections.abc import Iterable
 
 import zmq
 
@@ -52,7 +52,7 @@ class Echo:
         self._device_end.connect(address)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
-    def start(self) -> "Echo":
+    def start(self) -> Echo:
         self._thread.start()
         return self
 

@@ -77,10 +77,17 @@ def unsendable(msg_type: str, content: dict[str, Any], error: Exception) -> tupl
     """
     why = f"{type(error).__name__} while serialising it: {error}"
     if msg_type == DONE:
-        error_payload = {"ename": "UnsendableReply", "evalue": f"the rank's reply could not be sent ({why})", "traceback": []}
+        error_payload = {
+            "ename": "UnsendableReply",
+            "evalue": f"the rank's reply could not be sent ({why})",
+            "traceback": [],
+        }
         payload: dict[str, Any] = {"status": "error", "error": error_payload}
     else:
-        msg_type, payload = STREAM, {"name": "stderr", "text": f"[shardbook] a {msg_type!r} output was dropped ({why})\n"}
+        msg_type, payload = (
+            STREAM,
+            {"name": "stderr", "text": f"[shardbook] a {msg_type!r} output was dropped ({why})\n"},
+        )
     return msg_type, envelope(payload, id=str(content.get("id", "")), rank=int(content.get("rank", 0)))
 
 
@@ -94,7 +101,7 @@ class Message:
     payload: dict[str, Any]
 
     @classmethod
-    def from_session_msg(cls, msg: dict[str, Any]) -> "Message":
+    def from_session_msg(cls, msg: dict[str, Any]) -> Message:
         """The message in a verified Session dict; ProtocolError for any other shape (never KeyError...)."""
         content = msg.get("content")
         header = msg.get("header")
@@ -110,7 +117,9 @@ class Message:
             )
         id_, rank, payload = content.get("id", ""), content.get("rank", 0), content.get("payload") or {}
         if not isinstance(id_, str) or type(rank) is not int or not isinstance(payload, dict):
-            raise ProtocolError("an envelope field of the wrong type (id must be text, rank an integer, payload a mapping)")
+            raise ProtocolError(
+                "an envelope field of the wrong type (id must be text, rank an integer, payload a mapping)"
+            )
         return cls(type=msg_type, id=id_, rank=rank, payload=payload)
 
 
@@ -164,7 +173,9 @@ def read_key_file(path: str | os.PathLike) -> bytes:
     try:
         key = Path(path).read_text().strip()
     except OSError as e:
-        raise ValueError(f"cannot read the control-plane key file {path}: {e.strerror}; copy it from the kernel's node") from e
+        raise ValueError(
+            f"cannot read the control-plane key file {path}: {e.strerror}; copy it from the kernel's node"
+        ) from e
     if not key:
         raise ValueError(f"the key file {path} is empty; run `shardbook install` with --key-file to create one")
     return key.encode()

@@ -11,8 +11,9 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class JobShape:
         return self.world_size == self.local_world_size
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "JobShape":
+    def from_env(cls, env: dict[str, str] | None = None) -> JobShape:
         env = os.environ if env is None else env
         if "RANK" not in env or "WORLD_SIZE" not in env:
             return cls()
@@ -64,7 +65,7 @@ class DeviceProbe:
     cuda_count: Callable[[], int]
 
     @classmethod
-    def real(cls) -> "DeviceProbe":
+    def real(cls) -> DeviceProbe:
         return cls(npu_count=_npu_device_count, cuda_count=_cuda_device_count)
 
 
@@ -201,7 +202,9 @@ def wait_for_every_rank(store: Any, world_size: int) -> None:
             raise RuntimeError(text)
         time.sleep(0.02)
     if store.check([STARTUP_FAILED_KEY]):
-        raise StartupAbandoned(f"arrived too late: another rank already gave up ({store.get(STARTUP_FAILED_KEY).decode()})")
+        raise StartupAbandoned(
+            f"arrived too late: another rank already gave up ({store.get(STARTUP_FAILED_KEY).decode()})"
+        )
 
 
 def init_world(requested_device: str | None = None, shape: JobShape | None = None) -> World:
@@ -221,7 +224,9 @@ def init_world(requested_device: str | None = None, shape: JobShape | None = Non
         if shape.under_torchrun:
             store, rank, world_size = next(dist.rendezvous("env://"))
             wait_for_every_rank(store, world_size)
-            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=process_group_timeout())
+            dist.init_process_group(
+                backend=backend, store=store, rank=rank, world_size=world_size, timeout=process_group_timeout()
+            )
         else:
             dist.init_process_group(
                 backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=process_group_timeout()

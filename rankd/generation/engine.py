@@ -24,18 +24,19 @@ import queue
 import secrets
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-from shardbook.rankd.control.agreement import agree
 from shardbook.rankd.config.schema import InferenceConfig
-from shardbook.rankd.generation.streaming import StopTextFilter, TextDeltaStreamer, find_stop
+from shardbook.rankd.control.agreement import agree
 from shardbook.rankd.control.text import check_valid
 from shardbook.rankd.control.world import set_current_device
+from shardbook.rankd.generation.streaming import StopTextFilter, TextDeltaStreamer, find_stop
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +87,12 @@ class GenerationRequest:
         _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.seed is not None:
             _check(0 <= self.seed < 2**63, f"seed must be in [0, 2**63), got {self.seed}")
-        _check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
-               f"stop must be a list of non-empty strings, got {self.stop!r}")
+        _check(
+            isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
+            f"stop must be a list of non-empty strings, got {self.stop!r}",
+        )
 
-    def with_seed(self) -> "GenerationRequest":
+    def with_seed(self) -> GenerationRequest:
         """This request with a random seed filled in if it has none (rank 0 calls this before sending)."""
         return self if self.seed is not None else replace(self, seed=secrets.randbits(63))
 
@@ -97,7 +100,7 @@ class GenerationRequest:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "GenerationRequest":
+    def from_dict(cls, data: dict[str, Any]) -> GenerationRequest:
         valid = [f.name for f in fields(cls)]
         unknown = sorted(set(data) - set(valid))
         _check(not unknown, f"unknown generation request keys {unknown}; valid keys are {valid}")
@@ -264,7 +267,11 @@ def fit_max_new_tokens(model: Any, num_prompt_tokens: int, max_new_tokens: int) 
     if max_new_tokens > room:
         log.warning(
             "rank %d: max_new_tokens=%d does not fit the context (%d tokens, %d in the prompt); generating at most %d",
-            _rank(), max_new_tokens, context, num_prompt_tokens, room,
+            _rank(),
+            max_new_tokens,
+            context,
+            num_prompt_tokens,
+            room,
         )
         return room
     return max_new_tokens
@@ -454,7 +461,11 @@ def _world_size() -> int:
 def _check_messages(messages: Any) -> None:
     _check(isinstance(messages, list) and messages, "messages must be a non-empty list of {role, content} dicts")
     for i, message in enumerate(messages):
-        ok = isinstance(message, dict) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str)
+        ok = (
+            isinstance(message, dict)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+        )
         _check(ok, f"messages[{i}] must be a dict with string 'role' and 'content', got {message!r}")
         check_valid(message["content"], f"messages[{i}] ({message['role']!r})")
         check_valid(message["role"], f"messages[{i}]'s role")

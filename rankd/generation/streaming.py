@@ -8,7 +8,8 @@ hands on is whole text and the chunks concatenate to the decoded reply.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers.generation.streamers import BaseStreamer
@@ -116,10 +117,12 @@ class StopTextFilter:
 
     def _held_back(self) -> int:
         """Length of the longest end of the text that begins some stop string."""
-        return max((n for s in self.stops for n in range(min(len(s) - 1, len(self.text)), 0, -1)
-                    if self.text.endswith(s[:n])), default=0)
+        return max(
+            (n for s in self.stops for n in range(min(len(s) - 1, len(self.text)), 0, -1) if self.text.endswith(s[:n])),
+            default=0,
+        )
 
     def _send_up_to(self, end: int) -> None:
         if end > self.num_sent:
-            self.sink(self.text[self.num_sent:end])
+            self.sink(self.text[self.num_sent : end])
             self.num_sent = end

@@ -17,8 +17,9 @@ then fails on that rank naming the function, the module and the cause.
 from __future__ import annotations
 
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,7 +66,9 @@ def add(model: nn.Module, namespace: dict[str, Any], name: str, modules: list[st
         split = activation_split(model, module_name, on_input)
         module = model.get_submodule(module_name)
         if on_input:
-            iv.handles.append(module.register_forward_pre_hook(_input_hook(iv, fn, module_name, split), with_kwargs=True))
+            iv.handles.append(
+                module.register_forward_pre_hook(_input_hook(iv, fn, module_name, split), with_kwargs=True)
+            )
         else:
             iv.handles.append(module.register_forward_hook(_output_hook(iv, fn, module_name, split)))
     registry(model)[name] = iv
@@ -111,7 +114,9 @@ def _agree(problem: str | None, model: nn.Module) -> None:
     if problem is not None:
         raise ValueError(problem)
     if failed.item():
-        raise ValueError(f"not registered on rank {dist.get_rank()}: another rank could not register it (see its error)")
+        raise ValueError(
+            f"not registered on rank {dist.get_rank()}: another rank could not register it (see its error)"
+        )
 
 
 def _call(iv: Intervention, fn: Callable, module_name: str, whole: torch.Tensor) -> torch.Tensor:
@@ -136,7 +141,9 @@ def _call(iv: Intervention, fn: Callable, module_name: str, whole: torch.Tensor)
         return whole
 
 
-def _whole_then_back(iv: Intervention, fn: Callable, module_name: str, split: FeatureSplit | None, local: torch.Tensor) -> torch.Tensor:
+def _whole_then_back(
+    iv: Intervention, fn: Callable, module_name: str, split: FeatureSplit | None, local: torch.Tensor
+) -> torch.Tensor:
     if split is None:
         return _call(iv, fn, module_name, local)
     whole = all_gather_whole(local, split)  # on every rank, failed or not: the group stays in step

@@ -32,8 +32,17 @@ class Trace(Mapping):
     dicts, and a trace must reach the user as it is.
     """
 
-    def __init__(self, captures: dict[str, torch.Tensor], *, token_ids: list[int], tokens: list[str], logits: torch.Tensor,
-                 inputs: bool, lens: "Lens | None" = None, stats: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        captures: dict[str, torch.Tensor],
+        *,
+        token_ids: list[int],
+        tokens: list[str],
+        logits: torch.Tensor,
+        inputs: bool,
+        lens: Lens | None = None,
+        stats: dict[str, Any] | None = None,
+    ):
         self.captures = captures
         self.token_ids, self.tokens, self.logits, self.inputs = token_ids, tokens, logits, inputs
         self.lens, self.stats = lens, stats or {}
@@ -137,8 +146,13 @@ def trace(model: nn.Module, tokenizer: Any, args: dict[str, Any]) -> Trace | dic
     stats = {"forward_s": forward_s, "total_s": time.perf_counter() - started, "bytes_to_rank0": sent}
     token_ids = ids[0].tolist()
     return Trace(
-        {n: t.cpu() for n, t in wholes.items()}, token_ids=token_ids, tokens=[tokenizer.decode([i]) for i in token_ids],
-        logits=logits[0].float().cpu(), inputs=inputs, lens=_lens(tokenizer, names, lens_out), stats=stats,
+        {n: t.cpu() for n, t in wholes.items()},
+        token_ids=token_ids,
+        tokens=[tokenizer.decode([i]) for i in token_ids],
+        logits=logits[0].float().cpu(),
+        inputs=inputs,
+        lens=_lens(tokenizer, names, lens_out),
+        stats=stats,
     )
 
 
@@ -153,8 +167,9 @@ def prompt_ids(tokenizer: Any, prompt: str, chat: bool) -> torch.Tensor:
 
 def _capture_hook(module: nn.Module, name: str, inputs: bool, into: dict[str, torch.Tensor]):
     if inputs:
-        return module.register_forward_pre_hook(lambda m, a, kw: into.__setitem__(name, _input_of(a, kw).detach()),
-                                                with_kwargs=True)
+        return module.register_forward_pre_hook(
+            lambda m, a, kw: into.__setitem__(name, _input_of(a, kw).detach()), with_kwargs=True
+        )
     return module.register_forward_hook(lambda m, a, out: into.__setitem__(name, first_tensor(out).detach()))
 
 

@@ -45,7 +45,9 @@ class ExpertStack:
 
     def read(self, files: MappedFiles, selection: Selection, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The `selection` of the fused tensor, built from only the experts and rows it needs."""
-        experts = [e for piece in selection[0] for e in piece] if selection[0] is not None else range(len(self.parts[0]))
+        experts = (
+            [e for piece in selection[0] for e in piece] if selection[0] is not None else range(len(self.parts[0]))
+        )
         inner = selection[1:]
         return torch.stack([self._expert(files, e, inner, dtype, device) for e in experts])
 

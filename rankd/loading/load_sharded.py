@@ -31,11 +31,18 @@ import torch.distributed as dist
 from torch import nn
 
 from shardbook.rankd.loading.load_steps import LoadSteps
-from shardbook.rankd.parallel.expert_parallel import ExpertLayout, expert_layout_problem, init_expert_group, num_experts
-from shardbook.rankd.parallel.layout import apply_fsdp, choose_layout, fsdp_mesh_layout, gather_fits, init_mesh, reshard_model
-from shardbook.rankd.loading.weight_reading import plan_reads, read_shards, read_tp_slices
-from shardbook.rankd.parallel.tensor_parallel import shard_tp, tp_unavailable
 from shardbook.rankd.loading.summary import full_param_bytes, load_summary, rank_figures
+from shardbook.rankd.loading.weight_reading import plan_reads, read_shards, read_tp_slices
+from shardbook.rankd.parallel.expert_parallel import ExpertLayout, expert_layout_problem, init_expert_group, num_experts
+from shardbook.rankd.parallel.layout import (
+    apply_fsdp,
+    choose_layout,
+    fsdp_mesh_layout,
+    gather_fits,
+    init_mesh,
+    reshard_model,
+)
+from shardbook.rankd.parallel.tensor_parallel import shard_tp, tp_unavailable
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +50,8 @@ Progress = Callable[[str, int, int], None]
 """`progress(step, done, total)`; steps in order: config, skeleton, shard, read, finalise."""
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 @dataclass
 class LoadedModel:
     """What `load_sharded` returns on every rank."""
@@ -116,8 +125,12 @@ def gc_paused() -> Iterator[None]:
 
 
 def _load(
-    config: Any, device: torch.device, model_path: str | Path | None, report: "_Reporter", stop: threading.Event | None,
-    checkpoint: "_Checkpoint | None",
+    config: Any,
+    device: torch.device,
+    model_path: str | Path | None,
+    report: _Reporter,
+    stop: threading.Event | None,
+    checkpoint: _Checkpoint | None,
 ) -> LoadedModel:
     """The steps of `load_sharded`, in order, settled with every rank after the skeleton and after the read."""
     started = time.perf_counter()
@@ -143,13 +156,19 @@ def _load(
         report("finalise", 1, 1)
     every = steps.settle(rank_figures(model, device, time.perf_counter() - started) if steps.ok else None)
     summary = load_summary(
-        model, every, architecture=architecture, path=str(ckpt.path), mesh=mesh, device=device,
-        decode=layout, decode_reason=reason,
+        model,
+        every,
+        architecture=architecture,
+        path=str(ckpt.path),
+        mesh=mesh,
+        device=device,
+        decode=layout,
+        decode_reason=reason,
     )
     return LoadedModel(model=model, tokenizer=ckpt.tokenizer, summary=summary)
 
 
-def _decide_layout(parallel: Any, ckpt: "_Checkpoint", views: list) -> tuple[str, str, tuple[int, int]]:
+def _decide_layout(parallel: Any, ckpt: _Checkpoint, views: list) -> tuple[str, str, tuple[int, int]]:
     """The forward layout, why, and (ep_size, ep_fsdp_size): the same on every rank (no collective).
 
     Expert parallelism (ep_size x ep_fsdp_size > 1) runs in `tp`, so it makes `auto` mean `tp`.
@@ -161,12 +180,14 @@ def _decide_layout(parallel: Any, ckpt: "_Checkpoint", views: list) -> tuple[str
     requested = "tp" if parallel.decode == "auto" and experts_on else parallel.decode
     layout, reason = choose_layout(requested, views, tp_reason)
     if requested != parallel.decode:
-        reason = f"parallel.ep_size x ep_fsdp_size = {ep_sizes[0] * ep_sizes[1]}: expert parallelism runs in the tp layout"
+        reason = (
+            f"parallel.ep_size x ep_fsdp_size = {ep_sizes[0] * ep_sizes[1]}: expert parallelism runs in the tp layout"
+        )
     return layout, reason, ep_sizes
 
 
 def _shard_and_read_tp(
-    steps: LoadSteps, report: "_Reporter", model: nn.Module, mesh, ckpt: "_Checkpoint", device, ep_sizes
+    steps: LoadSteps, report: _Reporter, model: nn.Module, mesh, ckpt: _Checkpoint, device, ep_sizes
 ) -> str:
     """The `tp` layout's shard and read steps: slice the layers, then read each rank's pieces of every weight.
 

@@ -30,8 +30,10 @@ STEP_WORDS = {
     "plan": ("match the checkpoint's tensors to the model", "check the checkpoint is complete"),
     "read": (
         "read its slices of the checkpoint",
-        "check the safetensors files are complete and readable on every node, and that each rank's shards fit "
-        "in its memory (free_model, or more ranks)",
+        (
+            "check the safetensors files are complete and readable on every node, and that each rank's shards fit "
+            "in its memory (free_model, or more ranks)"
+        ),
     ),
     "finalise": ("finish the model (buffers, tied weights)", "report this with the model's architecture"),
 }

@@ -24,11 +24,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardbook.rankd.parallel import layout
-from shardbook.rankd.loading.load_steps import LoadSteps
 from shardbook.rankd.loading.load_sharded import build_skeleton, gc_paused, read_checkpoint
-from shardbook.rankd.loading.weight_reading import plan_reads
+from shardbook.rankd.loading.load_steps import LoadSteps
 from shardbook.rankd.loading.summary import full_param_bytes
+from shardbook.rankd.loading.weight_reading import plan_reads
+from shardbook.rankd.parallel import layout
 
 
 @dataclass(frozen=True)

@@ -15,16 +15,22 @@ from typing import Any
 
 import torch
 
-from shardbook.rankd.parallel import layout
 from shardbook.rankd.loading.load_sharded import LoadedModel, Progress, free_model, load_sharded
 from shardbook.rankd.loading.preflight import CheckedCheckpoint, check_checkpoint
+from shardbook.rankd.parallel import layout
 
 Notice = Callable[[str], None]
 """Shows one line to the user; `replace_model` calls it on rank 0 only."""
 
 
 def replace_model(
-    ctx: Any, config: Any, *, device: torch.device | str, model_path: str | Path | None, progress: Progress, notice: Notice
+    ctx: Any,
+    config: Any,
+    *,
+    device: torch.device | str,
+    model_path: str | Path | None,
+    progress: Progress,
+    notice: Notice,
 ) -> LoadedModel:
     """Load `config`'s model in place of the one in `ctx.state["loaded"]` (and `model`, `tokenizer` in the shell)."""
     device = torch.device(device)
@@ -38,7 +44,11 @@ def replace_model(
             _free_first(ctx, kept, checked, device, notice if speaks else None)
             kept = None
         loaded = load_sharded(
-            config, device=device, model_path=model_path, progress=progress, stop=ctx.stop_event,
+            config,
+            device=device,
+            model_path=model_path,
+            progress=progress,
+            stop=ctx.stop_event,
             checkpoint=checked.checkpoint,
         )
     except BaseException:

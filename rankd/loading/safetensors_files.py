@@ -124,9 +124,7 @@ def _stored(file: Path, name: str, entry: dict, data_start: int, size: int) -> S
 
 
 def _damaged(file: Path, why: str) -> ValueError:
-    return ValueError(
-        f"{file} is not a complete safetensors file: {why}; copy or download the checkpoint again"
-    )
+    return ValueError(f"{file} is not a complete safetensors file: {why}; copy or download the checkpoint again")
 
 
 class MappedFiles:

@@ -14,8 +14,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from shardbook.rankd.parallel.tp_modules import global_numel
 from shardbook.rankd.control.world import memory_in_use
+from shardbook.rankd.parallel.tp_modules import global_numel
 
 
 def local_param_bytes(model: nn.Module) -> int:

@@ -28,8 +28,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardbook.rankd.loading.checkpoint_names import ExpertStack, Selection, checkpoint_sources, select
-from shardbook.rankd.parallel.layout import chunk_rows
 from shardbook.rankd.loading.safetensors_files import MappedFiles, StoredTensor, read_index
+from shardbook.rankd.parallel.layout import chunk_rows
 from shardbook.rankd.parallel.tp_modules import TPShard
 
 PROGRESS_STEPS = 50

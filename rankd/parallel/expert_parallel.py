@@ -43,7 +43,7 @@ class ExpertLayout:
     efsdp: int
 
     @classmethod
-    def of(cls, parts: int, ep_size: int, ep_fsdp_size: int) -> "ExpertLayout":
+    def of(cls, parts: int, ep_size: int, ep_fsdp_size: int) -> ExpertLayout:
         if ep_size == ep_fsdp_size == 1:
             return cls(parts, 1, parts)
         return cls(parts, ep_size, ep_fsdp_size)
@@ -86,7 +86,9 @@ def expert_layout_problem(hf_config, parts: int, ep_size: int, ep_fsdp_size: int
             f"that divides {experts}"
         )
     if moe_intermediate(config) < layout.efsdp:
-        return f"ep_fsdp_size {layout.efsdp} is more than the experts' {moe_intermediate(config)} rows: pick a smaller one"
+        return (
+            f"ep_fsdp_size {layout.efsdp} is more than the experts' {moe_intermediate(config)} rows: pick a smaller one"
+        )
     return None
 
 
@@ -160,7 +162,9 @@ class ExpertParallel:
     tp_group: dist.ProcessGroup
     expert_start: int
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         local = top_k_index - self.expert_start
         out = torch.zeros_like(hidden_states)
         for expert in range(self.gate_up_proj.shape[0]):

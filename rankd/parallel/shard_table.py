@@ -9,15 +9,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from shardbook.rankd.parallel.layout import chunk_rows
 from shardbook.rankd.parallel.tp_modules import TPShard, tp_shard_of
 
 
-def local_shape(global_shape: tuple[int, ...], coordinate: list[int], mesh_shape: tuple[int, ...], placements) -> tuple[int, ...]:
+def local_shape(
+    global_shape: tuple[int, ...], coordinate: list[int], mesh_shape: tuple[int, ...], placements
+) -> tuple[int, ...]:
     """The shape a rank at ``coordinate`` of the mesh holds for a DTensor of ``global_shape``."""
     shape = list(global_shape)
     for axis, placement in enumerate(placements):
@@ -57,10 +59,19 @@ def _row(name: str, param: torch.Tensor) -> dict[str, Any]:
     if tp_shard is not None:
         return _tp_row(name, dtype, tp_shard)
     if not isinstance(param, DTensor):
-        return {"name": name, "shape": list(param.shape), "dtype": dtype, "placement": "local (not sharded)", "local": {}}
+        return {
+            "name": name,
+            "shape": list(param.shape),
+            "dtype": dtype,
+            "placement": "local (not sharded)",
+            "local": {},
+        }
     mesh = param.device_mesh
     coords = rank_coordinates(mesh)
-    local = {r: list(local_shape(tuple(param.shape), c, tuple(mesh.shape), param.placements)) for r, c in sorted(coords.items())}
+    local = {
+        r: list(local_shape(tuple(param.shape), c, tuple(mesh.shape), param.placements))
+        for r, c in sorted(coords.items())
+    }
     placement = ", ".join(str(p) for p in param.placements)
     return {"name": name, "shape": list(param.shape), "dtype": dtype, "placement": placement, "local": local}
 

@@ -18,16 +18,19 @@ columns of which global shape it holds, on every rank.
 
 from __future__ import annotations
 
-
-import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardbook.rankd.parallel.expert_parallel import ExpertLayout, apply_moe, moe_plan
 from shardbook.rankd.parallel.head_split import HeadShare, balanced_ranges, split_heads, split_mlp_rows
-from shardbook.rankd.parallel.tp_modules import TPShard, RowParallelLinear, VocabGatheredLinear, VocabParallelEmbedding, become
+from shardbook.rankd.parallel.tp_modules import (
+    RowParallelLinear,
+    TPShard,
+    VocabGatheredLinear,
+    VocabParallelEmbedding,
+    become,
+)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe")
 """Families whose decoder layers `plan_tp` knows: Llama (SmolLM2 too), Qwen2 (qkv bias), Qwen3 (q/k norm), and the

@@ -32,13 +32,17 @@ class TPShard:
     @property
     def split_dims(self) -> list[int]:
         """The dims some rank holds only part of."""
-        return sorted({dim for selection in self.selections for dim, ranges in enumerate(selection) if ranges is not None})
+        return sorted(
+            {dim for selection in self.selections for dim, ranges in enumerate(selection) if ranges is not None}
+        )
 
     @classmethod
-    def along(cls, shape: tuple[int, ...], dim: int, pieces) -> "TPShard":
+    def along(cls, shape: tuple[int, ...], dim: int, pieces) -> TPShard:
         """Each rank keeps its `pieces[r]` (ranges) of `dim` and all of every other dim."""
         whole = [None] * len(shape)
-        return cls(tuple(shape), tuple(tuple(ranges if d == dim else whole[d] for d in range(len(shape))) for ranges in pieces))
+        return cls(
+            tuple(shape), tuple(tuple(ranges if d == dim else whole[d] for d in range(len(shape))) for ranges in pieces)
+        )
 
     @property
     def dim(self) -> int:

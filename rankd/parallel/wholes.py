@@ -89,7 +89,7 @@ def join(parts: list[torch.Tensor], split: FeatureSplit, whole: tuple[int, ...])
     for part, pieces in zip(parts, split.shard.pieces):
         start = 0
         for piece in pieces:  # a KV head kept by two ranks is written twice, with the same values
-            out[..., piece.start:piece.stop] = part[..., start:start + len(piece)]
+            out[..., piece.start : piece.stop] = part[..., start : start + len(piece)]
             start += len(piece)
     return out.reshape(whole)
 
@@ -107,7 +107,7 @@ def local_part(whole: torch.Tensor, split: FeatureSplit) -> torch.Tensor:
     """This rank's piece of a whole tensor (the inverse of `join` for one rank)."""
     rank = dist.get_rank(split.group)
     flat = whole.flatten(-2) if split.per_head else whole
-    local = torch.cat([flat[..., p.start:p.stop] for p in split.shard.pieces[rank]], dim=-1)
+    local = torch.cat([flat[..., p.start : p.stop] for p in split.shard.pieces[rank]], dim=-1)
     return local.unflatten(-1, (-1, whole.shape[-1])) if split.per_head else local
 
 

@@ -34,8 +34,14 @@ ARTIFACTS = ROOT / "test-artifacts"
 SCREENSHOT = ROOT / "docs" / "screenshot.png"
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
 ]
 STORY = "%%chat --new --max-new-tokens 80\nWrite a short story about a robot."
 SERVER_START_S = 90
@@ -50,7 +56,9 @@ SMOLLM2 = demo_model_dir("smollm2-135m-instruct")
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(900),
-    pytest.mark.skipif(not is_built(SMOLLM2), reason=f"demo model not built at {SMOLLM2} (run `shardbook fetch smollm2-135m-instruct`)"),
+    pytest.mark.skipif(
+        not is_built(SMOLLM2), reason=f"demo model not built at {SMOLLM2} (run `shardbook fetch smollm2-135m-instruct`)"
+    ),
 ]
 
 
@@ -76,7 +84,10 @@ def write_settings(settings_dir: Path) -> None:
     """JupyterLab settings: every cell in the DOM (no windowing), no news or update checks."""
     settings = {
         "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
-        "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false", "checkForUpdates": False},
+        "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {
+            "fetchNews": "false",
+            "checkForUpdates": False,
+        },
     }
     for name, value in settings.items():
         path = settings_dir / name
@@ -116,7 +127,9 @@ def wait_for_server(url: str, proc: subprocess.Popen, log: Path) -> None:
 def stop_server(base: str, token: str, proc: subprocess.Popen) -> None:
     """Ask the server to shut down (it stops its kernels, and their ranks); force it only if it will not."""
     try:
-        request = urllib.request.Request(f"{base}/api/shutdown", method="POST", headers={"Authorization": f"token {token}"})
+        request = urllib.request.Request(
+            f"{base}/api/shutdown", method="POST", headers={"Authorization": f"token {token}"}
+        )
         urllib.request.urlopen(request, timeout=10).close()
         proc.wait(timeout=60)
     except (urllib.error.URLError, OSError, subprocess.TimeoutExpired):
@@ -133,8 +146,20 @@ def jupyterlab(tmp_path):
     """A JupyterLab server on loopback: yields (notebook URL, workspace dir); shut down afterwards."""
     prefix = tmp_path / "jupyter"
     subprocess.run(
-        [sys.executable, "-m", "shardbook.kernel.cli.main", "install", "--nproc", "2", "--prefix", str(prefix), "--name", "shardbook-2"],
-        check=True, capture_output=True,
+        [
+            sys.executable,
+            "-m",
+            "shardbook.kernel.cli.main",
+            "install",
+            "--nproc",
+            "2",
+            "--prefix",
+            str(prefix),
+            "--name",
+            "shardbook-2",
+        ],
+        check=True,
+        capture_output=True,
     )
     work = tmp_path / "work"
     prepare_workspace(work)
@@ -155,12 +180,21 @@ def jupyterlab(tmp_path):
     with open(log, "w") as log_file:
         proc = subprocess.Popen(
             [
-                sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
-                f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-                f"--ServerApp.root_dir={work}", "--LabApp.extension_manager=readonly",
+                sys.executable,
+                "-m",
+                "jupyterlab",
+                "--no-browser",
+                "--ServerApp.ip=127.0.0.1",
+                f"--ServerApp.port={port}",
+                "--ServerApp.port_retries=0",
+                f"--IdentityProvider.token={token}",
+                f"--ServerApp.root_dir={work}",
+                "--LabApp.extension_manager=readonly",
                 *(["--allow-root"] if os.geteuid() == 0 else []),
             ],
-            env=env, stdout=log_file, stderr=subprocess.STDOUT,
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
         )
         try:
             wait_for_server(f"{base}/api/status?token={token}", proc, log)
@@ -199,9 +233,15 @@ def sample_reply(page, cell, deadline: float, on_sample) -> tuple[list[int], str
             on_sample(lengths)
         time.sleep(SAMPLE_EVERY_S)
     changes = [n for i, n in enumerate(lengths) if i == 0 or n != lengths[i - 1]]
-    (ARTIFACTS / "jupyterlab-chat-lengths.json").write_text(json.dumps(
-        {"seconds": round(time.monotonic() - started, 2), "num_samples": len(lengths), "lengths_as_they_changed": changes}
-    ))
+    (ARTIFACTS / "jupyterlab-chat-lengths.json").write_text(
+        json.dumps(
+            {
+                "seconds": round(time.monotonic() - started, 2),
+                "num_samples": len(lengths),
+                "lengths_as_they_changed": changes,
+            }
+        )
+    )
     return lengths, last_text
 
 
@@ -218,7 +258,9 @@ def test_chat_reply_grows_live_in_jupyterlab(sync_playwright, jupyterlab):
     with sync_playwright() as p:
         context = p.chromium.launch_persistent_context(
             user_data_dir=str(work.parent / "chromium-profile"),
-            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS,
+            executable_path=str(CHROMIUM),
+            headless=True,
+            args=CHROMIUM_ARGS,
             viewport={"width": 1280, "height": 900},
         )
         page = context.pages[0] if context.pages else context.new_page()
@@ -226,7 +268,9 @@ def test_chat_reply_grows_live_in_jupyterlab(sync_playwright, jupyterlab):
             page.goto(url)
             page.locator(".jp-Notebook").wait_for(timeout=60_000)
             # The notebook's own kernel, started and idle (the toolbar's indicator reads idle before it exists too).
-            page.locator(".jp-StatusBar-Item", has_text="shardbook (2 ranks, 1 node) | Idle").wait_for(timeout=KERNEL_START_S * 1000)
+            page.locator(".jp-StatusBar-Item", has_text="shardbook (2 ranks, 1 node) | Idle").wait_for(
+                timeout=KERNEL_START_S * 1000
+            )
             page.keyboard.press("Control+b")  # hide the file browser: a wider notebook in the screenshots
 
             load = code_cell(page, "%load_sharded")
@@ -258,7 +302,12 @@ def test_chat_reply_grows_live_in_jupyterlab(sync_playwright, jupyterlab):
     assert lengths == sorted(lengths), f"the reply shrank while streaming: {lengths}"
     assert len(growing) >= 3, f"the reply did not grow in steps before its final length {final}: {lengths}"
     assert num_widgets_left == 0, "the reply is shown twice: the live widget stayed beside its markdown"
-    assert normalized(markdown_text).startswith(normalized(widget_text)) and len(normalized(markdown_text)) > 100, (widget_text, markdown_text)
-    assert streaming_shot.exists(), f"no screenshot while streaming: the reply never reached {MID_STREAM_CHARS} characters before it ended"
+    assert normalized(markdown_text).startswith(normalized(widget_text)) and len(normalized(markdown_text)) > 100, (
+        widget_text,
+        markdown_text,
+    )
+    assert streaming_shot.exists(), (
+        f"no screenshot while streaming: the reply never reached {MID_STREAM_CHARS} characters before it ended"
+    )
     SCREENSHOT.parent.mkdir(exist_ok=True)
     shutil.copyfile(final_shot, SCREENSHOT)

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def install_spec(prefix: Path, name: str, *extra: str) -> None:
     subprocess.run(
         [sys.executable, "-m", "shardbook.kernel.cli.main", "install", "--prefix", str(prefix), "--name", name, *extra],
-        check=True, capture_output=True,
+        check=True,
+        capture_output=True,
     )
 
 

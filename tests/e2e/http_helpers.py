@@ -29,8 +29,9 @@ class Reply:
         return self.body["error"]
 
 
-def request(url: str, method: str, path: str, body: bytes | dict | None = None, headers: dict | None = None,
-            timeout: float = 60) -> Reply:
+def request(
+    url: str, method: str, path: str, body: bytes | dict | None = None, headers: dict | None = None, timeout: float = 60
+) -> Reply:
     parts = urlparse(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
     if isinstance(body, dict):
@@ -55,7 +56,9 @@ class OpenStream:
         parts = urlparse(url)
         self.conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
         body = {"model": model, "messages": [{"role": "user", "content": content}], "stream": True, **fields}
-        self.conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        self.conn.request(
+            "POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"}
+        )
         self.response = None  # read on the first chunk: a request waiting in line has no response yet
 
     def next_chunk(self) -> dict | None:
@@ -70,7 +73,7 @@ class OpenStream:
             if line == "data: [DONE]":
                 return None
             if line.startswith("data: "):
-                return json.loads(line[len("data: "):])
+                return json.loads(line[len("data: ") :])
 
     def read_to_end(self) -> list[dict]:
         chunks = []

@@ -79,7 +79,10 @@ def test_error_on_one_follower_fails_the_cell(kernel):
     assert kernel.run("%%all\nprint('still fine')").status == "ok"
 
 
-@pytest.mark.parametrize("spec, expected", [("5", "outside the world: this kernel has 2 ranks"), ("x", "bad rank spec 'x'"), ("1-0", "descending")])
+@pytest.mark.parametrize(
+    "spec, expected",
+    [("5", "outside the world: this kernel has 2 ranks"), ("x", "bad rank spec 'x'"), ("1-0", "descending")],
+)
 def test_bad_rank_spec_is_a_usage_error(kernel, spec, expected):
     ex = kernel.run(f"%%rank {spec}\nprint(1)")
     assert ex.status == "error"
@@ -154,7 +157,9 @@ def test_text_that_is_not_unicode_never_takes_down_a_rank(kernel):
 
 
 def test_bytes_written_to_stdout_buffer_on_every_rank(kernel):
-    ex = kernel.run("%%all\nimport sys\nsys.stdout.buffer.write(b'caf\\xc3')\nsys.stdout.buffer.write(b'\\xa9 \\xff\\n')")
+    ex = kernel.run(
+        "%%all\nimport sys\nsys.stdout.buffer.write(b'caf\\xc3')\nsys.stdout.buffer.write(b'\\xa9 \\xff\\n')"
+    )
     assert ex.status == "ok", ex.error_text()
     assert ex.stdout().count("café \ufffd\n") == 2, ex.stdout()
 

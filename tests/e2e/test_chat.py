@@ -57,9 +57,11 @@ def reference_reply(path, question: str, max_new_tokens: int) -> str:
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
 def final_outputs(ex) -> list[dict]:
@@ -86,11 +88,17 @@ def test_widget_grows_then_turns_into_markdown_shown_once(loaded, tiny):
     assert all(b.startswith(a) for a, b in zip(growing, growing[1:])), "the reply text did not grow by appending"
     live = [m for m in ex.of_type("display_data") if "application/vnd.jupyter.widget-view+json" in m["content"]["data"]]
     assert live, "the reply was not shown live in a widget"
-    assert not [m for m in ex.of_type("display_data") if "text/markdown" in m["content"]["data"]], "the reply was shown a second time"
+    assert not [m for m in ex.of_type("display_data") if "text/markdown" in m["content"]["data"]], (
+        "the reply was shown a second time"
+    )
     outputs = final_outputs(ex)
     markdown = [o["data"]["text/markdown"] for o in outputs if "text/markdown" in o["data"]]
-    assert len(markdown) == 1 and markdown[0].startswith(growing[-1]), "the live view did not turn into the reply as markdown"
-    assert not [o for o in outputs if "application/vnd.jupyter.widget-view+json" in o["data"]], "a widget is left in the saved outputs"
+    assert len(markdown) == 1 and markdown[0].startswith(growing[-1]), (
+        "the live view did not turn into the reply as markdown"
+    )
+    assert not [o for o in outputs if "application/vnd.jupyter.widget-view+json" in o["data"]], (
+        "a widget is left in the saved outputs"
+    )
     assert markdown[0] == reference_reply(tiny, "hello there", 60), "2-rank greedy reply differs from one process"
     [status] = [o["data"]["text/html"] for o in outputs if "tok/s" in o["data"].get("text/html", "")]
     assert "prompt tokens" in status and "generated" in status and ("length" in status or "stop" in status)
@@ -98,7 +106,11 @@ def test_widget_grows_then_turns_into_markdown_shown_once(loaded, tiny):
 
 def test_widget_updates_are_rate_limited(loaded):
     ex = loaded.run("%%chat --max-new-tokens 120\ncount to one hundred", timeout=120)
-    updates = [m for m in ex.of_type("comm_msg") if "shardbook-reply" in str(m["content"]["data"].get("state", {}).get("value", ""))]
+    updates = [
+        m
+        for m in ex.of_type("comm_msg")
+        if "shardbook-reply" in str(m["content"]["data"].get("state", {}).get("value", ""))
+    ]
     span = updates[-1]["received_at"] - updates[0]["received_at"]
     assert len(updates) <= 25 * span + 3, f"{len(updates)} updates in {span:.2f} s"
 
@@ -143,19 +155,26 @@ def test_save_to_an_unwritable_path_is_a_one_line_error(loaded, tmp_path):
     for target in (tmp_path / "a-file" / "conv.json", tmp_path):  # under a file; a directory
         ex = loaded.run(f"%chat --save {target}")
         assert ex.status == "error"
-        assert f"UsageError: could not save the conversation to {target}: " in ex.stderr(), ex.error_text() + ex.stderr()
+        assert f"UsageError: could not save the conversation to {target}: " in ex.stderr(), (
+            ex.error_text() + ex.stderr()
+        )
         assert len(ex.stderr().strip().splitlines()) == 1 and "Traceback" not in ex.error_text() + ex.stderr()
 
 
 def test_sampling_is_reproducible_with_a_seed(loaded):
-    runs = [loaded.run("%%chat --new --do-sample --seed 7 --temperature 1.5 --output text --max-new-tokens 30\nsurprise me") for _ in range(2)]
+    runs = [
+        loaded.run("%%chat --new --do-sample --seed 7 --temperature 1.5 --output text --max-new-tokens 30\nsurprise me")
+        for _ in range(2)
+    ]
     texts = [ex.stdout().rsplit("\n[", 1)[0] for ex in runs]
     assert all(ex.status == "ok" for ex in runs) and texts[0] == texts[1]
 
 
 def test_interrupt_keeps_partial_reply_and_next_turn_works(loaded):
     def replying(msg):
-        return msg["msg_type"] == "comm_msg" and "shardbook-reply" in str(msg["content"]["data"].get("state", {}).get("value", ""))
+        return msg["msg_type"] == "comm_msg" and "shardbook-reply" in str(
+            msg["content"]["data"].get("state", {}).get("value", "")
+        )
 
     code = "%%chat --max-new-tokens 2000 --do-sample --temperature 2.0\nramble on"
     ex, seconds = interrupt_when(loaded, code, replying)
@@ -169,7 +188,9 @@ def test_interrupt_keeps_partial_reply_and_next_turn_works(loaded):
 
 
 def replying(msg) -> bool:
-    return msg["msg_type"] == "comm_msg" and "shardbook-reply" in str(msg["content"]["data"].get("state", {}).get("value", ""))
+    return msg["msg_type"] == "comm_msg" and "shardbook-reply" in str(
+        msg["content"]["data"].get("state", {}).get("value", "")
+    )
 
 
 BUSY_STEP = """%%all
@@ -242,7 +263,9 @@ def test_text_that_is_not_unicode_is_refused_before_any_rank_generates(loaded, t
     content = text.encode().decode("unicode_escape")  # the lone surrogate itself; json.dumps writes it as an escape
     saved.write_text(json.dumps({"system_prompt": None, "turns": [{"role": "user", "content": content}]}))
     ex = loaded.run(f"%chat --load {saved}")
-    assert ex.status == "error" and "turn 0 (user) is not valid Unicode text" in ex.stderr(), ex.error_text() + ex.stderr()
+    assert ex.status == "error" and "turn 0 (user) is not valid Unicode text" in ex.stderr(), (
+        ex.error_text() + ex.stderr()
+    )
     assert loaded.run("%%chat --output text --max-new-tokens 3\nstill there?", timeout=60).status == "ok"
 
 
@@ -289,6 +312,8 @@ def test_follower_failure_during_generation_names_the_rank(fresh_kernel, tiny, l
 
 def test_shards_after_a_reply_shows_the_shards_again(loaded, layout):
     assert loaded.run("%%chat --output text --max-new-tokens 5\nhi").status == "ok"
-    table = loaded.run("%shards model.layers.0.self_attn.q_proj").of_type("execute_result")[0]["content"]["data"]["text/plain"]
+    table = loaded.run("%shards model.layers.0.self_attn.q_proj").of_type("execute_result")[0]["content"]["data"][
+        "text/plain"
+    ]
     assert ("S(0)" if layout == "gather" else "tp: rows (dim 0) over 2 rank(s)") in table and "[32, 64]" in table
     assert loaded.run("%%chat --output text --max-new-tokens 5\nagain").status == "ok"

@@ -43,7 +43,9 @@ def test_trace_lens_and_parameters_match_one_process(kernel, uneven, decode):
     assert "_trace: Trace of" in ex.stdout() and "model.layers.1: (1, " in ex.stdout()
     lens = kernel.run("%logit_lens The capital of France is")
     assert lens.status == "ok", lens.error_text() + lens.stderr()
-    [png] = [m["content"]["data"]["image/png"] for m in lens.of_type("display_data") if "image/png" in m["content"]["data"]]
+    [png] = [
+        m["content"]["data"]["image/png"] for m in lens.of_type("display_data") if "image/png" in m["content"]["data"]
+    ]
     assert base64.b64decode(png).startswith(b"\x89PNG")
     check = kernel.run(ONE_PROCESS.format(path=str(uneven)), timeout=120)
     assert "CHECK True True True (24, 72)" in check.stdout(), check.stdout() + check.error_text()
@@ -88,14 +90,22 @@ def test_interventions_under_tp(kernel, uneven):
     kernel.run("%intervene heads_off model.layers.1.self_attn.o_proj --input")
     listed = kernel.run("%intervene").stdout()
     assert "heads_off on the input of model.layers.1.self_attn.o_proj" in listed and "zero on" in listed
-    chat = kernel.run("%%chat --output text --scores --max-new-tokens 6\nhello")  # hooks with a gather, under synced_gpus
+    chat = kernel.run(
+        "%%chat --output text --scores --max-new-tokens 6\nhello"
+    )  # hooks with a gather, under synced_gpus
     assert chat.status == "ok", chat.error_text() + chat.stderr()
-    [scores] = [m["content"]["data"] for m in chat.of_type("display_data") if "shardbook-scores" in m["content"]["data"].get("text/html", "")]
+    [scores] = [
+        m["content"]["data"]
+        for m in chat.of_type("display_data")
+        if "shardbook-scores" in m["content"]["data"].get("text/html", "")
+    ]
     assert scores["text/html"].count("<span title=") == 6 and scores["text/plain"].count(":") >= 6
     kernel.run("%intervene --clear")
     kernel.run("%%trace --as back --modules model.layers.0\nThe capital of France is")
-    ex = kernel.run("print('ZERO', zeroed['model.layers.0'].abs().max().item(), torch.equal(back.logits, base.logits), "
-                    "torch.equal(zeroed.logits, base.logits))")
+    ex = kernel.run(
+        "print('ZERO', zeroed['model.layers.0'].abs().max().item(), torch.equal(back.logits, base.logits), "
+        "torch.equal(zeroed.logits, base.logits))"
+    )
     assert "ZERO 0.0 True False" in ex.stdout(), ex.stdout() + ex.error_text()
 
 
@@ -116,7 +126,11 @@ def test_user_errors_leave_the_kernel_usable(kernel, uneven):
     kernel.run("%intervene fails_on_one model.layers.*.self_attn.q_proj")
     failed = kernel.run("%%trace\nThe capital of France is")
     text = failed.error_text()
-    assert failed.status == "error" and "intervention 'fails_on_one' raised on rank 1" in text and "boom on purpose" in text
+    assert (
+        failed.status == "error"
+        and "intervention 'fails_on_one' raised on rank 1" in text
+        and "boom on purpose" in text
+    )
     assert "rank 0" not in text.split("RankError")[-1].split("----")[1]
     kernel.run("%intervene --remove fails_on_one")
     assert kernel.run("%%trace\nThe capital of France is").status == "ok"
@@ -127,5 +141,7 @@ def test_share_sends_a_tensor_to_every_rank(kernel, uneven):
     assert load(kernel, uneven).status == "ok"
     kernel.run("import torch\nsteer = torch.arange(6.0).reshape(2, 3)")
     assert "steer (1 tensor(s)) is now on every rank" in kernel.run("%share steer").stdout()
-    ex = kernel.run("%%all\nimport torch.distributed as dist\nprint('SUM', dist.get_rank(), steer.sum().item(), steer.shape)")
+    ex = kernel.run(
+        "%%all\nimport torch.distributed as dist\nprint('SUM', dist.get_rank(), steer.sum().item(), steer.shape)"
+    )
     assert ex.stdout().count("SUM") == 2 and "SUM 1 15.0 torch.Size([2, 3])" in ex.stdout(), ex.stdout()

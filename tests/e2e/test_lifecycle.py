@@ -72,7 +72,9 @@ def test_hard_restart_leaves_no_orphans(fresh_kernel):
 def test_killed_follower_is_reported_then_restart_works(fresh_kernel):
     handle = fresh_kernel()
     pids = handle.rank_pids()
-    thread, result, started = run_in_background(handle, "%%all\nimport time\nprint('working', flush=True)\ntime.sleep(60)", timeout=15)
+    thread, result, started = run_in_background(
+        handle, "%%all\nimport time\nprint('working', flush=True)\ntime.sleep(60)", timeout=15
+    )
     assert started.wait(20)
     killed_at = time.monotonic()
     os.kill(pids[1], signal.SIGKILL)
@@ -81,7 +83,8 @@ def test_killed_follower_is_reported_then_restart_works(fresh_kernel):
     # reaches rank 0 first (a notice in the cell, then the kernel exits); both must name rank 1.
     reports = [
         (m["received_at"], m["content"].get("text", "") + m["content"].get("evalue", ""))
-        for m in result["messages"] if m["msg_type"] in ("stream", "error")
+        for m in result["messages"]
+        if m["msg_type"] in ("stream", "error")
     ]
     named = [(at, text) for at, text in reports if f"pid {pids[1]}" in text and "restart the kernel" in text]
     assert named, reports
@@ -100,7 +103,9 @@ def test_silent_follower_is_dead_after_the_heartbeat_timeout(fresh_kernel):
     """A follower stopped longer than SHARDBOOK_HEARTBEAT_TIMEOUT is dead, and the reason says it was silence."""
     handle = fresh_kernel(SHARDBOOK_HEARTBEAT_TIMEOUT="5")
     pids = handle.rank_pids()
-    thread, result, started = run_in_background(handle, "%%all\nimport time\nprint('working', flush=True)\ntime.sleep(60)")
+    thread, result, started = run_in_background(
+        handle, "%%all\nimport time\nprint('working', flush=True)\ntime.sleep(60)"
+    )
     assert started.wait(20)
     os.kill(pids[1], signal.SIGSTOP)
     try:
@@ -148,7 +153,9 @@ def test_a_stopped_follower_comes_back(fresh_kernel):
         os.kill(pids[1], signal.SIGCONT)
     ex = handle.run("%%all\nprint('back')", timeout=60)
     assert ex.status == "ok" and ex.stdout().count("back") == 2, ex.error_text()
-    assert wait_until(lambda: dist_row(handle, 1).split()[5:6] == ["idle"], timeout=10, interval=0.5), dist_row(handle, 1)
+    assert wait_until(lambda: dist_row(handle, 1).split()[5:6] == ["idle"], timeout=10, interval=0.5), dist_row(
+        handle, 1
+    )
 
 
 def test_idle_longer_than_the_collective_timeout(fresh_kernel):
@@ -181,7 +188,9 @@ def test_rank0_failing_before_a_collective_does_not_wedge_silently(fresh_kernel)
     assert refused.status == "error" and "still busy" in refused.stderr()
 
     def rank1_idle():
-        return "idle" in handle.run("%dist").of_type("execute_result")[0]["content"]["data"]["text/plain"].splitlines()[2]
+        return (
+            "idle" in handle.run("%dist").of_type("execute_result")[0]["content"]["data"]["text/plain"].splitlines()[2]
+        )
 
     assert wait_until(rank1_idle, timeout=20, interval=0.5), "the process-group timeout did not free rank 1"
     assert handle.run("%%rank 1\nprint('free')").stdout() == "[rank 1]\nfree\n"
@@ -250,7 +259,15 @@ def test_a_rank_that_never_starts_is_reported_at_once_by_every_magic(fresh_kerne
         announced = iopub_text(handle.kc, handle.kc.kernel_info(), timeout=10)
         assert "only 1 of 2 ranks started" in announced and "restart the kernel" in announced, announced
         threads = handle.run("import threading; print(threading.active_count())").stdout()
-        for code in ("%%all\nprint(1)", "%dist", "%%rank 1\nprint(1)", "%shards", "%load_sharded", "%%chat\nHi", "%%all\nprint(2)"):
+        for code in (
+            "%%all\nprint(1)",
+            "%dist",
+            "%%rank 1\nprint(1)",
+            "%shards",
+            "%load_sharded",
+            "%%chat\nHi",
+            "%%all\nprint(2)",
+        ):
             ex = handle.run(code, timeout=10)  # less than the connect timeout: nothing waits for it again
             assert ex.status == "error", code
             assert "only 1 of 2 ranks started" in ex.stderr() and "restart the kernel" in ex.stderr(), ex.stderr()
@@ -283,7 +300,10 @@ def test_a_rank_that_starts_after_the_kernel_gave_up_leaves(fresh_kernel, tmp_pa
         assert wait_until(stuck.exists, timeout=30)
         assert wait_until(lambda: gone(int(stuck.read_text())), timeout=60), "the late rank is still running"
         ex = handle.run("%%all\nprint(1)", timeout=4)
-        assert "only 1 of 2 ranks started" in ex.stderr() and handle.run("print('kernel alive')").stdout() == "kernel alive\n"
+        assert (
+            "only 1 of 2 ranks started" in ex.stderr()
+            and handle.run("print('kernel alive')").stdout() == "kernel alive\n"
+        )
     finally:
         if stuck.exists() and not gone(int(stuck.read_text())):
             os.kill(int(stuck.read_text()), signal.SIGKILL)

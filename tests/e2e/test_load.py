@@ -23,7 +23,9 @@ def load(kernel, target, *overrides, timeout=120):
 
 def assert_usable(kernel):
     """No rank left busy or inside a collective: a cell with a collective still works on both."""
-    ex = kernel.run("%%all\nimport torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('ok', t.item())")
+    ex = kernel.run(
+        "%%all\nimport torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('ok', t.item())"
+    )
     assert ex.status == "ok" and ex.stdout().count("ok 2.0") == 2, ex.error_text() + ex.stderr()
 
 
@@ -34,12 +36,18 @@ def test_load_summary_progress_and_namespaces(kernel, tiny):
     assert "LlamaForCausalLM" in summary and "shard=2 (2 ranks)" in summary and "decode" in summary
     assert "gather — the gathered model" in summary and "fits in half of the memory free per rank" in summary
     assert "rank 1" in summary and "local params" in summary
-    opened = [m for m in ex.of_type("comm_open") if m["content"]["data"]["state"].get("_model_name") == "IntProgressModel"]
+    opened = [
+        m for m in ex.of_type("comm_open") if m["content"]["data"]["state"].get("_model_name") == "IntProgressModel"
+    ]
     assert opened, "no progress bar widget"
     updates = [m for m in ex.of_type("comm_msg") if m["content"]["comm_id"] == opened[0]["content"]["comm_id"]]
-    values = [m["content"]["data"]["state"]["value"] for m in updates if "value" in m["content"]["data"].get("state", {})]
+    values = [
+        m["content"]["data"]["state"]["value"] for m in updates if "value" in m["content"]["data"].get("state", {})
+    ]
     assert len(values) >= 3 and values[-1] == 100 and values == sorted(values)
-    ex = kernel.run("%%all\nimport torch.distributed as dist\nw = model.model.embed_tokens.weight\nprint(dist.get_rank(), type(tokenizer).__name__, tuple(w.to_local().shape), tuple(w.shape))")
+    ex = kernel.run(
+        "%%all\nimport torch.distributed as dist\nw = model.model.embed_tokens.weight\nprint(dist.get_rank(), type(tokenizer).__name__, tuple(w.to_local().shape), tuple(w.shape))"
+    )
     assert ex.status == "ok", ex.error_text()
     out = ex.stdout()
     for rank in (0, 1):  # the tiny vocabulary of 384 rows is split in half, rows 0-191 and 192-383
@@ -51,7 +59,17 @@ def test_shards_table(kernel, tiny):
     ex = kernel.run("%shards model.layers.0.self_attn.q_proj")
     table = ex.of_type("execute_result")[0]["content"]["data"]["text/plain"]
     row = [line for line in table.splitlines() if line.startswith("model.layers.0.self_attn.q_proj.weight")][0]
-    assert row.split() == ["model.layers.0.self_attn.q_proj.weight", "[64,", "64]", "float32", "S(0)", "[32,", "64]", "[32,", "64]"]
+    assert row.split() == [
+        "model.layers.0.self_attn.q_proj.weight",
+        "[64,",
+        "64]",
+        "float32",
+        "S(0)",
+        "[32,",
+        "64]",
+        "[32,",
+        "64]",
+    ]
     locals_ = kernel.run("%%all\nprint(tuple(model.model.layers[0].self_attn.q_proj.weight.to_local().shape))").stdout()
     assert locals_.count("(32, 64)") == 2
     missing = kernel.run("%shards nothing.here")
@@ -112,8 +130,10 @@ def test_tp_for_a_model_with_too_few_heads_is_a_clear_error(kernel, tmp_path):
 def test_moe_with_expert_parallelism_in_the_kernel(kernel, tmp_path):
     """Qwen2-MoE (8 experts and a shared expert) with ep_size 2: expert placements, a sampled chat, bad sizes."""
     moe = make_tiny_moe(tmp_path / "qwen2-moe", "qwen2_moe")
-    for bad, words in [("3", "not divisible by parallel.ep_size x parallel.ep_fsdp_size = 3 x 1"),
-                       ("16", "not divisible by parallel.ep_size x parallel.ep_fsdp_size = 16 x 1")]:
+    for bad, words in [
+        ("3", "not divisible by parallel.ep_size x parallel.ep_fsdp_size = 3 x 1"),
+        ("16", "not divisible by parallel.ep_size x parallel.ep_fsdp_size = 16 x 1"),
+    ]:
         ex = load(kernel, moe, f"--parallel.ep_size {bad}")
         assert ex.status == "error" and words in ex.error_text() + ex.stderr(), ex.error_text() + ex.stderr()
         assert_usable(kernel)
@@ -121,7 +141,9 @@ def test_moe_with_expert_parallelism_in_the_kernel(kernel, tmp_path):
     assert ex.status == "ok", ex.error_text() + ex.stderr()
     summary = ex.of_type("execute_result")[0]["content"]["data"]["text/plain"]
     assert "tp — parallel.ep_size x ep_fsdp_size = 2" in summary and "mesh (edp=1, efsdp=1, ep=2)" in summary
-    table = kernel.run("%shards model.layers.1.mlp.experts").of_type("execute_result")[0]["content"]["data"]["text/plain"]
+    table = kernel.run("%shards model.layers.1.mlp.experts").of_type("execute_result")[0]["content"]["data"][
+        "text/plain"
+    ]
     row = [line for line in table.splitlines() if line.startswith("model.layers.1.mlp.experts.gate_up_proj")][0]
     assert "tp: experts (dim 0) over 2 rank(s)" in row and row.endswith("[4, 64, 64]  [4, 64, 64]"), row
     chat = kernel.run("%%chat --output text --do-sample --seed 3 --temperature 1.2 --max-new-tokens 12\nhello")
@@ -147,7 +169,10 @@ def test_bad_inputs_leave_the_kernel_usable(kernel, tiny, tmp_path):
         (str(bad_yaml), "line"),
         ("--inference.max_new_token 3", "did you mean 'inference.max_new_tokens'"),
         (f"--model.model_name_or_path {tiny} --parallel.fsdp_size 3", "fsdp_size"),
-        (f"--model.model_name_or_path {tiny} --parallel.ep_size 2", "apply to mixture-of-experts models, but llama has no experts"),
+        (
+            f"--model.model_name_or_path {tiny} --parallel.ep_size 2",
+            "apply to mixture-of-experts models, but llama has no experts",
+        ),
         ("--model.model_name_or_path no-such-demo", "or a demo model name: smollm2-135m-instruct"),
     ]
     for args, expected in cases:
@@ -214,7 +239,9 @@ def test_interrupt_during_a_load_stops_every_rank_together(kernel, tiny):
 
 def assert_forward_works(kernel):
     """`model` is loaded on both ranks and runs a forward (a collective over its shards)."""
-    ex = kernel.run("%%all\nimport torch\nwith torch.no_grad():\n    print('logits', tuple(model(torch.tensor([[1, 2, 3]])).logits.shape))")
+    ex = kernel.run(
+        "%%all\nimport torch\nwith torch.no_grad():\n    print('logits', tuple(model(torch.tensor([[1, 2, 3]])).logits.shape))"
+    )
     assert ex.status == "ok" and ex.stdout().count("logits (1, 3, 384)") == 2, ex.error_text() + ex.stdout()
 
 

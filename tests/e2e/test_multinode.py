@@ -24,9 +24,28 @@ def test_all_reaches_every_rank_of_both_nodes(jupyter_prefix, tmp_path):
     common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
     install_spec(jupyter_prefix, "mn", "--nproc", "1", *common, "--key-file", str(key))
     node1 = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", "1", "--nproc_per_node", "1",
-         "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "shardbook.rankd", "--key-file", str(key)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--node_rank",
+            "1",
+            "--nproc_per_node",
+            "1",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(port),
+            "-m",
+            "shardbook.rankd",
+            "--key-file",
+            str(key),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     handle = None
     try:
@@ -44,7 +63,9 @@ def test_all_reaches_every_rank_of_both_nodes(jupyter_prefix, tmp_path):
     finally:
         if handle is not None:
             handle.stop()
-        assert wait_until(lambda: node1.poll() is not None, timeout=15), "node 1 did not leave after the kernel's shutdown"
+        assert wait_until(lambda: node1.poll() is not None, timeout=15), (
+            "node 1 did not leave after the kernel's shutdown"
+        )
         node1.kill()
     assert node1.returncode == 0, node1.stdout.read()
 
@@ -53,9 +74,21 @@ def test_follower_launcher_refuses_rank_0(tmp_path):
     key = tmp_path / "k"
     key.write_text("abc")
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m", "shardbook.rankd",
-         "--key-file", str(key)],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "1",
+            "-m",
+            "shardbook.rankd",
+            "--key-file",
+            str(key),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode != 0
     assert "rank 0 must be the kernel" in proc.stderr

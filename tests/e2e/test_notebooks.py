@@ -30,8 +30,21 @@ RUN_TIMEOUT_S = 420
 
 def shardbook_run(notebook: Path, output: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "shardbook.kernel.cli.main", "run", str(notebook), "--nproc", "2", "--output", str(output)],
-        capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False,
+        [
+            sys.executable,
+            "-m",
+            "shardbook.kernel.cli.main",
+            "run",
+            str(notebook),
+            "--nproc",
+            "2",
+            "--output",
+            str(output),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        check=False,
     )
 
 
@@ -68,7 +81,9 @@ class MarkdownOutputs(html.parser.HTMLParser):
         attributes = dict(attrs)
         if self._depth:
             self._depth += 1
-        elif attributes.get("data-mime-type") == "text/markdown" and "jp-OutputArea-output" in (attributes.get("class") or ""):
+        elif attributes.get("data-mime-type") == "text/markdown" and "jp-OutputArea-output" in (
+            attributes.get("class") or ""
+        ):
             self._depth = 1
             self.texts.append("")
 
@@ -83,7 +98,12 @@ class MarkdownOutputs(html.parser.HTMLParser):
 
 def test_notebooks_are_generated_from_make_notebooks(tmp_path):
     """The committed notebooks are exactly what make_notebooks.py writes: unexecuted, on shardbook-2."""
-    result = subprocess.run([sys.executable, str(NOTEBOOKS / "make_notebooks.py"), str(tmp_path)], capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        [sys.executable, str(NOTEBOOKS / "make_notebooks.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     for name in ("quickstart.ipynb", "inspect.ipynb"):
         assert (tmp_path / name).read_text() == (NOTEBOOKS / name).read_text(), (

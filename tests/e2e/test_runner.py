@@ -23,7 +23,10 @@ HELLO = ROOT / "notebooks" / "hello_ranks.ipynb"
 def shardbook_run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "shardbook.kernel.cli.main", "run", *args],
-        capture_output=True, text=True, timeout=timeout, check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
 
 
@@ -75,11 +78,15 @@ def test_failing_all_cell_stops_the_run_with_the_rank_error(tmp_path):
 
 
 def test_output_is_live_and_a_cell_past_the_timeout_is_interrupted(tmp_path):
-    notebook = write_notebook(tmp_path / "slow.ipynb", "%%all\nimport time\nprint('sleeping', flush=True)\ntime.sleep(120)")
+    notebook = write_notebook(
+        tmp_path / "slow.ipynb", "%%all\nimport time\nprint('sleeping', flush=True)\ntime.sleep(120)"
+    )
     start = time.monotonic()
     with subprocess.Popen(
         [sys.executable, "-m", "shardbook.kernel.cli.main", "run", str(notebook), "--nproc", "2", "--timeout", "5"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     ) as proc:
         first_line_at = next(time.monotonic() for line in proc.stdout if "sleeping" in line)
         stdout = proc.stdout.read()
@@ -108,28 +115,43 @@ def test_rich_outputs_print_as_text_and_widget_state_is_saved(tmp_path):
         "[image/png output, not shown in a terminal]\nIntSlider(value=7)\n"
     )
     states = nbformat.read(tmp_path / "out.ipynb", as_version=4).metadata.widgets[
-        "application/vnd.jupyter.widget-state+json"]["state"]
+        "application/vnd.jupyter.widget-state+json"
+    ]["state"]
     assert [s["state"]["value"] for s in states.values() if s["model_name"] == "IntSliderModel"] == [7]
 
 
 def test_nproc_defaults_to_the_notebooks_kernelspec(tmp_path):
-    nb = new_notebook(cells=[new_markdown_cell("nothing to run")], metadata={"kernelspec": {"name": "shardbook-3", "display_name": "shardbook (3 ranks, 1 node)"}})
+    nb = new_notebook(
+        cells=[new_markdown_cell("nothing to run")],
+        metadata={"kernelspec": {"name": "shardbook-3", "display_name": "shardbook (3 ranks, 1 node)"}},
+    )
     nbformat.write(nb, tmp_path / "empty.ipynb")
     result = shardbook_run(str(tmp_path / "empty.ipynb"))
     assert result.returncode == 0, result.stderr
     assert "3 rank(s), from the notebook's kernelspec shardbook-3" in result.stderr
 
 
-@pytest.mark.parametrize("case, args, expected", [
-    ("missing", ["nope.ipynb"], "nope.ipynb does not exist"),
-    ("directory", ["."], "is a directory; give the path of an .ipynb file"),
-    ("bad json", ["bad.ipynb"], "bad.ipynb is not a valid Jupyter notebook (Expecting property name"),
-    ("not a notebook", ["other.ipynb"], "other.ipynb is not a valid Jupyter notebook (the JSON has no top-level \"nbformat\" field"),
-    ("invalid notebook", ["invalid.ipynb"], "invalid.ipynb is not a valid Jupyter notebook (The notebook is invalid"),
-    ("no output dir", ["good.ipynb", "--output", "missing/out.ipynb"], "directory missing does not exist"),
-    ("bad nproc", ["good.ipynb", "--nproc", "0"], "--nproc must be at least 1"),
-    ("bad timeout", ["good.ipynb", "--timeout", "0"], "--timeout must be a positive number"),
-])
+@pytest.mark.parametrize(
+    "case, args, expected",
+    [
+        ("missing", ["nope.ipynb"], "nope.ipynb does not exist"),
+        ("directory", ["."], "is a directory; give the path of an .ipynb file"),
+        ("bad json", ["bad.ipynb"], "bad.ipynb is not a valid Jupyter notebook (Expecting property name"),
+        (
+            "not a notebook",
+            ["other.ipynb"],
+            'other.ipynb is not a valid Jupyter notebook (the JSON has no top-level "nbformat" field',
+        ),
+        (
+            "invalid notebook",
+            ["invalid.ipynb"],
+            "invalid.ipynb is not a valid Jupyter notebook (The notebook is invalid",
+        ),
+        ("no output dir", ["good.ipynb", "--output", "missing/out.ipynb"], "directory missing does not exist"),
+        ("bad nproc", ["good.ipynb", "--nproc", "0"], "--nproc must be at least 1"),
+        ("bad timeout", ["good.ipynb", "--timeout", "0"], "--timeout must be a positive number"),
+    ],
+)
 def test_unusable_input_exits_2_before_starting_a_kernel(tmp_path, monkeypatch, case, args, expected):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "bad.ipynb").write_text("{ this is not json")

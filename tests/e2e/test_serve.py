@@ -10,7 +10,13 @@ from openai import OpenAI
 
 from tests.e2e.conftest import wait_until
 from tests.e2e.http_helpers import (
-    OpenStream, assert_demo_model_replies, chat, finish_reason, joined_text, request, server_url,
+    OpenStream,
+    assert_demo_model_replies,
+    chat,
+    finish_reason,
+    joined_text,
+    request,
+    server_url,
 )
 from tests.tiny import make_long_talker
 
@@ -61,8 +67,11 @@ def test_models_and_replies_through_the_openai_client_streamed_or_whole(loaded, 
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
     whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12)
     assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 12
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=12, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
     status = loaded.run("%serve --status").stdout()
@@ -149,9 +158,12 @@ def test_chat_cells_and_http_requests_from_two_threads_take_turns_unmixed(loaded
     def run_requests():
         client = OpenAI(base_url=url, api_key="unused", max_retries=0)
         for stream in (False, True, False):
-            result = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "count with me"}],
-                                                    max_tokens=40, stream=stream)
-            replies.append(joined_text([c.model_dump() for c in result]) if stream else result.choices[0].message.content)
+            result = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "count with me"}], max_tokens=40, stream=stream
+            )
+            replies.append(
+                joined_text([c.model_dump() for c in result]) if stream else result.choices[0].message.content
+            )
 
     blocker = OpenStream(url, MODEL, "talk", max_tokens=3000)  # both threads must queue behind it
     assert blocker.next_chunk()

@@ -57,12 +57,22 @@ def chat_argv(config: Path, *extra: str, nproc: int | None = 2) -> list[str]:
 
 def torchrun_argv(config: Path, *extra: str) -> list[str]:
     """A bare ``torchrun -m shardbook chat`` on 2 ranks."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *chat_argv(config, *extra, nproc=None)[1:]]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        *chat_argv(config, *extra, nproc=None)[1:],
+    ]
 
 
 def piped_chat(argv: list[str], lines: list[str], num_descendants: int, env: dict[str, str] | None = None):
     """Run the chat on ``lines`` of piped input; (result, pids of every process it started)."""
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
     pids = started_processes(proc.pid, count=num_descendants)
     stdout, stderr = proc.communicate("".join(f"{line}\n" for line in lines), timeout=90)
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), pids
@@ -73,12 +83,16 @@ def started_processes(pid: int, count: int) -> list[int]:
     if not count:
         return [pid]
     parent = psutil.Process(pid)
-    found = wait_until(lambda: len(parent.children(recursive=True)) >= count and parent.children(recursive=True), timeout=60)
+    found = wait_until(
+        lambda: len(parent.children(recursive=True)) >= count and parent.children(recursive=True), timeout=60
+    )
     return [pid, *(p.pid for p in found or [])]
 
 
 def assert_all_gone(pids: list[int]) -> None:
-    assert wait_until(lambda: all(gone(p) for p in pids), timeout=15), f"processes {[p for p in pids if not gone(p)]} outlived the chat"
+    assert wait_until(lambda: all(gone(p) for p in pids), timeout=15), (
+        f"processes {[p for p in pids if not gone(p)]} outlived the chat"
+    )
 
 
 @pytest.mark.parametrize("layout", ["auto", "tp"])
@@ -165,9 +179,13 @@ def test_a_model_that_fails_to_load_ends_every_rank(tiny_config, tmp_path):
 
 def test_input_that_is_not_utf8_is_read_with_replacement_characters(tiny_config):
     """A Latin-1 line and random bytes on stdin: each is answered (bytes read as U+FFFD, with a notice), no rank hangs."""
-    noise = bytes(random.Random(11).randrange(128, 256) for _ in range(24)) + b"\x00\x01 \xc3"  # short: the tiny context
+    noise = (
+        bytes(random.Random(11).randrange(128, 256) for _ in range(24)) + b"\x00\x01 \xc3"
+    )  # short: the tiny context
     lines = [b"caf\xe9 au lait", noise, b"/system \xff\xfe be brief", b"still there?"]
-    proc = subprocess.Popen(chat_argv(tiny_config), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        chat_argv(tiny_config), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     pids = started_processes(proc.pid, count=3)
     try:
         stdout, stderr = proc.communicate(b"\n".join(lines) + b"\nexit\n", timeout=90)
@@ -202,7 +220,9 @@ def test_without_nproc_the_chat_is_one_rank_in_this_process(tiny_config):
 @pytest.mark.slow
 def test_smollm2_on_two_ranks_knows_the_capital_of_france():
     config = Path(__file__).resolve().parents[2] / "configs" / "smollm2-135m.yaml"
-    result, pids = piped_chat(chat_argv(config, "--inference.max_new_tokens", "24"), ["What is the capital of France?"], 3)
+    result, pids = piped_chat(
+        chat_argv(config, "--inference.max_new_tokens", "24"), ["What is the capital of France?"], 3
+    )
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
     assert_all_gone(pids)

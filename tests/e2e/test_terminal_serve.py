@@ -34,7 +34,9 @@ class Served:
 
     def __init__(self, config: Path, *extra: str):
         argv = [sys.executable, "-m", "shardbook", "serve", "--nproc", "2", str(config), "--port", "0", *extra]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         self.stderr: list[str] = []
         found = threading.Event()
         threading.Thread(target=self._read_stderr, args=(found,), daemon=True).start()
@@ -68,7 +70,9 @@ def test_ctrl_c_or_sigterm_stops_the_reply_in_flight_and_every_rank(talker_confi
         client = OpenAI(base_url=served.url, api_key="unused")
         whole = client.chat.completions.create(model="talker", messages=[{"role": "user", "content": "hi"}])
         assert whole.usage.completion_tokens == 16  # the config's max_new_tokens
-        streamed = client.chat.completions.create(model="talker", messages=[{"role": "user", "content": "hi"}], stream=True)
+        streamed = client.chat.completions.create(
+            model="talker", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
         assert joined_text([c.model_dump() for c in streamed]) == whole.choices[0].message.content
         in_flight = OpenStream(served.url, "talker", "talk", max_tokens=3000, stream_options={"include_usage": True})
         assert in_flight.next_chunk()

@@ -18,8 +18,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -27,15 +28,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import TextIteratorStreamer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/tiny.py
-from tiny import make_tiny_llama, make_tiny_moe  # noqa: E402
+from tiny import make_tiny_llama, make_tiny_moe
 
-from shardbook.rankd.generation.engine import (  # noqa: E402
+from shardbook.rankd.generation.engine import (
     GenerationError,
     GenerationRequest,
     fit_max_new_tokens,
     generate,
 )
-from shardbook.rankd.generation.streaming import INCOMPLETE, TextDeltaStreamer  # noqa: E402
+from shardbook.rankd.generation.streaming import INCOMPLETE, TextDeltaStreamer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -105,7 +106,9 @@ def scenario_generate(model: Any, tokenizer: Any, rank: int, request: dict) -> d
     return _generate(model, tokenizer, rank, request)
 
 
-def scenario_interrupt(model: Any, tokenizer: Any, rank: int, request: dict, stop_after: int, next_request: dict) -> dict:
+def scenario_interrupt(
+    model: Any, tokenizer: Any, rank: int, request: dict, stop_after: int, next_request: dict
+) -> dict:
     """Interrupt mid-generation, at a different step on each rank, then generate again.
 
     Rank 0 is interrupted as the pool does it when the user interrupts (its `stop_event` set while
@@ -340,19 +343,32 @@ def test_expert_parallel_generation_matches_finishes_and_stops(tmp_path: Path) -
     """Qwen3-MoE with ep_size 2: greedy equals one process; ranks sampling different lengths and an
     interrupt at different steps per rank finish together, the experts' all-reduce staying in step."""
     path = make_tiny_moe(tmp_path / "moe", "qwen3_moe")
-    expected = _generate_here(AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path),
-                              _request(max_new_tokens=12))
+    expected = _generate_here(
+        AutoModelForCausalLM.from_pretrained(path).eval(),
+        AutoTokenizer.from_pretrained(path),
+        _request(max_new_tokens=12),
+    )
     moe = Ranks(path, tmp_path, pg_timeout_s=60, layout="tp+ep")
     try:
         greedy = moe.run("generate", [{"request": _request(max_new_tokens=12)}] * WORLD_SIZE)
-        lengths = moe.run("generate", [
-            {"request": _request(do_sample=True, temperature=1.5, seed=1, max_new_tokens=3)},
-            {"request": _request(do_sample=True, temperature=1.5, seed=2, max_new_tokens=16)},
-        ])
-        stopped = moe.run("interrupt", [
-            {"request": _request(max_new_tokens=200), "stop_after": stop, "next_request": _request(max_new_tokens=12)}
-            for stop in (3, 7)
-        ])
+        lengths = moe.run(
+            "generate",
+            [
+                {"request": _request(do_sample=True, temperature=1.5, seed=1, max_new_tokens=3)},
+                {"request": _request(do_sample=True, temperature=1.5, seed=2, max_new_tokens=16)},
+            ],
+        )
+        stopped = moe.run(
+            "interrupt",
+            [
+                {
+                    "request": _request(max_new_tokens=200),
+                    "stop_after": stop,
+                    "next_request": _request(max_new_tokens=12),
+                }
+                for stop in (3, 7)
+            ],
+        )
     finally:
         moe.close()
     assert [a["text"] for a in greedy] == [expected.text] * WORLD_SIZE

@@ -16,8 +16,10 @@ from tests.tiny import make_tiny_lm
 PROMPT = "The capital of France is"
 LAYOUTS = ["gather", "reshard", "tp"]
 # the demo model's uneven heads (6 and 3 query heads per rank under tp), and Qwen3's per-head q/k norms (split under tp only)
-MODELS = {"llama-uneven": dict(family="llama", hidden_size=72, num_heads=9, num_kv_heads=3),
-          "qwen3": dict(family="qwen3", num_heads=4, num_kv_heads=2)}
+MODELS = {
+    "llama-uneven": dict(family="llama", hidden_size=72, num_heads=9, num_kv_heads=3),
+    "qwen3": dict(family="qwen3", num_heads=4, num_kv_heads=2),
+}
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +31,9 @@ def load(path: Path, decode: str):
     from shardbook.rankd.config.schema import ModelConfig, ParallelConfig, ShardbookConfig
     from shardbook.rankd.loading.load_sharded import load_sharded
 
-    config = ShardbookConfig(model=ModelConfig(model_name_or_path=str(path), dtype="float32"), parallel=ParallelConfig(decode=decode))
+    config = ShardbookConfig(
+        model=ModelConfig(model_name_or_path=str(path), dtype="float32"), parallel=ParallelConfig(decode=decode)
+    )
     return load_sharded(config, device="cpu")
 
 
@@ -40,9 +44,11 @@ def one_process(path: Path) -> dict:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = AutoTokenizer.from_pretrained(path)(PROMPT, return_tensors="pt")["input_ids"]
     seen = {}
+
     def keep(name):
         def hook(module, args, out):
             seen.setdefault(name, out[0] if isinstance(out, tuple) else out)
+
         return hook
 
     hooks = [m.register_forward_hook(keep(n)) for n, m in model.named_modules() if n.startswith("model.layers.1")]
@@ -73,8 +79,17 @@ def traced(rank: int, path: Path, decode: str) -> dict:
     back = trace(model, tok, {"prompt": PROMPT, "modules": ["model.layers.0"]})
     if rank != 0:
         return {}
-    return {"layers": dict(layers), "lens": layers.lens, "logits": layers.logits, "inner": dict(inner), "o_in": dict(o_in),
-            "weights": weights, "zeroed": zeroed.logits, "zeroed_layer": zeroed["model.layers.0"], "back": back.logits}
+    return {
+        "layers": dict(layers),
+        "lens": layers.lens,
+        "logits": layers.logits,
+        "inner": dict(inner),
+        "o_in": dict(o_in),
+        "weights": weights,
+        "zeroed": zeroed.logits,
+        "zeroed_layer": zeroed["model.layers.0"],
+        "back": back.logits,
+    }
 
 
 def _zero_first_columns(output, name):
@@ -87,8 +102,12 @@ def one_process_intervened(path: Path) -> torch.Tensor:
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = AutoTokenizer.from_pretrained(path)(PROMPT, return_tensors="pt")["input_ids"]
-    model.model.layers[0].register_forward_hook(lambda m, a, out: out * 0 if not isinstance(out, tuple) else (out[0] * 0, *out[1:]))
-    model.model.layers[1].self_attn.o_proj.register_forward_pre_hook(lambda m, a: (_zero_first_columns(a[0].clone(), ""),))
+    model.model.layers[0].register_forward_hook(
+        lambda m, a, out: out * 0 if not isinstance(out, tuple) else (out[0] * 0, *out[1:])
+    )
+    model.model.layers[1].self_attn.o_proj.register_forward_pre_hook(
+        lambda m, a: (_zero_first_columns(a[0].clone(), ""),)
+    )
     with torch.no_grad():
         return model(ids).logits[0]
 
@@ -100,7 +119,9 @@ def test_trace_lens_parameters_and_interventions_match_one_process(ranks, tiny, 
     got = ranks(traced, path, decode)[0]
     close = dict(atol=1e-4, rtol=0)
     assert list(got["layers"]) == ["model.layers.0", "model.layers.1"]
-    for i, name in enumerate(got["layers"]):  # hidden_states[-1] has the final norm applied; layer 1's own output is in modules
+    for i, name in enumerate(
+        got["layers"]
+    ):  # hidden_states[-1] has the final norm applied; layer 1's own output is in modules
         expected = want["hidden"][i + 1] if i + 1 < len(want["hidden"]) - 1 else want["modules"]["model.layers.1"]
         torch.testing.assert_close(got["layers"][name], expected, **close, msg=name)
     torch.testing.assert_close(got["logits"], want["logits"], **close)
@@ -114,7 +135,10 @@ def test_trace_lens_parameters_and_interventions_match_one_process(ranks, tiny, 
         torch.testing.assert_close(got["inner"][name], tensor, **close, msg=name)
     for name, tensor in got["weights"].items():
         torch.testing.assert_close(tensor, want["state"][name], atol=0, rtol=0, msg=name)
-    assert got["o_in"]["model.layers.1.self_attn.o_proj"].shape[-1] == want["modules"]["model.layers.1.self_attn.q_proj"].shape[-1]
+    assert (
+        got["o_in"]["model.layers.1.self_attn.o_proj"].shape[-1]
+        == want["modules"]["model.layers.1.self_attn.q_proj"].shape[-1]
+    )
     assert torch.count_nonzero(got["zeroed_layer"]) == 0
     torch.testing.assert_close(got["zeroed"], one_process_intervened(path), **close)
     torch.testing.assert_close(got["back"], want["logits"], **close)

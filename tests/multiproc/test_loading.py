@@ -206,7 +206,7 @@ def failing_loads(rank, paths: dict) -> dict:
     }
     messages = {}
     for case, (config, model_path) in cases.items():
-        messages[case] = _message_of(lambda: load_sharded(config, device="cpu", model_path=model_path))
+        messages[case] = _message_of(lambda c=config, p=model_path: load_sharded(c, device="cpu", model_path=p))
 
     real_view = MappedFiles.view
 
@@ -225,7 +225,9 @@ def failing_loads(rank, paths: dict) -> dict:
     finally:
         MappedFiles.view = real_view
     gc.collect()
-    pinned = sum(isinstance(o, torch.nn.Module) and type(o).__name__.endswith("LlamaForCausalLM") for o in gc.get_objects())
+    pinned = sum(
+        isinstance(o, torch.nn.Module) and type(o).__name__.endswith("LlamaForCausalLM") for o in gc.get_objects()
+    )
     del kept
     healthy = load_sharded(stand_in_config(tiny), device="cpu")
     then = run_model(healthy.model, healthy.tokenizer, synced=True)
@@ -255,7 +257,9 @@ def failures(ranks, tiny, tmp_path_factory) -> list[dict]:
         f.truncate(f.seek(0, os.SEEK_END) - 1000)
     mismatched = make_tiny_llama(root / "mismatched")
     config = json.loads((mismatched / "config.json").read_text())
-    (mismatched / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] * 2}))
+    (mismatched / "config.json").write_text(
+        json.dumps({**config, "intermediate_size": config["intermediate_size"] * 2})
+    )
     paths = {
         "tiny": tiny,
         "missing": root / "nowhere",
@@ -368,8 +372,12 @@ def reload_and_free(rank, path) -> dict:
     del lingering
     free_model({}, device="cpu")
     second = load_sharded(stand_in_config(path), device="cpu")
-    return {"freed": old() is None, "resharded": resharded, "namespace": sorted(namespace),
-            **run_model(second.model, second.tokenizer, synced=True)}
+    return {
+        "freed": old() is None,
+        "resharded": resharded,
+        "namespace": sorted(namespace),
+        **run_model(second.model, second.tokenizer, synced=True),
+    }
 
 
 def test_reload_frees_the_previous_model_and_survives_a_broken_progress_callback(ranks, tiny, tiny_reference):

@@ -18,7 +18,10 @@ pytestmark = pytest.mark.timeout(300)
 def rank_context(rank: int):
     """What `replace_model` reads of a handler's `RankContext`: the shell's namespace, the rank, state, stop."""
     return types.SimpleNamespace(
-        shell=types.SimpleNamespace(user_ns={}), world=types.SimpleNamespace(rank=rank), state={}, stop_event=threading.Event()
+        shell=types.SimpleNamespace(user_ns={}),
+        world=types.SimpleNamespace(rank=rank),
+        state={},
+        stop_event=threading.Event(),
     )
 
 
@@ -31,7 +34,9 @@ def reload_badly(rank, tiny: Path, broken: dict[str, Path]) -> dict:
 
     def reload(path):
         try:
-            replace_model(ctx, stand_in_config(path), device="cpu", model_path=None, progress=None, notice=notices.append)
+            replace_model(
+                ctx, stand_in_config(path), device="cpu", model_path=None, progress=None, notice=notices.append
+            )
         except ValueError as e:
             return f"ValueError: {e}"
         return "loaded"
@@ -48,7 +53,12 @@ def reload_badly(rank, tiny: Path, broken: dict[str, Path]) -> dict:
     finally:
         MappedFiles.view = real_view
     kept = ctx.state["loaded"].model is first and ctx.shell.user_ns["model"] is first
-    return {"outcomes": outcomes, "kept": kept, "notices": notices, "then": run_model(first, ctx.shell.user_ns["tokenizer"], synced=True)}
+    return {
+        "outcomes": outcomes,
+        "kept": kept,
+        "notices": notices,
+        "then": run_model(first, ctx.shell.user_ns["tokenizer"], synced=True),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +83,10 @@ def test_a_failed_load_keeps_the_model_already_loaded(ranks, tiny, tmp_path):
     for rank, result in enumerate(results):
         for case, expected in EXPECTED.items():
             assert result["outcomes"][case].startswith("ValueError") and expected in result["outcomes"][case], (
-                rank, case, result["outcomes"][case])
+                rank,
+                case,
+                result["outcomes"][case],
+            )
         assert "simulated read failure" in result["outcomes"]["read fails on rank 1"], rank
         assert result["kept"], rank
     assert_same_as_reference([result["then"] for result in results], single_process(tiny))
@@ -81,13 +94,16 @@ def test_a_failed_load_keeps_the_model_already_loaded(ranks, tiny, tmp_path):
     assert results[1]["notices"] == []
     assert len(results[0]["notices"]) == len(EXPECTED) + 1
     for notice in results[0]["notices"]:
-        assert notice == f"the loaded model (LlamaForCausalLM from {tiny}) is still loaded: `model` and `tokenizer` are unchanged"
+        assert (
+            notice
+            == f"the loaded model (LlamaForCausalLM from {tiny}) is still loaded: `model` and `tokenizer` are unchanged"
+        )
 
 
 def reload_under_memory_pressure(rank, tiny: Path) -> dict:
     """Rank 1 reports almost no free memory: the old model must be freed first, announced before and after."""
-    from shardbook.rankd.parallel import layout
     from shardbook.rankd.loading.reload import replace_model
+    from shardbook.rankd.parallel import layout
 
     ctx, events = rank_context(rank), []
     replace_model(ctx, stand_in_config(tiny), device="cpu", model_path=None, progress=None, notice=print)

@@ -36,7 +36,9 @@ def logits_and_layers(rank: int, path: Path) -> dict:
     model = loaded.model
     seen = {}
     hooks = [
-        layer.register_forward_hook(lambda module, args, out, i=i: seen.__setitem__(i, out[0] if isinstance(out, tuple) else out))
+        layer.register_forward_hook(
+            lambda module, args, out, i=i: seen.__setitem__(i, out[0] if isinstance(out, tuple) else out)
+        )
         for i, layer in enumerate(model.model.layers)
     ]
     with torch.no_grad():

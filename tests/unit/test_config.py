@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from shardbook.rankd.config.parsing import config_from_dict, load_config, parse_overrides
 from shardbook.rankd.config.reference import config_reference_markdown, field_docs
 from shardbook.rankd.config.schema import (
     SECTIONS,
@@ -15,7 +16,6 @@ from shardbook.rankd.config.schema import (
     ShardbookConfig,
     validate_for_world,
 )
-from shardbook.rankd.config.parsing import config_from_dict, load_config, parse_overrides
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -35,7 +35,12 @@ def test_defaults_match_generate():
     assert (config.parallel.ep_size, config.parallel.ep_fsdp_size, config.parallel.device) == (1, 1, "auto")
     inference = config.inference
     assert (inference.infer_backend, inference.max_new_tokens, inference.do_sample) == ("huggingface", 512, False)
-    assert (inference.temperature, inference.top_p, inference.top_k, inference.repetition_penalty) == (1.0, 1.0, 50, 1.0)
+    assert (inference.temperature, inference.top_p, inference.top_k, inference.repetition_penalty) == (
+        1.0,
+        1.0,
+        50,
+        1.0,
+    )
     assert inference.seed is None and inference.system_prompt is None
 
 
@@ -64,9 +69,12 @@ def test_typed_overrides():
         [
             "--inference.do_sample",
             "--parallel.fsdp_size=-1",
-            "--parallel.reshard_after_forward", "no",
-            "--inference.temperature", "0.5",
-            "--inference.seed", "none",
+            "--parallel.reshard_after_forward",
+            "no",
+            "--inference.temperature",
+            "0.5",
+            "--inference.seed",
+            "none",
             "--inference.system_prompt=Be terse.",
             "--model.trust_remote_code",
         ],
@@ -93,13 +101,18 @@ def test_mindspeed_reshard_flag_names_a_decode_layout(flag, layout, caplog):
     assert f"parallel.reshard_after_forward={flag}: using parallel.decode {layout}" in caplog.text
     # the same layout named twice is no contradiction, and says nothing more
     caplog.clear()
-    assert load_config(None, ["--parallel.reshard_after_forward", flag, "--parallel.decode", layout]).parallel.decode == layout
+    assert (
+        load_config(None, ["--parallel.reshard_after_forward", flag, "--parallel.decode", layout]).parallel.decode
+        == layout
+    )
     assert caplog.text == ""
 
 
 @pytest.mark.parametrize(("flag", "layout"), [("true", "tp"), ("true", "gather"), ("false", "reshard")])
 def test_mindspeed_reshard_flag_contradicting_decode_is_an_error(flag, layout):
-    with pytest.raises(ValueError, match=f"reshard_after_forward={flag} means parallel.decode .* but parallel.decode is {layout}"):
+    with pytest.raises(
+        ValueError, match=f"reshard_after_forward={flag} means parallel.decode .* but parallel.decode is {layout}"
+    ):
         load_config(None, ["--parallel.reshard_after_forward", flag, "--parallel.decode", layout])
 
 
@@ -179,7 +192,9 @@ def test_unknown_key_in_override_suggests_other_section():
 
 
 def test_unknown_key_without_close_match():
-    with pytest.raises(ValueError, match=r"unknown key 'parallel.zzz' on the command line\. Valid keys of \[parallel\]"):
+    with pytest.raises(
+        ValueError, match=r"unknown key 'parallel.zzz' on the command line\. Valid keys of \[parallel\]"
+    ):
         load_config(None, ["--parallel.zzz", "1"])
 
 
@@ -280,13 +295,17 @@ def test_expert_parallel_sizes_must_be_positive(key):
 
 def test_expert_parallel_must_divide_the_world():
     assert load_config(None, ["--parallel.ep_size", "2"], world_size=2).parallel.ep_size == 2
-    with pytest.raises(ValueError, match=r"world size 2 is not divisible by parallel.ep_size x parallel.ep_fsdp_size = 3 x 1"):
+    with pytest.raises(
+        ValueError, match=r"world size 2 is not divisible by parallel.ep_size x parallel.ep_fsdp_size = 3 x 1"
+    ):
         load_config(None, ["--parallel.ep_size", "3"], world_size=2)
 
 
 @pytest.mark.parametrize("layout", ["gather", "reshard"])
 def test_expert_parallel_runs_in_the_tp_layout(layout):
-    with pytest.raises(ValueError, match=f"expert parallelism, which runs in the tp layout, but parallel.decode is {layout}"):
+    with pytest.raises(
+        ValueError, match=f"expert parallelism, which runs in the tp layout, but parallel.decode is {layout}"
+    ):
         load_config(None, ["--parallel.ep_size", "2", "--parallel.decode", layout])
 
 

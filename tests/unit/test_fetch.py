@@ -184,13 +184,15 @@ def test_chat_settings_add_chatml_template_and_stop_at_end_of_turn():
     from transformers import LlamaConfig, PreTrainedTokenizerFast
 
     vocab = {"<unk>": 0, "<|im_start|>": 1, "<|im_end|>": 2, "hi": 3}
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<unk>")),
-                                        unk_token="<unk>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<unk>")), unk_token="<unk>"
+    )
     config = LlamaConfig(vocab_size=4, bos_token_id=1, eos_token_id=0, max_position_embeddings=64)
     model = SimpleNamespace(config=config)
     fetch.set_chat_settings(model, tokenizer)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
-                                           add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert (config.eos_token_id, model.generation_config.eos_token_id, tokenizer.eos_token_id) == (2, 2, 2)
     assert tokenizer.model_max_length == 64
@@ -207,8 +209,10 @@ def test_fetched_demo_model_answers_paris():
     model = AutoModelForCausalLM.from_pretrained(built)
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True, return_tensors="pt", return_dict=True,
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
     )
     output = model.generate(**prompt, max_new_tokens=32, do_sample=False)
-    answer = tokenizer.decode(output[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = tokenizer.decode(output[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer

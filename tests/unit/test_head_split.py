@@ -8,7 +8,7 @@ from shardbook.rankd.parallel.head_split import HeadShare, balanced_ranges, spli
 
 
 def test_balanced_ranges_cover_everything_in_order():
-    assert balanced_ranges(9, 2) == [range(0, 5), range(5, 9)]
+    assert balanced_ranges(9, 2) == [range(5), range(5, 9)]
     assert balanced_ranges(4, 4) == [range(i, i + 1) for i in range(4)]
     assert [len(r) for r in balanced_ranges(10, 3)] == [4, 3, 3]
 
@@ -16,7 +16,7 @@ def test_balanced_ranges_cover_everything_in_order():
 def test_demo_model_heads_split_unevenly_along_kv_groups():
     """SmolLM2: 9 query heads reading 3 KV heads; 2 ranks keep 2 and 1 whole groups."""
     shares = split_heads(9, 3, 2)
-    assert shares == [HeadShare(range(0, 6), (0, 1)), HeadShare(range(6, 9), (2,))]
+    assert shares == [HeadShare(range(6), (0, 1)), HeadShare(range(6, 9), (2,))]
     assert [s.groups for s in shares] == [3, 3]
 
 
@@ -25,7 +25,7 @@ def test_fewer_kv_heads_than_ranks_split_the_query_heads():
     assert split_heads(8, 1, 4) == [HeadShare(range(2 * r, 2 * r + 2), (0,)) for r in range(4)]
     # 9 query heads over 3 KV heads on 4 ranks: rank 2 holds queries 5-6, reading KV heads 1 and 2 once each
     shares = split_heads(9, 3, 4)
-    assert [s.query_heads for s in shares] == [range(0, 3), range(3, 5), range(5, 7), range(7, 9)]
+    assert [s.query_heads for s in shares] == [range(3), range(3, 5), range(5, 7), range(7, 9)]
     assert [s.kv_heads for s in shares] == [(0,), (1,), (1, 2), (2,)]
     assert [s.groups for s in shares] == [3, 2, 1, 2]
 

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from shardbook.kernel.cli import main as cli, kernelspec
+from shardbook.kernel.cli import kernelspec
+from shardbook.kernel.cli import main as cli
 from shardbook.rankd.control.protocol import KEY_FILE_ENV
 
 
@@ -28,16 +29,24 @@ def test_multi_node_argv_carries_the_rendezvous():
     d = spec(nproc=8, nnodes=2, master_addr="10.0.0.1", master_port=29500)
     argv = d["argv"]
     assert "--standalone" not in argv
-    for flag, value in [("--nnodes", "2"), ("--node_rank", "0"), ("--master_addr", "10.0.0.1"), ("--master_port", "29500")]:
+    for flag, value in [
+        ("--nnodes", "2"),
+        ("--node_rank", "0"),
+        ("--master_addr", "10.0.0.1"),
+        ("--master_port", "29500"),
+    ]:
         assert argv[argv.index(flag) + 1] == value
     assert "16 ranks" in d["display_name"]
 
 
-@pytest.mark.parametrize("layout, message", [
-    (dict(nproc=0), "at least 1"),
-    (dict(nproc=2, nnodes=2, node_rank=1, master_addr="h", master_port=1), "node-rank 0"),
-    (dict(nproc=2, nnodes=2), "--master-addr"),
-])
+@pytest.mark.parametrize(
+    "layout, message",
+    [
+        (dict(nproc=0), "at least 1"),
+        (dict(nproc=2, nnodes=2, node_rank=1, master_addr="h", master_port=1), "node-rank 0"),
+        (dict(nproc=2, nnodes=2), "--master-addr"),
+    ],
+)
 def test_bad_layouts(layout, message):
     with pytest.raises(ValueError, match=message):
         kernelspec.Layout(**layout)
@@ -45,7 +54,9 @@ def test_bad_layouts(layout, message):
 
 def test_install_list_uninstall(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "share" / "jupyter"))
-    assert cli.main(["install", "--nproc", "2", "--prefix", str(tmp_path), "--env", "A=1", "--display-name", "Two"]) == 0
+    assert (
+        cli.main(["install", "--nproc", "2", "--prefix", str(tmp_path), "--env", "A=1", "--display-name", "Two"]) == 0
+    )
     written = json.loads((tmp_path / "share/jupyter/kernels/shardbook-2/kernel.json").read_text())
     assert written["env"] == {"A": "1"} and written["display_name"] == "Two"
     cli.main(["list"])
@@ -57,8 +68,23 @@ def test_install_list_uninstall(tmp_path, monkeypatch, capsys):
 
 def test_multi_node_install_creates_a_private_key_file(tmp_path):
     key = tmp_path / "job.key"
-    argv = ["install", "--nproc", "1", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", "29555",
-            "--key-file", str(key), "--prefix", str(tmp_path), "--name", "mn"]
+    argv = [
+        "install",
+        "--nproc",
+        "1",
+        "--nnodes",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        "29555",
+        "--key-file",
+        str(key),
+        "--prefix",
+        str(tmp_path),
+        "--name",
+        "mn",
+    ]
     assert cli.main(argv) == 0
     assert len(key.read_text().strip()) == 64 and (key.stat().st_mode & 0o777) == 0o600
     written = json.loads((tmp_path / "share/jupyter/kernels/mn/kernel.json").read_text())

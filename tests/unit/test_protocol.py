@@ -50,7 +50,13 @@ def test_round_trip(router):
     session.send(sock, protocol.STREAM, protocol.envelope(payload, id="c1", rank=1))
     assert router.got.wait(5)
     message, ident = router.received[0]
-    assert (message.type, message.id, message.rank, message.payload, ident) == (protocol.STREAM, "c1", 1, payload, b"rank-1")
+    assert (message.type, message.id, message.rank, message.payload, ident) == (
+        protocol.STREAM,
+        "c1",
+        1,
+        payload,
+        b"rank-1",
+    )
     sock.close(0)
 
 
@@ -59,7 +65,9 @@ def test_router_to_dealer(router):
     session = protocol.make_session(b"secret")
     session.send(sock, protocol.HELLO, protocol.envelope({}, rank=1))
     assert router.got.wait(5)
-    router.channel.send(protocol.COMMAND, protocol.envelope({"kind": "exec", "args": {"code": "1"}}, id="c2"), ident=b"rank-1")
+    router.channel.send(
+        protocol.COMMAND, protocol.envelope({"kind": "exec", "args": {"code": "1"}}, id="c2"), ident=b"rank-1"
+    )
     assert sock.poll(5000)
     _, msg = session.recv(sock, mode=zmq.NOBLOCK)
     assert protocol.Message.from_session_msg(msg).payload["args"] == {"code": "1"}
@@ -110,8 +118,13 @@ def signed(session, header, parent=b"{}", metadata=b"{}", content=b"{}") -> list
 
 def malformed_messages(session) -> list[list[bytes]]:
     """Hostile multipart messages: hand-picked shapes, validly signed nonsense, then random frames."""
-    header = json.dumps({"msg_id": "m", "msg_type": "stream", "username": "x", "session": "s", "date": "", "version": "5.3"}).encode()
-    envelope = lambda **kw: json.dumps({"v": 1, "id": "c", "rank": 1, "payload": {}, **kw}).encode()
+    header = json.dumps(
+        {"msg_id": "m", "msg_type": "stream", "username": "x", "session": "s", "date": "", "version": "5.3"}
+    ).encode()
+
+    def envelope(**kw):
+        return json.dumps({"v": 1, "id": "c", "rank": 1, "payload": {}, **kw}).encode()
+
     shapes = [
         [b"<IDS|MSG>"],  # the Jupyter delimiter alone
         [b"no delimiter"],
@@ -133,7 +146,10 @@ def malformed_messages(session) -> list[list[bytes]]:
     rng = random.Random(11)
     pieces = [b"<IDS|MSG>", b"{}", b"[]", b"PAYLOAD", b"", b"\x00" * 5]
     fuzz = [
-        [rng.choice(pieces) if rng.random() < 0.5 else rng.randbytes(rng.randrange(0, 64)) for _ in range(rng.randrange(1, 9))]
+        [
+            rng.choice(pieces) if rng.random() < 0.5 else rng.randbytes(rng.randrange(0, 64))
+            for _ in range(rng.randrange(1, 9))
+        ]
         for _ in range(400)
     ]
     return shapes + fuzz

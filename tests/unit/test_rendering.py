@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from shardbook.kernel.ranks.pool import Command, Outcome
-from shardbook.magics.views.dist_table import dist_text, format_bytes
 from shardbook.kernel.ranks.failures import group_errors, outcome_errors
+from shardbook.kernel.ranks.pool import Command, Outcome
 from shardbook.magics.errors import RankError, raise_for_outcome, render
 from shardbook.magics.relay import RankRelay
+from shardbook.magics.views.dist_table import dist_text, format_bytes
 from shardbook.magics.views.tables import shards_table
 from shardbook.rankd.control import protocol
 
@@ -87,8 +87,27 @@ def test_stuck_and_timed_out_ranks_are_errors():
 
 
 def test_dist_text_table():
-    rows = [{"rank": 0, "host": "h", "pid": 1, "device": "cpu", "backend": "gloo", "state": "idle", "memory": {"rss": 3 * 2**20}},
-            {"rank": 1, "host": "h", "pid": 2, "device": "cpu", "backend": "gloo", "state": "dead", "dead_reason": "gone", "memory": {}}]
+    rows = [
+        {
+            "rank": 0,
+            "host": "h",
+            "pid": 1,
+            "device": "cpu",
+            "backend": "gloo",
+            "state": "idle",
+            "memory": {"rss": 3 * 2**20},
+        },
+        {
+            "rank": 1,
+            "host": "h",
+            "pid": 2,
+            "device": "cpu",
+            "backend": "gloo",
+            "state": "dead",
+            "dead_reason": "gone",
+            "memory": {},
+        },
+    ]
     lines = dist_text(rows).splitlines()
     assert lines[0].split() == ["rank", "host", "pid", "device", "backend", "state", "memory"]
     assert "rss 3.0 MiB" in lines[1] and "dead (gone)" in lines[2]
@@ -104,7 +123,9 @@ def test_shards_table_text():
 def test_collective_timeouts_advise_a_restart():
     from shardbook.kernel.ranks.failures import describe_failures
 
-    timed_out = outcome({0: err("GenerationError", "rank 0: gloo Timed out waiting 5000ms"), 1: err("RuntimeError", "boom")})
+    timed_out = outcome(
+        {0: err("GenerationError", "rank 0: gloo Timed out waiting 5000ms"), 1: err("RuntimeError", "boom")}
+    )
     assert "restart the kernel" in describe_failures(timed_out)
     plain = outcome({0: err("ValueError", "bad"), 1: {"status": "ok"}})
     assert "restart" not in describe_failures(plain)
@@ -131,12 +152,21 @@ def test_scores_view_colours_tokens_and_lists_alternatives():
     from shardbook.magics.views.chat_view import ScoresView
 
     steps = [
-        {"token_id": 5, "text": "Paris", "prob": 0.9, "alternatives": [{"token_id": 5, "text": "Paris", "prob": 0.9},
-                                                                       {"token_id": 7, "text": "<b>Lyon", "prob": 0.05}]},
+        {
+            "token_id": 5,
+            "text": "Paris",
+            "prob": 0.9,
+            "alternatives": [
+                {"token_id": 5, "text": "Paris", "prob": 0.9},
+                {"token_id": 7, "text": "<b>Lyon", "prob": 0.05},
+            ],
+        },
         {"token_id": 2, "text": "", "prob": 0.2, "alternatives": []},
     ]
     view = ScoresView(steps)
     page = view._repr_html_()
     assert "hsl(108, 70%, 80%)" in page and "hsl(24, 70%, 80%)" in page  # sure in green, unsure in red
-    assert "&#x27;&lt;b&gt;Lyon&#x27; 0.050" in page and "<b>Lyon" not in page  # the alternative, escaped, in the tooltip
+    assert (
+        "&#x27;&lt;b&gt;Lyon&#x27; 0.050" in page and "<b>Lyon" not in page
+    )  # the alternative, escaped, in the tooltip
     assert repr(view) == "'Paris':0.90 '⟨2⟩':0.20"

@@ -20,41 +20,63 @@ def body(**fields) -> bytes:
 
 
 def test_a_full_request_becomes_settings_named_as_the_engine_names_them():
-    request = parse_request(body(max_completion_tokens=7, max_tokens=99, temperature=0.5, top_p=0.9, seed=3, stop="##",
-                                 stream=True, stream_options={"include_usage": True}, n=1, logprobs=False, user="me"))
+    request = parse_request(
+        body(
+            max_completion_tokens=7,
+            max_tokens=99,
+            temperature=0.5,
+            top_p=0.9,
+            seed=3,
+            stop="##",
+            stream=True,
+            stream_options={"include_usage": True},
+            n=1,
+            logprobs=False,
+            user="me",
+        )
+    )
     assert request.settings == {"max_new_tokens": 7, "do_sample": True, "temperature": 0.5, "top_p": 0.9, "seed": 3}
     assert (request.stop, request.stream, request.include_usage) == (["##"], True, True)
     assert parse_request(body(temperature=0)).settings == {"do_sample": False}
 
 
 def test_messages_keep_their_roles_and_text_parts_are_joined():
-    messages = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-                {"role": "assistant", "content": "ok"}]
+    messages = [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": "ok"},
+    ]
     assert parse_request(body(messages=messages)).messages == [
-        {"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}, {"role": "assistant", "content": "ok"}]
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": "ok"},
+    ]
 
 
-@pytest.mark.parametrize("raw, param", [
-    (b"{not json", None),
-    (json.dumps({"model": "m"}).encode(), "messages"),
-    (json.dumps({"messages": USER}).encode(), "model"),
-    (body(n=2), "n"),
-    (body(tools=[{"type": "function"}]), "tools"),
-    (body(logprobs=True), "logprobs"),
-    (body(frequency_penalty=0.5), "frequency_penalty"),
-    (body(best_of=3), "best_of"),
-    (body(max_tokens=0), "max_tokens"),
-    (body(max_tokens="5"), "max_tokens"),
-    (body(temperature=3), "temperature"),
-    (body(top_p=0), "top_p"),
-    (body(seed=True), "seed"),
-    (body(stop=["a", "b", "c", "d", "e"]), "stop"),
-    (body(stop=[""]), "stop"),
-    (body(stream_options={"include_usage": True}), "stream_options"),
-    (body(messages=[{"role": "tool", "content": "x"}]), "messages[0].role"),
-    (body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), "messages[0].content"),
-    (body(messages=[{"role": "user", "content": "x", "name": "bob"}]), "messages[0]"),
-])
+@pytest.mark.parametrize(
+    "raw, param",
+    [
+        (b"{not json", None),
+        (json.dumps({"model": "m"}).encode(), "messages"),
+        (json.dumps({"messages": USER}).encode(), "model"),
+        (body(n=2), "n"),
+        (body(tools=[{"type": "function"}]), "tools"),
+        (body(logprobs=True), "logprobs"),
+        (body(frequency_penalty=0.5), "frequency_penalty"),
+        (body(best_of=3), "best_of"),
+        (body(max_tokens=0), "max_tokens"),
+        (body(max_tokens="5"), "max_tokens"),
+        (body(temperature=3), "temperature"),
+        (body(top_p=0), "top_p"),
+        (body(seed=True), "seed"),
+        (body(stop=["a", "b", "c", "d", "e"]), "stop"),
+        (body(stop=[""]), "stop"),
+        (body(stream_options={"include_usage": True}), "stream_options"),
+        (body(messages=[{"role": "tool", "content": "x"}]), "messages[0].role"),
+        (body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), "messages[0].content"),
+        (body(messages=[{"role": "user", "content": "x", "name": "bob"}]), "messages[0]"),
+    ],
+)
 def test_each_unsupported_or_wrong_field_is_a_400_naming_it(raw, param):
     with pytest.raises(ApiError) as e:
         parse_request(raw)
@@ -72,7 +94,10 @@ def test_max_tokens_beyond_the_context_is_refused_naming_the_sizes():
     assert e.value.param == "messages"
 
 
-@pytest.mark.parametrize("chunks", [["Hello wor", "ld. Stop", "## here"], ["Hello world. Stop#", "#", " here"], list("Hello world. Stop## here")])
+@pytest.mark.parametrize(
+    "chunks",
+    [["Hello wor", "ld. Stop", "## here"], ["Hello world. Stop#", "#", " here"], list("Hello world. Stop## here")],
+)
 def test_stop_strings_are_cut_exactly_however_the_text_is_split(chunks):
     sent = []
     stream = StopTextFilter(sent.append, ["##", "never"])

@@ -22,7 +22,7 @@ def test_chunk_rows_are_torch_chunks():
 
     from shardbook.rankd.parallel.layout import chunk_rows
 
-    for total in range(0, 12):
+    for total in range(12):
         for parts in range(1, 6):
             chunks = torch.arange(total).chunk(parts) if total else ()
             for index in range(parts):

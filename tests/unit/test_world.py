@@ -46,7 +46,13 @@ def test_backends():
 
 def test_job_shape_from_torchrun_environment():
     shape = JobShape.from_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
-    assert (shape.rank, shape.world_size, shape.local_rank, shape.under_torchrun, shape.single_node) == (3, 8, 1, True, False)
+    assert (shape.rank, shape.world_size, shape.local_rank, shape.under_torchrun, shape.single_node) == (
+        3,
+        8,
+        1,
+        True,
+        False,
+    )
     assert JobShape.from_env({}) == JobShape()
     assert JobShape().single_node
 
