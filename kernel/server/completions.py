@@ -34,7 +34,8 @@ from shardbook.kernel.server.state import ServerState
 
 log = logging.getLogger(__name__)
 BODY_READ_LIMIT = 64 * 1024 * 1024
-"""Bodies past the server's limit are read and dropped (so the client gets its 413) up to this; beyond, the connection closes."""
+"""Bodies past the server's limit are read and dropped (so the client gets its 413) up to this;
+beyond, the connection closes."""
 
 
 class ApiHandler(tornado.web.RequestHandler):

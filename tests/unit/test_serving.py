@@ -1,4 +1,5 @@
-"""The serving pieces without processes: OpenAI request checks, stop strings in a stream, the generation queue, options."""
+"""The serving pieces without processes: OpenAI request checks, stop strings in a stream,
+the generation queue, options."""
 
 from __future__ import annotations
 
