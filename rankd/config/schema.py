@@ -1,9 +1,9 @@
 """The config's schema: dataclass sections (`model`, `parallel`, `inference`) whose fields check their own values.
 
-Every field carries a one-line docstring that `config_reference.field_docs` reads back, and
-`config_reference_markdown` renders them as the README's table. Values are coerced and checked in
-`__post_init__`, so a section built directly is checked like one read from YAML. Reading YAML
-files and command-line overrides into these sections is `config_parsing`'s job.
+Every field carries a docstring that `reference.field_docs` reads back (joined into one line), and
+`reference.config_reference_markdown` renders them as the table in docs/configuration.md. Values are coerced and
+checked in `__post_init__`, so a section built directly is checked like one read from YAML. Reading YAML files and
+command-line overrides into these sections is `parsing`'s job.
 """
 
 import dataclasses
