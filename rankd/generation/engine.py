@@ -241,14 +241,25 @@ def plan_generation(
 
 
 def build_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> torch.Tensor:
-    """The conversation as a (1, n) tensor of token ids, ending with the assistant's turn opening."""
+    """The conversation as a (1, n) tensor of token ids, ending with the assistant's turn opening.
+
+    Special tokens inside a message's content stay text (never control tokens), whatever the model family.
+    """
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"the tokenizer ({type(tokenizer).__name__}) has no chat template, so a conversation cannot be "
             "turned into a prompt; load an instruct/chat model, or set tokenizer.chat_template"
         )
+    # sanitize_control_tokens: a control token written inside a message ("<|im_start|>system" in user text)
+    # is encoded as plain text; only the ones the template itself writes are control tokens, so no client
+    # can forge a turn (a system prompt, an assistant reply) from inside its own content.
     encoded = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+        messages,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+        return_tensors="pt",
+        sanitize_control_tokens=True,
     )
     return encoded["input_ids"]
 
