@@ -71,6 +71,8 @@ def test_messages_keep_their_roles_and_text_parts_are_joined():
         (body(seed=True), "seed"),
         (body(stop=["a", "b", "c", "d", "e"]), "stop"),
         (body(stop=[""]), "stop"),
+        (body(stop="x" * 257), "stop"),
+        (body(stop=["a", "y" * 10_000]), "stop"),
         (body(stream_options={"include_usage": True}), "stream_options"),
         (body(messages=[{"role": "tool", "content": "x"}]), "messages[0].role"),
         (body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), "messages[0].content"),
