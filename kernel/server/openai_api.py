@@ -90,6 +90,8 @@ def parse_request(raw: bytes) -> CompletionRequest:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply to be a chat request") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object with 'model' and 'messages'")
     check_fields(body)

@@ -83,6 +83,7 @@ def test_error_paths_are_openai_errors_naming_the_cause(serve):
     cases = [
         (request(url, "POST", "/v1/chat/completions", b'{"model": "talker", "messages": ['), 400, None),
         (request(url, "POST", "/v1/chat/completions", {"model": MODEL}), 400, "messages"),
+        (request(url, "POST", "/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000), 400, None),
         (chat(url, "gpt-4o", "hi"), 404, "model"),
         (chat(url, MODEL, "hi", max_tokens=5000), 400, "max_tokens"),
         (chat(url, MODEL, "hi", n=2), 400, "n"),

@@ -57,6 +57,8 @@ def test_messages_keep_their_roles_and_text_parts_are_joined():
     "raw, param",
     [
         (b"{not json", None),
+        (b"[" * 100_000 + b"]" * 100_000, None),
+        (b'{"model": "m", "messages": ' + b'{"a": ' * 100_000 + b"1" + b"}" * 100_000 + b"}", None),
         (json.dumps({"model": "m"}).encode(), "messages"),
         (json.dumps({"messages": USER}).encode(), "model"),
         (body(n=2), "n"),
