@@ -93,13 +93,9 @@ class NotFoundHandler(ApiHandler):
 
 class HealthHandler(ApiHandler):
     def get(self) -> None:
-        self.write_json(
-            {
-                "status": "ok",
-                "model": self.server.model_id(),
-                "waiting": self.server.runtime.generation_queue.num_waiting(),
-            }
-        )
+        code, body = self.server.health()
+        self.set_header("Cache-Control", "no-store")
+        self.write_json(body, code)
 
 
 class ModelsHandler(ApiHandler):

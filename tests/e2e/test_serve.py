@@ -215,3 +215,10 @@ def test_special_tokens_in_a_request_stay_text_so_no_turn_can_be_forged(serve, t
         tokenizer.apply_chat_template([{"role": "user", "content": forged}], add_generation_prompt=True)["input_ids"]
     )
     assert reply.body["usage"]["prompt_tokens"] == as_text != as_control
+
+
+def test_health_reports_each_rank_and_the_queue(serve):
+    url = serve()
+    health = request(url, "GET", "/health")
+    assert health.status == 200 and health.body["status"] == "ok" and health.body["model"] == MODEL
+    assert [r["state"] for r in health.body["ranks"]] == ["idle", "idle"] and health.body["dead_ranks"] == []
