@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import Any, NoReturn
 
+from shardbook.kernel.api.conversation import with_system_prompt
 from shardbook.kernel.ranks.generation_queue import CHAT_SOURCE, Turn
 from shardbook.kernel.ranks.pool import Command, Outcome, PoolError
 from shardbook.kernel.ranks.runtime import Runtime, get_runtime
@@ -32,6 +33,8 @@ from shardbook.rankd.generation.engine import GenerationRequest, GenerationResul
 
 STREAM_DEADLINE_S = 660.0
 """Longest silence from the ranks while a reply is generated (the engine itself gives up after 600 s)."""
+CONFIG_SYSTEM_PROMPT = object()
+"""``ChatModel.build_request``'s default: the loaded config's ``inference.system_prompt``."""
 SETTINGS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "want_scores")
 
 
@@ -291,9 +294,19 @@ class ChatModel:
         self.runtime = runtime or get_runtime()
 
     def build_request(
-        self, messages: str | list[dict[str, str]], *, stop: list[str] | None = None, **settings: Any
+        self,
+        messages: str | list[dict[str, str]],
+        *,
+        stop: list[str] | None = None,
+        system_prompt: str | None | object = CONFIG_SYSTEM_PROMPT,
+        **settings: Any,
     ) -> GenerationRequest:
-        """A request with defaults from the loaded config's ``inference`` section and a seed."""
+        """A request with defaults from the loaded config's ``inference`` section and a seed.
+
+        The config's ``inference.system_prompt`` opens the conversation unless the messages have a system
+        message (``with_system_prompt``); a caller that keeps its own conversation (``%%chat``, the terminal
+        chat, whose system prompt may have been changed or removed) passes ``system_prompt=None``.
+        """
         config = self.runtime.ctx0.state.get("config")
         if config is None or "loaded" not in self.runtime.ctx0.state:
             raise PoolError("no model is loaded: run `%load_sharded configs/smollm2-135m.yaml` (or your config) first")
@@ -302,6 +315,9 @@ class ChatModel:
             raise ValueError(f"unknown generation settings {unknown}; valid: {', '.join(SETTINGS)}")
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
+        if system_prompt is CONFIG_SYSTEM_PROMPT:
+            system_prompt = config.inference.system_prompt
+        messages = with_system_prompt(list(messages), system_prompt)
         defaults = {k: getattr(config.inference, k) for k in SETTINGS if hasattr(config.inference, k)}
         given = {k: v for k, v in settings.items() if v is not None}
         return GenerationRequest(messages=list(messages), stop=list(stop or []), **{**defaults, **given}).with_seed()
