@@ -245,7 +245,10 @@ class _LoopQueue:
         self.queue: asyncio.Queue = asyncio.Queue()
 
     def put(self, item: tuple[str, Any]) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: its consumer is gone (and stopped the reply), nobody to tell
+            pass
 
 
 class AsyncChatStream(ChatStream):
@@ -261,21 +264,29 @@ class AsyncChatStream(ChatStream):
         super().__init__(runtime, request, on_notice, turn=turn, events=self._loop_queue)
 
     async def __aiter__(self) -> AsyncIterator[str]:
-        while True:
-            try:
-                kind, value = await asyncio.wait_for(self._loop_queue.queue.get(), self._deadline())
-            except asyncio.TimeoutError:
-                self._next_event_timed_out()
-            if kind == "started":
-                self.waited_s = value
-                self.started.set()
-            elif kind == "text":
-                yield value
-            elif kind == "error":
-                raise value
-            else:
-                self._finish(value)
-                return
+        finished = False
+        try:
+            while True:
+                try:
+                    kind, value = await asyncio.wait_for(self._loop_queue.queue.get(), self._deadline())
+                except asyncio.TimeoutError:
+                    finished = True  # _next_event_timed_out stops the ranks itself
+                    self._next_event_timed_out()
+                if kind == "started":
+                    self.waited_s = value
+                    self.started.set()
+                elif kind == "text":
+                    yield value
+                elif kind == "error":
+                    finished = True
+                    raise value
+                else:
+                    finished = True
+                    self._finish(value)
+                    return
+        finally:
+            if not finished:  # the consumer left early (break, an exception, a cancelled task): as ChatStream.__iter__
+                self.stop()
 
 
 class ChatModel:
