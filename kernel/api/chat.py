@@ -22,6 +22,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, NoReturn
 
 from shardbook.kernel.api.conversation import with_system_prompt
@@ -73,6 +74,17 @@ class LeftQueue(PoolError):
     """The reply left the queue (its cell interrupted, its client gone) while it waited for its turn on the ranks."""
 
 
+class ModelChanged(PoolError):
+    """Another model was loaded while the reply waited for its turn: it was checked against (and built for) the old one."""
+
+
+def _loaded_model(runtime: Runtime) -> tuple[Any, str | None]:
+    """The loaded model object (None when none is) and its name, as rank 0 knows them now."""
+    state = runtime.ctx0.state
+    config = state.get("config")
+    return state.get("loaded"), (Path(config.model.model_name_or_path).name if config is not None else None)
+
+
 class ChatStream:
     """Iterate to get text chunks as they are generated; ``response`` is set once it is finished.
 
@@ -105,6 +117,8 @@ class ChatStream:
         self._stopped = False
         self._delivered = False
         self._thread = threading.Thread(target=self._run, name="shardbook-chat", daemon=True)
+        self.loaded, self.model_name = _loaded_model(runtime)
+        """The model the request was checked against and built for; its turn runs only if it is still loaded."""
         if start:
             self.start()
 
@@ -124,8 +138,9 @@ class ChatStream:
                     "the reply left the queue while it waited for its turn on the ranks (they were busy with another "
                     "reply, e.g. an HTTP request to %serve); run the cell again to queue it again"
                 )
-            self._events.put(("started", self.turn.waited_s))
             try:
+                self._check_same_model()
+                self._events.put(("started", self.turn.waited_s))
                 outcome = pool.run(
                     "generate",
                     args,
@@ -139,6 +154,19 @@ class ChatStream:
             self._events.put(("done", outcome))
         except BaseException as e:  # handed to the consumer, which raises it
             self._events.put(("error", e))
+
+    def _check_same_model(self) -> None:
+        """ModelChanged when the model loaded now is not the one this request was checked against (a
+        ``%load_sharded`` took its turn in the queue while this one waited): never answer with another model."""
+        loaded, name = _loaded_model(self.runtime)
+        if loaded is not self.loaded:
+            now = (
+                f"'{name}' is loaded now; send it again to be answered by '{name}'" if loaded else "none is loaded now"
+            )
+            raise ModelChanged(
+                f"the model changed while this request waited for its turn: it was checked against "
+                f"'{self.model_name}', and {now}"
+            )
 
     def _on_output(self, rank: int, msg_type: str, payload: dict[str, Any]) -> None:
         if msg_type == protocol.TEXT:

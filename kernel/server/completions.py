@@ -17,7 +17,7 @@ from typing import Any
 import tornado.web
 from tornado.iostream import StreamClosedError
 
-from shardbook.kernel.api.chat import AsyncChatStream, ChatModel, LeftQueue
+from shardbook.kernel.api.chat import AsyncChatStream, ChatModel, LeftQueue, ModelChanged
 from shardbook.kernel.ranks.generation_queue import QueueFull
 from shardbook.kernel.ranks.pool import PoolError
 from shardbook.kernel.server.openai_api import (
@@ -224,6 +224,9 @@ class ChatCompletionsHandler(ApiHandler):
         if isinstance(error, LeftQueue) or self.client_left():
             return
         log.warning("chat completion failed: %s", error)
+        if isinstance(error, ModelChanged):  # never answered by a model other than the one it asked for
+            self.send_api_error(ApiError(409, str(error), param="model", code="model_changed"))
+            return
         if isinstance(error, PoolError):  # e.g. a %%all cell holds the ranks
             self.send_api_error(
                 ApiError(

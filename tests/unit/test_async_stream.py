@@ -36,7 +36,7 @@ class TalkingPool:
 
 
 def runtime() -> SimpleNamespace:
-    return SimpleNamespace(pool=TalkingPool(), generation_queue=GenerationQueue())
+    return SimpleNamespace(pool=TalkingPool(), generation_queue=GenerationQueue(), ctx0=SimpleNamespace(state={}))
 
 
 REQUEST = GenerationRequest(messages=[{"role": "user", "content": "talk"}], seed=0)
