@@ -93,7 +93,7 @@ def test_error_paths_are_openai_errors_naming_the_cause(serve):
     for reply, status, param in cases:
         assert (reply.status, reply.error["param"]) == (status, param), reply.body
         assert reply.error["message"] and reply.error["type"]
-    assert "not valid JSON" in cases[0][0].error["message"] and "4096" in cases[3][0].error["message"]
+    assert "not valid JSON" in cases[0][0].error["message"] and "4096" in cases[4][0].error["message"]
     assert chat(url, MODEL, "hi", max_tokens=2).status == 200
 
 
