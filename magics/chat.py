@@ -112,7 +112,9 @@ class ChatMagics(Magics):
             if self.conversation.system_prompt is None and runtime.ctx0.state.get("config") is not None:
                 self.conversation.system_prompt = runtime.ctx0.state["config"].inference.system_prompt
             settings = {k: getattr(args, k) for k in SETTINGS if k != "want_scores"}
-            request = model.build_request(self.conversation.request_messages(text), want_scores=args.scores, **settings)
+            request = model.build_request(
+                self.conversation.request_messages(text), system_prompt=None, want_scores=args.scores, **settings
+            )
         except (PoolError, ValueError) as e:
             raise UsageError(str(e)) from e
         use_widget = args.output == "widget" or (args.output is None and widgets_available(self.shell))

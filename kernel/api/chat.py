@@ -22,8 +22,10 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, NoReturn
 
+from shardbook.kernel.api.conversation import with_system_prompt
 from shardbook.kernel.ranks.generation_queue import CHAT_SOURCE, Turn
 from shardbook.kernel.ranks.pool import Command, Outcome, PoolError
 from shardbook.kernel.ranks.runtime import Runtime, get_runtime
@@ -32,6 +34,8 @@ from shardbook.rankd.generation.engine import GenerationRequest, GenerationResul
 
 STREAM_DEADLINE_S = 660.0
 """Longest silence from the ranks while a reply is generated (the engine itself gives up after 600 s)."""
+CONFIG_SYSTEM_PROMPT = object()
+"""``ChatModel.build_request``'s default: the loaded config's ``inference.system_prompt``."""
 SETTINGS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "want_scores")
 
 
@@ -70,6 +74,17 @@ class LeftQueue(PoolError):
     """The reply left the queue (its cell interrupted, its client gone) while it waited for its turn on the ranks."""
 
 
+class ModelChanged(PoolError):
+    """Another model was loaded while the reply waited for its turn: it was checked against (and built for) the old one."""
+
+
+def _loaded_model(runtime: Runtime) -> tuple[Any, str | None]:
+    """The loaded model object (None when none is) and its name, as rank 0 knows them now."""
+    state = runtime.ctx0.state
+    config = state.get("config")
+    return state.get("loaded"), (Path(config.model.model_name_or_path).name if config is not None else None)
+
+
 class ChatStream:
     """Iterate to get text chunks as they are generated; ``response`` is set once it is finished.
 
@@ -102,6 +117,8 @@ class ChatStream:
         self._stopped = False
         self._delivered = False
         self._thread = threading.Thread(target=self._run, name="shardbook-chat", daemon=True)
+        self.loaded, self.model_name = _loaded_model(runtime)
+        """The model the request was checked against and built for; its turn runs only if it is still loaded."""
         if start:
             self.start()
 
@@ -121,8 +138,9 @@ class ChatStream:
                     "the reply left the queue while it waited for its turn on the ranks (they were busy with another "
                     "reply, e.g. an HTTP request to %serve); run the cell again to queue it again"
                 )
-            self._events.put(("started", self.turn.waited_s))
             try:
+                self._check_same_model()
+                self._events.put(("started", self.turn.waited_s))
                 outcome = pool.run(
                     "generate",
                     args,
@@ -136,6 +154,19 @@ class ChatStream:
             self._events.put(("done", outcome))
         except BaseException as e:  # handed to the consumer, which raises it
             self._events.put(("error", e))
+
+    def _check_same_model(self) -> None:
+        """ModelChanged when the model loaded now is not the one this request was checked against (a
+        ``%load_sharded`` took its turn in the queue while this one waited): never answer with another model."""
+        loaded, name = _loaded_model(self.runtime)
+        if loaded is not self.loaded:
+            now = (
+                f"'{name}' is loaded now; send it again to be answered by '{name}'" if loaded else "none is loaded now"
+            )
+            raise ModelChanged(
+                f"the model changed while this request waited for its turn: it was checked against "
+                f"'{self.model_name}', and {now}"
+            )
 
     def _on_output(self, rank: int, msg_type: str, payload: dict[str, Any]) -> None:
         if msg_type == protocol.TEXT:
@@ -242,7 +273,10 @@ class _LoopQueue:
         self.queue: asyncio.Queue = asyncio.Queue()
 
     def put(self, item: tuple[str, Any]) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: its consumer is gone (and stopped the reply), nobody to tell
+            pass
 
 
 class AsyncChatStream(ChatStream):
@@ -258,21 +292,29 @@ class AsyncChatStream(ChatStream):
         super().__init__(runtime, request, on_notice, turn=turn, events=self._loop_queue)
 
     async def __aiter__(self) -> AsyncIterator[str]:
-        while True:
-            try:
-                kind, value = await asyncio.wait_for(self._loop_queue.queue.get(), self._deadline())
-            except asyncio.TimeoutError:
-                self._next_event_timed_out()
-            if kind == "started":
-                self.waited_s = value
-                self.started.set()
-            elif kind == "text":
-                yield value
-            elif kind == "error":
-                raise value
-            else:
-                self._finish(value)
-                return
+        finished = False
+        try:
+            while True:
+                try:
+                    kind, value = await asyncio.wait_for(self._loop_queue.queue.get(), self._deadline())
+                except asyncio.TimeoutError:
+                    finished = True  # _next_event_timed_out stops the ranks itself
+                    self._next_event_timed_out()
+                if kind == "started":
+                    self.waited_s = value
+                    self.started.set()
+                elif kind == "text":
+                    yield value
+                elif kind == "error":
+                    finished = True
+                    raise value
+                else:
+                    finished = True
+                    self._finish(value)
+                    return
+        finally:
+            if not finished:  # the consumer left early (break, an exception, a cancelled task): as ChatStream.__iter__
+                self.stop()
 
 
 class ChatModel:
@@ -291,9 +333,19 @@ class ChatModel:
         self.runtime = runtime or get_runtime()
 
     def build_request(
-        self, messages: str | list[dict[str, str]], *, stop: list[str] | None = None, **settings: Any
+        self,
+        messages: str | list[dict[str, str]],
+        *,
+        stop: list[str] | None = None,
+        system_prompt: str | None | object = CONFIG_SYSTEM_PROMPT,
+        **settings: Any,
     ) -> GenerationRequest:
-        """A request with defaults from the loaded config's ``inference`` section and a seed."""
+        """A request with defaults from the loaded config's ``inference`` section and a seed.
+
+        The config's ``inference.system_prompt`` opens the conversation unless the messages have a system
+        message (``with_system_prompt``); a caller that keeps its own conversation (``%%chat``, the terminal
+        chat, whose system prompt may have been changed or removed) passes ``system_prompt=None``.
+        """
         config = self.runtime.ctx0.state.get("config")
         if config is None or "loaded" not in self.runtime.ctx0.state:
             raise PoolError("no model is loaded: run `%load_sharded configs/smollm2-135m.yaml` (or your config) first")
@@ -302,6 +354,9 @@ class ChatModel:
             raise ValueError(f"unknown generation settings {unknown}; valid: {', '.join(SETTINGS)}")
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
+        if system_prompt is CONFIG_SYSTEM_PROMPT:
+            system_prompt = config.inference.system_prompt
+        messages = with_system_prompt(list(messages), system_prompt)
         defaults = {k: getattr(config.inference, k) for k in SETTINGS if hasattr(config.inference, k)}
         given = {k: v for k, v in settings.items() if v is not None}
         return GenerationRequest(messages=list(messages), stop=list(stop or []), **{**defaults, **given}).with_seed()

@@ -10,6 +10,17 @@ from typing import Any
 from shardbook.rankd.control.text import check_valid
 
 
+def with_system_prompt(messages: list[dict[str, str]], system_prompt: str | None) -> list[dict[str, str]]:
+    """The messages the model sees: ``system_prompt`` first unless it is empty or the messages bring their own.
+
+    The one place a conversation gets its system prompt, for ``%%chat``, the terminal chat, ``ChatModel`` and
+    the HTTP endpoint alike, so the same question gets the same prompt whichever way it is asked.
+    """
+    if not system_prompt or any(m.get("role") == "system" for m in messages):
+        return list(messages)
+    return [{"role": "system", "content": system_prompt}, *messages]
+
+
 @dataclass
 class Conversation:
     """Messages in order; an interrupted reply stays in the history, marked ``interrupted``."""
@@ -19,9 +30,8 @@ class Conversation:
 
     def request_messages(self, user_text: str) -> list[dict[str, str]]:
         """The whole conversation plus the new user message, as the chat template wants it."""
-        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         history = [{"role": t["role"], "content": t["content"]} for t in self.turns]
-        return [*system, *history, {"role": "user", "content": user_text}]
+        return with_system_prompt([*history, {"role": "user", "content": user_text}], self.system_prompt)
 
     def add_turn(self, user_text: str, reply: str, finish_reason: str) -> None:
         self.turns.append({"role": "user", "content": user_text})

@@ -377,7 +377,7 @@ class TerminalChat:
         from shardbook.kernel.api.chat import ChatStream, GenerationFailed, sigint_calls
 
         try:
-            request = self.model.build_request(self.conversation.request_messages(text))
+            request = self.model.build_request(self.conversation.request_messages(text), system_prompt=None)
         except ValueError as e:
             self.terminal.error(str(e))
             return

@@ -116,6 +116,9 @@ def temporary_kernelspec(layout: kernelspec.Layout) -> Iterator[str]:
                 os.environ["JUPYTER_PATH"] = previous
 
 
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
 def output_text(out) -> str:
     """What the terminal shows for one notebook output."""
     kind = out.output_type
@@ -124,6 +127,11 @@ def output_text(out) -> str:
     if kind == "error":
         return "\n".join([f"{out.ename}: {out.evalue}", *out.traceback]) + "\n"
     data = out.get("data", {})
+    if WIDGET_VIEW in data:
+        # a live widget (a %%chat reply as it streams, a slider): its text/plain is a repr such as
+        # HTML(value="<div class='shardbook-reply' ..."), nothing a person reads; a %%chat reply's final
+        # rendering arrives as an update of the same display and is printed then
+        return ""
     for mime in ("text/markdown", "text/plain"):
         if mime in data:
             return data[mime].rstrip("\n") + "\n"

@@ -74,3 +74,38 @@ def _silence_reason(state: RankState) -> str:
         f"it has not answered heartbeats for {state.silent_s:.0f} s (SHARDBOOK_HEARTBEAT_TIMEOUT = "
         f"{SILENCE_TIMEOUT_S:.0f} s); {where}. Restart the kernel"
     )
+
+
+def ranks_health(states: list[RankState], busy: set[int], loading: bool) -> dict:
+    """What ``/health`` says of the ranks: each rank's state, and whether they can serve at all.
+
+    ``busy``: ranks with a command pending; ``loading``: a ``load`` command is in flight.
+    A dead or still-connecting rank means the ranks cannot serve (``can_serve`` False); a silent one
+    is reported (it may answer again) but does not, by itself, make them unable to.
+    """
+    rows = []
+    for s in sorted(states, key=lambda s: s.rank):
+        if s.dead_reason:
+            state = "dead"
+        elif not s.connected:
+            state = "connecting"
+        elif s.silent_s > SILENT_S:
+            state = "silent"
+        else:
+            state = "busy" if s.rank in busy else "idle"
+        row = {"rank": s.rank, "state": state}
+        if s.dead_reason:
+            row["reason"] = s.dead_reason
+        if state == "silent":
+            row["silent_s"] = round(s.silent_s, 1)
+        rows.append(row)
+    dead = [r["rank"] for r in rows if r["state"] == "dead"]
+    connecting = [r["rank"] for r in rows if r["state"] == "connecting"]
+    return {
+        "can_serve": not dead and not connecting,
+        "loading": loading,
+        "busy": bool(busy),
+        "dead_ranks": dead,
+        "silent_ranks": [r["rank"] for r in rows if r["state"] == "silent"],
+        "ranks": rows,
+    }

@@ -21,7 +21,7 @@ from typing import Any
 
 import zmq
 
-from shardbook.kernel.ranks.liveness import SILENT_S, RankState, judge
+from shardbook.kernel.ranks.liveness import SILENT_S, RankState, judge, ranks_health
 from shardbook.rankd import commands  # noqa: F401  (fills the command table rank 0 dispatches from)
 from shardbook.rankd.control import protocol, text
 from shardbook.rankd.control.channel import Channel, MessageTooLarge, control_socket, log_to_process_stderr
@@ -369,6 +369,15 @@ class Pool:
                     state += f", silent {s.silent_s:.0f} s"
                 rows.append({**vars(s), "state": state})
         return rows
+
+    def health(self) -> dict[str, Any]:
+        """Each rank's state (idle, busy, silent, dead, connecting) and whether the ranks can serve, for ``/health``."""
+        if self.world.world_size > 1 and self._pinger is not None:
+            self._check_liveness(time.monotonic())
+        with self._lock:
+            busy = {r for c in self.commands.values() for r in c.pending}
+            loading = any(c.kind == "load" and c.pending for c in self.commands.values())
+            return ranks_health(list(self.ranks.values()), busy, loading)
 
     def dead_ranks(self) -> list[RankState]:
         """Ranks known dead, after a fresh look at the local pids."""

@@ -109,6 +109,7 @@ def get_runtime(shell: Any = None) -> Runtime:
                 _runtime = start_runtime(shell)
             except Exception as e:
                 _failure = startup_failure(e)
+                log.error("%s", _failure)  # the kernel's log (the Jupyter server's terminal), not only the magics
                 raise PoolError(_failure) from e
         return _runtime
 

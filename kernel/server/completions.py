@@ -17,7 +17,7 @@ from typing import Any
 import tornado.web
 from tornado.iostream import StreamClosedError
 
-from shardbook.kernel.api.chat import AsyncChatStream, ChatModel, LeftQueue
+from shardbook.kernel.api.chat import AsyncChatStream, ChatModel, LeftQueue, ModelChanged
 from shardbook.kernel.ranks.generation_queue import QueueFull
 from shardbook.kernel.ranks.pool import PoolError
 from shardbook.kernel.server.openai_api import (
@@ -94,13 +94,9 @@ class NotFoundHandler(ApiHandler):
 
 class HealthHandler(ApiHandler):
     def get(self) -> None:
-        self.write_json(
-            {
-                "status": "ok",
-                "model": self.server.model_id(),
-                "waiting": self.server.runtime.generation_queue.num_waiting(),
-            }
-        )
+        code, body = self.server.health()
+        self.set_header("Cache-Control", "no-store")
+        self.write_json(body, code)
 
 
 class ModelsHandler(ApiHandler):
@@ -229,6 +225,9 @@ class ChatCompletionsHandler(ApiHandler):
         if isinstance(error, LeftQueue) or self.client_left():
             return
         log.warning("chat completion failed: %s", error)
+        if isinstance(error, ModelChanged):  # never answered by a model other than the one it asked for
+            self.send_api_error(ApiError(409, str(error), param="model", code="model_changed"))
+            return
         if isinstance(error, PoolError):  # e.g. a %%all cell holds the ranks
             self.send_api_error(
                 ApiError(

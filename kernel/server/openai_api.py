@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from shardbook.rankd.generation.engine import MAX_STOP_CHARS
+
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 HANDLED = {
     "model",
@@ -88,6 +90,8 @@ def parse_request(raw: bytes) -> CompletionRequest:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply to be a chat request") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object with 'model' and 'messages'")
     check_fields(body)
@@ -186,6 +190,11 @@ def parse_stop(stop: Any) -> list[str]:
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOP_STRINGS:
         raise ApiError(
             400, f"'stop' must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them", param="stop"
+        )
+    longest = max(map(len, stops), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise ApiError(
+            400, f"'stop': each stop string may have at most {MAX_STOP_CHARS} characters, got {longest}", param="stop"
         )
     return stops
 

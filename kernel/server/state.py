@@ -119,6 +119,37 @@ class ServerState:
             )
         return self.runtime.ctx0.state["loaded"]
 
+    def health(self) -> tuple[int, dict]:
+        """``/health``'s status code and body: 503 when the ranks cannot serve (no model, a dead or missing rank).
+
+        ``status`` is one word a load balancer can act on: ``ok`` (idle), ``busy`` (generating; requests wait
+        in line), ``loading`` (a model is being loaded), ``no_model`` or ``rank_dead`` / ``ranks_connecting``.
+        """
+        ranks = self.runtime.pool.health()
+        queue = self.runtime.generation_queue
+        model = self.model_id()
+        if ranks["dead_ranks"]:
+            status = "rank_dead"
+        elif not ranks["can_serve"]:
+            status = "ranks_connecting"
+        elif ranks["loading"]:
+            status = "loading"
+        elif model is None:
+            status = "no_model"
+        elif ranks["busy"] or queue.running is not None:
+            status = "busy"
+        else:
+            status = "ok"
+        body = {
+            "status": status,
+            "model": model,
+            "waiting": queue.num_waiting(),
+            "running": queue.running.source if queue.running is not None else None,
+            **ranks,
+        }
+        can_serve = ranks["can_serve"] and model is not None
+        return (200 if can_serve else 503), body
+
     def status_text(self) -> str:
         s = self.stats
         return (

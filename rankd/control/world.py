@@ -180,7 +180,7 @@ class StartupAbandoned(RuntimeError):
     """This rank arrived after another gave up on start-up; it should leave quietly (exit status 0)."""
 
 
-def wait_for_every_rank(store: Any, world_size: int) -> None:
+def wait_for_every_rank(store: Any, world_size: int, rank: int | None = None) -> None:
     """Block until every rank has arrived, under ``SHARDBOOK_CONNECT_TIMEOUT`` (default 120 s).
 
     The process group connects its ranks under the *collective* timeout, which people may set
@@ -190,13 +190,17 @@ def wait_for_every_rank(store: Any, world_size: int) -> None:
     in the process group's rendezvous for ranks that have moved on.
     """
     deadline = time.monotonic() + CONNECT_TIMEOUT_S
+    if rank is not None:
+        store.set(f"shardbook/arrived/{rank}", "1")  # who arrived, so a failure can name who did not
     store.add("shardbook/arrived", 1)
     while store.add("shardbook/arrived", 0) < world_size:
         if time.monotonic() > deadline:
-            arrived = store.add("shardbook/arrived", 0)
+            missing = [r for r in range(world_size) if not store.check([f"shardbook/arrived/{r}"])]
+            which = ", ".join(map(str, missing)) or "unknown"
             text = (
-                f"only {arrived} of {world_size} ranks started within SHARDBOOK_CONNECT_TIMEOUT; check the other "
-                "ranks' logs (a node that never started, an import error) and restart"
+                f"rank{'s' if len(missing) != 1 else ''} {which} of {world_size} did not start within "
+                "SHARDBOOK_CONNECT_TIMEOUT; check the logs of the missing rank(s) (a node that never started, "
+                "an import error) and restart"
             )
             store.set(STARTUP_FAILED_KEY, text)
             raise RuntimeError(text)
@@ -223,7 +227,7 @@ def init_world(requested_device: str | None = None, shape: JobShape | None = Non
     if not dist.is_initialized():
         if shape.under_torchrun:
             store, rank, world_size = next(dist.rendezvous("env://"))
-            wait_for_every_rank(store, world_size)
+            wait_for_every_rank(store, world_size, rank)
             dist.init_process_group(
                 backend=backend, store=store, rank=rank, world_size=world_size, timeout=process_group_timeout()
             )

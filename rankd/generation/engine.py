@@ -46,6 +46,8 @@ NUM_ALTERNATIVES = 5
 """Alternatives recorded per generated token when a request wants scores."""
 DECODE_KWARGS = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
 """How replies are decoded, streamed and final alike, so the streamed chunks add up to the reply."""
+MAX_STOP_CHARS = 256
+"""Longest stop string a request may give (longer ones are refused: checking them each step costs every rank)."""
 PLAN_WORDS = "build the prompt for this chat request"
 """What a rank that fails in :func:`plan_generation` could not do, for the other ranks' errors."""
 
@@ -90,6 +92,11 @@ class GenerationRequest:
         _check(
             isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
             f"stop must be a list of non-empty strings, got {self.stop!r}",
+        )
+        longest = max(map(len, self.stop), default=0)
+        _check(
+            longest <= MAX_STOP_CHARS,
+            f"stop: each stop string may have at most {MAX_STOP_CHARS} characters, got one of {longest}",
         )
 
     def with_seed(self) -> GenerationRequest:
@@ -155,6 +162,29 @@ class GenerationError(RuntimeError):
     """`model.generate` raised on this rank; the message names the rank and the cause is chained."""
 
 
+class StopOnText(StoppingCriteria):
+    """Stops generation on this rank once the reply's text contains one of `stops` (no set-up cost, unlike
+    transformers' `stop_strings`, whose set-up grows with the stop strings' length on every rank).
+
+    Each step decodes only the reply's last few tokens: enough to hold the longest stop string, which
+    must end in the newest token if it was not found at an earlier step.
+    """
+
+    def __init__(self, tokenizer: Any, stops: list[str], num_prompt_tokens: int):
+        self.tokenizer = tokenizer
+        self.stops = stops
+        self.num_prompt_tokens = num_prompt_tokens
+        self.window = 4 * max(map(len, stops), default=0) + 16  # a character takes at most 4 byte tokens
+        self.fired = False
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
+        if not self.fired:
+            start = max(self.num_prompt_tokens, input_ids.shape[1] - self.window)
+            text = self.tokenizer.decode(input_ids[0, start:].tolist(), **DECODE_KWARGS)
+            self.fired = find_stop(text, self.stops) is not None
+        return torch.full((input_ids.shape[0],), self.fired, dtype=torch.bool, device=input_ids.device)
+
+
 class StopOnEvent(StoppingCriteria):
     """Stops generation on this rank at the next step once `event` is set; remembers that it did."""
 
@@ -189,6 +219,7 @@ def generate(
     device = torch.device(device)
     prompt_ids, config = agree(lambda: plan_generation(model, tokenizer, request, device), PLAN_WORDS)
     stop = StopOnEvent(stop_event)
+    criteria = [stop] + ([StopOnText(tokenizer, request.stop, prompt_ids.shape[1])] if request.stop else [])
     events: queue.Queue = queue.Queue()
     streamer = None
     if on_text is not None and request.stop:
@@ -206,8 +237,7 @@ def generate(
             generation_config=config,
             synced_gpus=_world_size() > 1,
             streamer=streamer,
-            stopping_criteria=StoppingCriteriaList([stop]),
-            **({"tokenizer": tokenizer} if request.stop else {}),  # transformers' stop_strings need it
+            stopping_criteria=StoppingCriteriaList(criteria),
         ),
     )
     with _eval_mode(model):
@@ -241,14 +271,25 @@ def plan_generation(
 
 
 def build_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> torch.Tensor:
-    """The conversation as a (1, n) tensor of token ids, ending with the assistant's turn opening."""
+    """The conversation as a (1, n) tensor of token ids, ending with the assistant's turn opening.
+
+    Special tokens inside a message's content stay text (never control tokens), whatever the model family.
+    """
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"the tokenizer ({type(tokenizer).__name__}) has no chat template, so a conversation cannot be "
             "turned into a prompt; load an instruct/chat model, or set tokenizer.chat_template"
         )
+    # sanitize_control_tokens: a control token written inside a message ("<|im_start|>system" in user text)
+    # is encoded as plain text; only the ones the template itself writes are control tokens, so no client
+    # can forge a turn (a system prompt, an assistant reply) from inside its own content.
     encoded = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+        messages,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+        return_tensors="pt",
+        sanitize_control_tokens=True,
     )
     return encoded["input_ids"]
 
@@ -292,7 +333,7 @@ def build_generation_config(
         max_new_tokens=max_new_tokens,
         do_sample=request.do_sample,
         repetition_penalty=request.repetition_penalty,
-        stop_strings=request.stop or None,
+        stop_strings=None,  # StopOnText instead: no set-up cost for long stop strings
         num_beams=1,  # one streamed sequence
         num_return_sequences=1,
         use_cache=True,

@@ -112,7 +112,7 @@ def test_rich_outputs_print_as_text_and_widget_state_is_saved(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout == (
         "**bold** reply\n42\n<IPython.core.display.Image object>\n"
-        "[image/png output, not shown in a terminal]\nIntSlider(value=7)\n"
+        "[image/png output, not shown in a terminal]\n"  # a widget's repr is nothing to read
     )
     states = nbformat.read(tmp_path / "out.ipynb", as_version=4).metadata.widgets[
         "application/vnd.jupyter.widget-state+json"

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/tiny.py
 from tiny import make_tiny_llama, make_tiny_moe
 
 from shardbook.rankd.generation.engine import (
+    MAX_STOP_CHARS,
     GenerationError,
     GenerationRequest,
     fit_max_new_tokens,
@@ -550,3 +551,25 @@ def test_demo_model_answers_paris_alike_on_two_ranks(tmp_path: Path, layout: str
     assert "Paris" in expected.text
     for rank, answer in enumerate(answers):
         assert answer["text"] == expected.text, rank
+
+
+def test_stop_strings_cut_the_reply_without_transformers_stop_string_set_up(
+    single: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stop strings are matched on the text by shardbook (no set-up per stop string on every rank), and are bounded."""
+    import transformers.generation.stopping_criteria as criteria
+
+    full = _generate_here(*single, _request(max_new_tokens=20))
+    stop = full.text[6:9]
+    cut = full.text.index(stop)
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("transformers' StopStringCriteria set-up ran (seconds for a long stop string)")
+
+    monkeypatch.setattr(criteria.StopStringCriteria, "__init__", refuse)
+    long_stop = "z" * MAX_STOP_CHARS
+    stopped = _generate_here(*single, _request(max_new_tokens=20, stop=[long_stop, stop]))
+    assert (stopped.text, stopped.finish_reason) == (full.text[:cut], "stop")
+    assert stopped.generated_tokens < 20
+    with pytest.raises(ValueError, match=f"stop: each stop string may have at most {MAX_STOP_CHARS} characters"):
+        GenerationRequest(messages=QUESTION, stop=["x" * 10_000])

@@ -170,3 +170,19 @@ def test_scores_view_colours_tokens_and_lists_alternatives():
         "&#x27;&lt;b&gt;Lyon&#x27; 0.050" in page and "<b>Lyon" not in page
     )  # the alternative, escaped, in the tooltip
     assert repr(view) == "'Paris':0.90 '⟨2⟩':0.20"
+
+
+def test_shardbook_run_prints_a_chat_reply_not_its_widget_repr():
+    from nbformat.v4 import new_output
+
+    from shardbook.kernel.cli.run import output_text
+
+    widget = new_output(
+        "display_data",
+        data={
+            "text/plain": "HTML(value=\"<div class='shardbook-reply'>Par</div>\")",
+            "application/vnd.jupyter.widget-view+json": {"model_id": "abc", "version_major": 2, "version_minor": 0},
+        },
+    )
+    final = new_output("display_data", data={"text/markdown": "Paris.", "text/plain": "Paris."})
+    assert output_text(widget) + output_text(final) == "Paris.\n"

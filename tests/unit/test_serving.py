@@ -58,6 +58,8 @@ def test_messages_keep_their_roles_and_text_parts_are_joined():
     "raw, param",
     [
         (b"{not json", None),
+        (b"[" * 100_000 + b"]" * 100_000, None),
+        (b'{"model": "m", "messages": ' + b'{"a": ' * 100_000 + b"1" + b"}" * 100_000 + b"}", None),
         (json.dumps({"model": "m"}).encode(), "messages"),
         (json.dumps({"messages": USER}).encode(), "model"),
         (body(n=2), "n"),
@@ -72,6 +74,8 @@ def test_messages_keep_their_roles_and_text_parts_are_joined():
         (body(seed=True), "seed"),
         (body(stop=["a", "b", "c", "d", "e"]), "stop"),
         (body(stop=[""]), "stop"),
+        (body(stop="x" * 257), "stop"),
+        (body(stop=["a", "y" * 10_000]), "stop"),
         (body(stream_options={"include_usage": True}), "stream_options"),
         (body(messages=[{"role": "tool", "content": "x"}]), "messages[0].role"),
         (body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), "messages[0].content"),
