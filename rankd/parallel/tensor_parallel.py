@@ -87,6 +87,12 @@ def tp_unavailable(hf_config, parts: int) -> str | None:
     if unknown := unknown_words(config):
         return f"{model_type!r}'s parallel plan uses {', '.join(unknown)}, which tp does not know: {_WAYS_OUT}"
     heads = config.num_attention_heads
+    if getattr(config, "kv_lora_rank", None) and config.num_key_value_heads != heads:
+        return (
+            f"this {model_type} config has {config.num_key_value_heads} key/value heads for {heads} query heads, but "
+            f"its latent attention (MLA) gives every query head its own key: tp needs num_key_value_heads = "
+            f"num_attention_heads; {_WAYS_OUT}"
+        )
     if heads < parts:
         return (
             f"the model has {heads} attention heads, fewer than the {parts} ranks of the tensor-parallel "
