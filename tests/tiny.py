@@ -285,3 +285,24 @@ def make_tiny_mla(path: Path, family: str, **kwargs) -> Path:
 def make_tiny_moe(path: Path, family: str, **kwargs) -> Path:
     """Write a random float32 MoE causal LM of `family`; `save_pretrained` stores its experts one by one, as the Hub does."""
     return make_tiny_lm(path, family=family, num_layers=2, **{**MOE_FAMILIES[family], **kwargs})
+
+
+DEEPSEEK_V4 = dict(
+    num_heads=4,
+    num_kv_heads=1,
+    num_layers=2,
+    head_dim=16,
+    q_lora_rank=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    o_groups=2,
+    o_lora_rank=16,
+    index_n_heads=2,
+    index_head_dim=16,
+    index_topk=4,
+    qk_rope_head_dim=8,
+    hc_mult=2,
+    sliding_window=8,
+)
+"""A tiny DeepSeek-V4 (hyper-connections, grouped output LoRA, compressed attention with an indexer)."""

@@ -104,3 +104,32 @@ def test_mla_families_match_one_process_under_tp(ranks, mla_families, layout):
         assert result["summary"]["kv_cache_bytes_per_token"] == [4 * (3 * 24 + 2 * 16)] * 2
         whole = result["summary"]["replicated_bytes"]
         assert whole["model.layers.*.self_attn.indexer.wq_b.weight"] == 2 * 4 * 32 * 32, whole
+
+
+def test_deepseek_v4_loads_sharded_with_its_final_norm(ranks, tmp_path):
+    """DeepSeek-V4's renames are unscoped (`.norm.` -> `.kv_norm.`): `model.norm.weight` must still load as itself."""
+    from tests.multiproc.test_moe import load_and_forward
+    from tests.tiny import DEEPSEEK_V4, make_tiny_lm
+
+    path = make_tiny_lm(tmp_path / "v4", family="deepseek_v4", **DEEPSEEK_V4)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = model(prompt_ids(AutoTokenizer.from_pretrained(path))).logits
+    for rank, result in enumerate(ranks(load_and_forward, path, {"decode": "gather"})):
+        close(result["logits"], reference, f"rank {rank}")
+
+
+def test_deepseek_v4_final_norm_is_read_from_its_own_name(tmp_path):
+    """The read plan (no ranks) finds `model.norm.weight` under its own name, not renamed to `model.kv_norm.weight`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardbook.rankd.loading.weight_reading import plan_reads
+    from tests.tiny import DEEPSEEK_V4, make_tiny_lm
+
+    path = make_tiny_lm(tmp_path / "v4", family="deepseek_v4", **DEEPSEEK_V4)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    targets = plan_reads(model, path)
+    assert "model.norm.weight" in targets and "model.layers.0.self_attn.kv_norm.weight" in targets
