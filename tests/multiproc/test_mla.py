@@ -7,12 +7,15 @@ tokens, the indexer's top-k picks on every layer, the bytes each rank holds and 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from tests.multiproc.test_loading import prompt_ids
 from tests.tiny import MLA_FAMILIES, make_tiny_mla
 
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 NEW_TOKENS = 32
 LAYOUTS = {"tp": {"decode": "tp"}, "tp-ep2": {"decode": "tp", "ep_size": 2}}
 
@@ -133,3 +136,30 @@ def test_deepseek_v4_final_norm_is_read_from_its_own_name(tmp_path):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
     targets = plan_reads(model, path)
     assert "model.norm.weight" in targets and "model.layers.0.self_attn.kv_norm.weight" in targets
+
+
+def load_shipped_config(rank: int, path) -> dict:
+    """configs/glm-744b-npu.yaml as shipped, with only the checkpoint, ranks, device and dtype overridden."""
+    from shardbook.rankd.config.parsing import load_config
+    from shardbook.rankd.loading.load_sharded import load_sharded
+
+    overrides = [
+        *("--model.model_name_or_path", str(path), "--model.dtype", "float32"),
+        *("--parallel.fsdp_size", "2", "--parallel.ep_size", "2", "--parallel.ep_fsdp_size", "1"),
+        *("--parallel.device", "cpu"),
+    ]
+    config = load_config(CONFIGS / "glm-744b-npu.yaml", overrides, world_size=2)
+    return load_sharded(config, device="cpu").summary
+
+
+def test_the_shipped_glm5_config_loads_a_tiny_glm5_under_tp(ranks, mla_families):
+    from transformers import GlmMoeDsaConfig
+
+    from shardbook.rankd.config.parsing import load_config
+
+    shipped = load_config(CONFIGS / "glm-744b-npu.yaml", world_size=32)
+    assert shipped.parallel.decode == "tp" and GlmMoeDsaConfig().n_routed_experts % shipped.parallel.ep_size == 0
+    path, _ = mla_families["glm_moe_dsa"]
+    for summary in ranks(load_shipped_config, path):
+        assert summary["architecture"] == "GlmMoeDsaForCausalLM" and summary["decode"] == "tp"
+        assert "mesh (edp=1, efsdp=1, ep=2)" in summary["decode_reason"]
