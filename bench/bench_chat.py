@@ -614,7 +614,8 @@ def report(modes: list[dict], tiny: dict | None) -> bool:
             for name, v in s["variants"].items():
                 cpu = " / ".join(f"{x:+.1f}" for x in v["cpu_extra"].values())
                 print(
-                    f"| {name} | {v['tps']:.2f} | {v['tps_vs_raw']:.3f} | {v['step_ms']:.1f} | {v['step_vs_raw']:.3f} | "
+                    f"| {name} | {v['tps']:.2f} | {v['tps_vs_raw']:.3f} | {v['step_ms']:.1f} | "
+                    f"{v['step_vs_raw']:.3f} | "
                     f"{v['ttft'] * 1e3:.0f} | "
                     f"{v['ttft_vs_raw'] * 1e3:+.0f} | {cpu} | {' / '.join(f'{x:.0f}' for x in v['faults'].values())} |"
                 )
@@ -626,7 +627,8 @@ def report(modes: list[dict], tiny: dict | None) -> bool:
             (
                 s["tps_ratio"] >= MIN_TOKS_RATIO and s["same_tokens"] == s["replies"],
                 (
-                    f"tokens/s ratio >= {MIN_TOKS_RATIO}: {s['tps_ratio']:.3f} ({s['chat_tps']:.2f} vs {s['raw_tps']:.2f} tok/s, "
+                    f"tokens/s ratio >= {MIN_TOKS_RATIO}: {s['tps_ratio']:.3f} "
+                    f"({s['chat_tps']:.2f} vs {s['raw_tps']:.2f} tok/s, "
                     f"{s['rounds']} pairs; same token count in {s['same_tokens']}/{s['replies']} pairs)"
                 ),
             ),
@@ -640,7 +642,10 @@ def report(modes: list[dict], tiny: dict | None) -> bool:
             ),
             (
                 s["msgs_max_1s"] <= MAX_MSGS_PER_S,
-                f"<= {MAX_MSGS_PER_S} frontend messages a second while streaming: at most {s['msgs_max_1s']} in any 1 s",
+                (
+                    f"<= {MAX_MSGS_PER_S} frontend messages a second while streaming: "
+                    f"at most {s['msgs_max_1s']} in any 1 s"
+                ),
             ),
             (
                 s["lost"] == 0,

@@ -239,7 +239,8 @@ def print_model(name: str, figures: dict[str, dict], tokens: dict[str, int], sha
     target = 3 if sharded == "tp+ep" else 4
     print(f"\n{sharded} tok/s / reshard tok/s = {reshard['decode_ms'] / tp['decode_ms']:.1f} (target >= {target})")
     print(
-        f"{sharded} peak memory / gather peak memory (max over ranks) = {max(tp['memory']) / max(gather['memory']):.2f} (target <= 0.6)"
+        f"{sharded} peak memory / gather peak memory (max over ranks) = "
+        f"{max(tp['memory']) / max(gather['memory']):.2f} (target <= 0.6)"
     )
     print(f"{sharded} ms/token / single-process ms/token = {tp['decode_ms'] / single['decode_ms']:.2f} (target <= 2.5)")
 
@@ -271,7 +272,8 @@ SHAPES = [
     Shape("70B dense on 8 devices (bf16)", 70.6e9, 8192, 80, 128_256, 8),
 ]
 EXPERT_LAYOUTS = [(16, 2), (8, 2)]
-"""(ep_size, ep_fsdp_size) for the MoE weights-per-rank table: configs/glm-744b-npu.yaml's, and MindSpeed's training one."""
+"""(ep_size, ep_fsdp_size) for the MoE weights-per-rank table: configs/glm-744b-npu.yaml's,
+and MindSpeed's training one."""
 
 
 def cost_per_token(shape: Shape) -> dict[str, float]:
@@ -306,7 +308,8 @@ def print_cost_model(link_gbs: float, latency_us: float) -> None:
 def print_expert_weights() -> None:
     """Expert and dense weight bytes per rank of each MoE shape, for each expert layout."""
     print(
-        "\n| model | ep_size x ep_fsdp_size | expert copies | expert GB per rank | dense GB per rank | total GB per rank |"
+        "\n| model | ep_size x ep_fsdp_size | expert copies | expert GB per rank | dense GB per rank "
+        "| total GB per rank |"
     )
     print("|---|---|---|---|---|---|")
     for shape in (shape for shape in SHAPES if shape.expert_params):

@@ -27,7 +27,8 @@ PROMPT = "The capital of France is Paris, and the capital of Germany is"
 
 
 def interleaved_medians(fns: dict, runs: int) -> dict[str, float]:
-    """Median seconds of each function, run in turn each round (one warm-up round), so load on a shared machine hits all alike."""
+    """Median seconds of each function, run in turn each round (one warm-up round),
+    so load on a shared machine hits all alike."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for round_ in range(runs + 1):
         for name, fn in fns.items():
@@ -148,16 +149,20 @@ def main() -> None:
     for decode in ("gather", "reshard", "tp"):
         r = run_ranks(layout_run, args.model, decode, args.runs, deadline=900)[0]
         print(
-            f"{decode:<8} {r['forward_s'] * 1e3:>10.1f} {r['layers_s'] * 1e3:>16.1f} {r['layers_s'] / r['forward_s']:>9.2f} "
-            f"{r['layers_bytes']:>15,} {r['up_proj_s'] * 1e3:>17.1f} {r['up_proj_s'] / r['forward_s']:>9.2f} {r['up_proj_bytes']:>15,}"
+            f"{decode:<8} {r['forward_s'] * 1e3:>10.1f} {r['layers_s'] * 1e3:>16.1f} "
+            f"{r['layers_s'] / r['forward_s']:>9.2f} "
+            f"{r['layers_bytes']:>15,} {r['up_proj_s'] * 1e3:>17.1f} {r['up_proj_s'] / r['forward_s']:>9.2f} "
+            f"{r['up_proj_bytes']:>15,}"
         )
     print(
-        f"(captured on rank 0: all layers {r['layers_captured']:,} bytes, every up_proj {r['up_proj_captured']:,} bytes; "
+        f"(captured on rank 0: all layers {r['layers_captured']:,} bytes, "
+        f"every up_proj {r['up_proj_captured']:,} bytes; "
         f"{r['tokens']} tokens)\n"
     )
     single = one_process(args.model, args.runs)
     print(
-        f"one process: forward {single['forward_s'] * 1e3:.1f} ms, hooks on every layer {single['hooks_s'] * 1e3:.1f} ms "
+        f"one process: forward {single['forward_s'] * 1e3:.1f} ms, "
+        f"hooks on every layer {single['hooks_s'] * 1e3:.1f} ms "
         f"(x{single['hooks_s'] / single['forward_s']:.2f})",
         end="",
     )
@@ -165,12 +170,14 @@ def main() -> None:
         print("; nnsight not installed, skipped")
         return
     print(
-        f", nnsight trace saving every layer {single['nnsight_s'] * 1e3:.1f} ms (x{single['nnsight_s'] / single['forward_s']:.2f}; "
+        f", nnsight trace saving every layer {single['nnsight_s'] * 1e3:.1f} ms "
+        f"(x{single['nnsight_s'] / single['forward_s']:.2f}; "
         f"x{single['nnsight_s'] / single['hooks_s']:.2f} of hooks)"
     )
     shapes = run_ranks(nnsight_under_tp, args.model, deadline=600)
     print(
-        f"under tp, layer 0 q_proj output: nnsight saves {shapes[0]['nnsight']} on rank 0 and {shapes[1]['nnsight']} on rank 1; "
+        f"under tp, layer 0 q_proj output: nnsight saves {shapes[0]['nnsight']} on rank 0 "
+        f"and {shapes[1]['nnsight']} on rank 1; "
         f"trace gives rank 0 {shapes[0]['trace']}"
     )
 

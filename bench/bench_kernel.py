@@ -247,7 +247,10 @@ def _require_anchor(*modules: str) -> Path:
     py = _anchor_python()
     if not py.exists():
         raise Skip(f"no anchors venv at {ANCHORS_VENV} (run with --setup-anchors)")
-    probe = "import importlib.util,sys; m=[n for n in sys.argv[1:] if importlib.util.find_spec(n) is None]; print(','.join(m))"
+    probe = (
+        "import importlib.util,sys; m=[n for n in sys.argv[1:] if importlib.util.find_spec(n) is None]; "
+        "print(','.join(m))"
+    )
     r = subprocess.run([str(py), "-c", probe, *modules], capture_output=True, text=True)
     missing = r.stdout.strip()
     if r.returncode or missing:

@@ -1,4 +1,5 @@
-"""Loading benchmark (issue 3): sharded loading against single-process `from_pretrained` and against full-load-then-shard.
+"""Loading benchmark (issue 3): sharded loading against single-process `from_pretrained`
+and against full-load-then-shard.
 
 Each method runs in fresh processes (one CPU thread each), after the checkpoint is in the page
 cache and the modules every method needs are imported (a cold import of transformers' model
@@ -100,7 +101,8 @@ def load_once(method: str, model_dir: Path) -> tuple[object, dict[str, float]]:
 
 
 def warm_imports(model_dir: Path) -> None:
-    """Import what every method needs (transformers' lazy modules, the model's code, FSDP, DCP), as after a first load."""
+    """Import what every method needs (transformers' lazy modules, the model's code, FSDP, DCP),
+    as after a first load."""
     import torch
     import torch.distributed.checkpoint
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -235,7 +237,7 @@ def report(figures: dict[str, list[dict]], world: int, model_dir: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=demo_model_dir(), help="checkpoint directory")
     parser.add_argument("--ranks", type=int, default=2, help="ranks for the sharded methods")
     parser.add_argument(

@@ -121,7 +121,7 @@ class ChatMagics(Magics):
         stream = ChatStream(runtime, request, on_notice=relay.notice, start=False)
         # from the start of the command until its reply is in the history, the stop button only stops
         # the reply: a KeyboardInterrupt elsewhere would end the cell with the ranks still generating
-        with sigint_calls(stream.interrupt):
+        with sigint_calls(stream.stop):
             stream.start()
             try:
                 for chunk in stream:

@@ -139,7 +139,8 @@ class InspectionMagics(Magics):
         display(Image(heatmap_png(result.lens, result.tokens, title=f"logit lens: {prompt[:60]}")))
 
     def full_parameter(self, name: str, max_mb: float = DEFAULT_MAX_MB):
-        """The whole parameter ``name`` on rank 0 (a CPU tensor) under every layout, e.g. ``full_parameter("lm_head.weight")``."""
+        """The whole parameter ``name`` on rank 0 (a CPU tensor) under every layout,
+        e.g. ``full_parameter("lm_head.weight")``."""
         return self._call("full_parameter", name, max_mb=max_mb)
 
     @magic_arguments()
@@ -207,7 +208,9 @@ class InspectionMagics(Magics):
     @argument("name", help="a tensor (or dict of tensors) in rank 0's namespace")
     @line_magic("share")
     def share(self, line: str):
-        """Copy a rank-0 tensor (or a dict of tensors, such as a %%trace result) to every rank under the same name. Example::
+        """Copy a rank-0 tensor (or a dict of tensors, such as a %%trace result) to every rank under the same name.
+
+        Example::
 
         steer = clean["model.layers.3"][0, -1] - corrupt["model.layers.3"][0, -1]
         %share steer

@@ -55,7 +55,7 @@ def install_interrupt_hook(shell: Any, generation_queue: GenerationQueue) -> Non
 
 def _stop_reply_first(kernel: Any, original, generation_queue: GenerationQueue, activity: CellActivity):
     async def interrupt_request(stream, ident, parent):
-        stopped = generation_queue.interrupt_running()
+        stopped = generation_queue.stop_running()
         if activity.running and (stopped is None or stopped.source != CHAT_SOURCE):
             result = original(stream, ident, parent)  # SIGINT for the cell's own code
             if inspect.isawaitable(result):

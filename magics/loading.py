@@ -11,7 +11,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from shardbook.kernel.api.load import load_on_ranks, prepare_load
 from shardbook.kernel.ranks.pool import PoolError
-from shardbook.kernel.ranks.runtime import get_runtime
+from shardbook.kernel.ranks.runtime import Runtime, get_runtime
 from shardbook.magics.errors import raise_for_outcome
 from shardbook.magics.relay import RankRelay, frontend_for
 from shardbook.magics.views.progress import progress_view
@@ -26,7 +26,7 @@ def parse_load_args(magic, line: str) -> argparse.Namespace:
     return parse_argstring(magic, line)
 
 
-def loaded_model(runtime):
+def loaded_model(runtime: Runtime):
     loaded = runtime.ctx0.state.get("loaded")
     if loaded is None:
         raise UsageError(

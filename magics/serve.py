@@ -34,7 +34,8 @@ class ServeMagics(Magics):
         button stops the reply in flight and the server keeps running. ``%serve --status`` and
         ``%serve --stop``. Loading another model switches what is served.
         """
-        from shardbook.kernel.server.server import DEFAULT_PORT, ServeOptions, Server, read_api_key
+        from shardbook.kernel.server.server import Server
+        from shardbook.kernel.server.state import DEFAULT_PORT, ServeOptions, read_api_key
 
         args = parse_argstring(self.serve, line)
         try:

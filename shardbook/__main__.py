@@ -1,4 +1,5 @@
-"""``python -m shardbook COMMAND ...``: the ``shardbook`` command line, as torchrun can start it (``-m shardbook chat``)."""
+"""``python -m shardbook COMMAND ...``: the ``shardbook`` command line,
+as torchrun can start it (``-m shardbook chat``)."""
 
 import sys
 

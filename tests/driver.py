@@ -151,7 +151,8 @@ def interrupt_when(
 
 
 def wait_for_interrupt_replies(km, count: int, deadline: float) -> None:
-    """Read ``count`` interrupt_reply messages from the manager's control socket: the kernel has then sent each SIGINT."""
+    """Read ``count`` interrupt_reply messages from the manager's control socket:
+    the kernel has then sent each SIGINT."""
     import zmq
 
     socket = km._control_socket

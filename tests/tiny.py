@@ -244,7 +244,8 @@ MOE_FAMILIES = {
         v_head_dim=16,
     ),
 }
-"""Tiny mixture-of-experts configurations: 8 experts per layer, 2 per token; GLM and DeepSeek with a dense first layer."""
+"""Tiny mixture-of-experts configurations: 8 experts per layer, 2 per token;
+GLM and DeepSeek with a dense first layer."""
 
 _MLA = dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
 _ROUTED = dict(
@@ -283,7 +284,8 @@ def make_tiny_mla(path: Path, family: str, **kwargs) -> Path:
 
 
 def make_tiny_moe(path: Path, family: str, **kwargs) -> Path:
-    """Write a random float32 MoE causal LM of `family`; `save_pretrained` stores its experts one by one, as the Hub does."""
+    """Write a random float32 MoE causal LM of `family`;
+    `save_pretrained` stores its experts one by one, as the Hub does."""
     return make_tiny_lm(path, family=family, num_layers=2, **{**MOE_FAMILIES[family], **kwargs})
 
 

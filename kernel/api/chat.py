@@ -6,7 +6,7 @@ command runs in a worker thread so that :meth:`ChatModel.stream_chat` can hand o
 they arrive; the consumer waits with a deadline.
 
 Interrupts stop every rank at its next step and the partial reply is returned
-(``finish_reason="interrupted"``). :meth:`ChatStream.interrupt` is idempotent and may come at
+(``finish_reason="interrupted"``). :meth:`ChatStream.stop` is idempotent and may come at
 any moment, even before the command has reached the ranks. Callers that must not lose the
 reply (the magic, the terminal chat, :meth:`ChatStream.wait`) hold :func:`sigint_calls` for as
 long as the stream lives, so no SIGINT raises KeyboardInterrupt in the middle of their own code;
@@ -66,8 +66,8 @@ class GenerationFailed(RuntimeError):
         self.outcome = outcome
 
 
-class GenerationCancelled(PoolError):
-    """The reply was cancelled (its cell interrupted, its client gone) while it waited for its turn on the ranks."""
+class LeftQueue(PoolError):
+    """The reply left the queue (its cell interrupted, its client gone) while it waited for its turn on the ranks."""
 
 
 class ChatStream:
@@ -99,7 +99,7 @@ class ChatStream:
         self._on_notice = on_notice or (lambda text: None)
         self._lock = threading.Lock()
         self._command: Command | None = None
-        self._interrupted = False
+        self._stopped = False
         self._delivered = False
         self._thread = threading.Thread(target=self._run, name="shardbook-chat", daemon=True)
         if start:
@@ -108,7 +108,7 @@ class ChatStream:
     def start(self) -> ChatStream:
         if self._thread.ident is None:
             self.turn = self.turn or self.runtime.generation_queue.enter(CHAT_SOURCE)
-            self.turn.on_interrupt = self.interrupt
+            self.turn.on_stop = self.stop
             self._thread.start()
         return self
 
@@ -117,8 +117,8 @@ class ChatStream:
         args = {"request": self.request.to_dict(), "stream_rank": 0}
         try:
             if not self.turn.wait():
-                raise GenerationCancelled(
-                    "the reply was cancelled while it waited for its turn on the ranks (they were busy with another "
+                raise LeftQueue(
+                    "the reply left the queue while it waited for its turn on the ranks (they were busy with another "
                     "reply, e.g. an HTTP request to %serve); run the cell again to queue it again"
                 )
             self._events.put(("started", self.turn.waited_s))
@@ -132,7 +132,7 @@ class ChatStream:
                     on_start=self._on_start,
                 )
             finally:
-                self.turn.leave()
+                self.turn.finish()
             self._events.put(("done", outcome))
         except BaseException as e:  # handed to the consumer, which raises it
             self._events.put(("error", e))
@@ -142,22 +142,22 @@ class ChatStream:
             self._events.put(("text", payload["text"]))
 
     def _on_start(self, command: Command) -> None:
-        """The command is on its way to every rank: an interrupt that came before it applies now."""
+        """The command is on its way to every rank: a stop that came before it applies now."""
         with self._lock:
             self._command = command
-        if self._interrupted:
-            self._deliver_interrupt()
+        if self._stopped:
+            self._deliver_stop()
 
-    def interrupt(self) -> None:
+    def stop(self) -> None:
         """Leave the queue if still waiting; else stop every rank at its next step (the stream ends with the
         partial reply). Repeats do nothing, so it is safe from a signal handler that fires again meanwhile."""
-        if self._interrupted:
+        if self._stopped:
             return
-        self._interrupted = True
-        if self.turn is not None and not self.turn.cancel():  # not waiting in line any more: running, or about to
-            self._deliver_interrupt()
+        self._stopped = True
+        if self.turn is not None and not self.turn.leave():  # not waiting in line any more: running, or about to
+            self._deliver_stop()
 
-    def _deliver_interrupt(self) -> None:
+    def _deliver_stop(self) -> None:
         with self._lock:
             command, deliver = self._command, self._command is not None and not self._delivered
             self._delivered = self._delivered or deliver
@@ -172,7 +172,7 @@ class ChatStream:
                 try:
                     kind, value = self._next_event()
                 except KeyboardInterrupt:
-                    self.interrupt()
+                    self.stop()
                     continue
                 if kind == "text":
                     yield value
@@ -185,7 +185,7 @@ class ChatStream:
                     return
         finally:
             if not finished:  # the consumer left early (an exception or an interrupt in its code, break)
-                self.interrupt()
+                self.stop()
 
     def _next_event(self) -> tuple[str, Any]:
         try:
@@ -198,7 +198,7 @@ class ChatStream:
         return None if self.turn.state == "waiting" else STREAM_DEADLINE_S
 
     def _next_event_timed_out(self) -> NoReturn:
-        self.interrupt()
+        self.stop()
         raise TimeoutError(
             f"no output from the ranks for {STREAM_DEADLINE_S:.0f} s while generating; every rank was told to "
             "stop. Check %dist: a busy or dead rank needs a kernel restart."
@@ -211,7 +211,7 @@ class ChatStream:
 
     def wait(self) -> ChatResponse:
         """The finished reply; an interrupt meanwhile stops it (the partial reply is returned)."""
-        with sigint_calls(self.interrupt):
+        with sigint_calls(self.stop):
             for _ in self:
                 pass
         assert self.response is not None

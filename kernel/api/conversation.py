@@ -43,7 +43,8 @@ class Conversation:
             path.write_text(json.dumps(self.to_json(), ensure_ascii=False, indent=2), encoding="utf-8")
         except OSError as e:
             raise ValueError(
-                f"could not save the conversation to {path}: {e.strerror or e}; choose a path in a directory you can write to"
+                f"could not save the conversation to {path}: {e.strerror or e}; "
+                "choose a path in a directory you can write to"
             ) from e
         return path
 
@@ -66,7 +67,8 @@ class Conversation:
             isinstance(t, dict) and isinstance(t.get("role"), str) and isinstance(t.get("content"), str) for t in turns
         ):
             raise ValueError(
-                f"{path} is not a saved conversation: expected {{'system_prompt': ..., 'turns': [{{'role', 'content'}}, ...]}}"
+                f"{path} is not a saved conversation: expected "
+                f"{{'system_prompt': ..., 'turns': [{{'role', 'content'}}, ...]}}"
             )
         system_prompt = data.get("system_prompt")
         if system_prompt is not None and not isinstance(system_prompt, str):

@@ -59,7 +59,8 @@ class Inspector:
         lens_top: int | None = None,
         max_mb: float = DEFAULT_MAX_MB,
     ):
-        """One forward of ``prompt``; the outputs (or inputs) of the modules matching ``modules`` (default: every decoder layer)."""
+        """One forward of ``prompt``; the outputs (or inputs) of the modules matching ``modules``
+        (default: every decoder layer)."""
         args = {
             "prompt": prompt,
             "modules": modules or [],
@@ -71,7 +72,8 @@ class Inspector:
         return self.run("trace", args)
 
     def logit_lens(self, prompt: str, layers: list[str] | None = None, *, top: int = 5, chat: bool = False):
-        """The trace of ``layers`` (default: every decoder layer) with its ``Lens``: top tokens per layer and position."""
+        """The trace of ``layers`` (default: every decoder layer) with its ``Lens``:
+        top tokens per layer and position."""
         return self.trace(prompt, layers, chat=chat, lens_top=top)
 
     def full_parameter(self, name: str, *, max_mb: float = DEFAULT_MAX_MB):

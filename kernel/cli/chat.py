@@ -53,6 +53,8 @@ from shardbook.rankd.control.text import REPLACEMENT, replace_invalid
 from shardbook.rankd.control.world import JobShape, World, init_world
 
 if TYPE_CHECKING:
+    from shardbook.kernel.api.chat import ChatModel
+    from shardbook.kernel.api.conversation import Conversation
     from shardbook.kernel.ranks.runtime import Runtime
 
 KEY_FILE_STORE_KEY = "shardbook/chat-key-file"
@@ -285,7 +287,7 @@ class Terminal:
             )
         return line
 
-    def cancel_line(self) -> None:
+    def end_line(self) -> None:
         sys.stdout.write("\n")
         sys.stdout.flush()
 
@@ -325,7 +327,7 @@ class Terminal:
 class TerminalChat:
     """Rank 0's read-reply loop over one conversation."""
 
-    def __init__(self, model, conversation, terminal: Terminal):
+    def __init__(self, model: ChatModel, conversation: Conversation, terminal: Terminal):
         self.model = model
         self.conversation = conversation
         self.terminal = terminal
@@ -337,7 +339,7 @@ class TerminalChat:
                 if not self.step():
                     return 0
             except KeyboardInterrupt:
-                self.terminal.cancel_line()
+                self.terminal.end_line()
 
     def step(self) -> bool:
         """Read and handle one line; False when the chat is over."""
@@ -345,7 +347,7 @@ class TerminalChat:
             text = self.terminal.read_line().strip()
         except EOFError:
             if self.terminal.interactive:
-                self.terminal.cancel_line()
+                self.terminal.end_line()
             return False
         if text.lower() in EXIT_WORDS:
             return False
@@ -380,7 +382,7 @@ class TerminalChat:
             self.terminal.error(str(e))
             return
         stream = ChatStream(self.model.runtime, request, on_notice=self.terminal.notice, start=False)
-        with sigint_calls(stream.interrupt):
+        with sigint_calls(stream.stop):
             stream.start()
             try:
                 for chunk in stream:

@@ -59,7 +59,8 @@ def launch(args: argparse.Namespace, command: list[str] | None = None, graceful_
 
 @contextmanager
 def relayed_signals(torchrun: subprocess.Popen, pid_file: Path, graceful_term: bool = False) -> Iterator[None]:
-    """Ctrl-C goes to rank 0 (or ends the job while it starts); SIGTERM (unless ``graceful_term``) and SIGHUP end the job."""
+    """Ctrl-C goes to rank 0 (or ends the job while it starts);
+    SIGTERM (unless ``graceful_term``) and SIGHUP end the job."""
 
     def relay(signum, frame) -> None:
         pid = read_pid(pid_file)

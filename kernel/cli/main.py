@@ -35,7 +35,8 @@ def run_install(args: argparse.Namespace) -> int:
         print(
             f"On each other node (node_rank 1..{layout.nnodes - 1}), with a copy of {key_file}:\n"
             f"  python -m torch.distributed.run --nnodes {layout.nnodes} --node_rank R --nproc_per_node {layout.nproc} "
-            f"--master_addr {layout.master_addr} --master_port {layout.master_port} -m shardbook.rankd --key-file {key_file}"
+            f"--master_addr {layout.master_addr} --master_port {layout.master_port} "
+            f"-m shardbook.rankd --key-file {key_file}"
         )
     return 0
 

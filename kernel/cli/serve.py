@@ -18,9 +18,11 @@ import signal
 import threading
 from functools import partial
 
-from shardbook.kernel.cli.chat import run_rank
+from shardbook.kernel.cli.chat import Terminal, run_rank
 from shardbook.kernel.cli.launcher import launch
-from shardbook.kernel.server.server import DEFAULT_PORT, ServeOptions, read_api_key
+from shardbook.kernel.ranks.runtime import Runtime
+from shardbook.kernel.server.state import DEFAULT_PORT, ServeOptions, read_api_key
+from shardbook.rankd.config.schema import ShardbookConfig
 from shardbook.rankd.control.world import JobShape
 
 API_KEY_ENV = "SHARDBOOK_API_KEY"
@@ -91,7 +93,7 @@ def run_serve(args: argparse.Namespace) -> int:
     return launch(args, ["serve", *flags, args.config, *args.overrides], graceful_term=True)
 
 
-def serve_until_stopped(options: ServeOptions, runtime, config, terminal) -> int:
+def serve_until_stopped(options: ServeOptions, runtime: Runtime, config: ShardbookConfig, terminal: Terminal) -> int:
     """Rank 0, model loaded: serve until SIGINT or SIGTERM, then stop the reply in flight and return."""
     from shardbook.kernel.server.server import Server
 

@@ -3,8 +3,8 @@
 The ranks run one generation at a time (every rank steps through the same ``generate``), so
 whoever wants them enters the :class:`GenerationQueue` and waits for its :class:`Turn`. HTTP
 requests enter ``bounded``: when ``max_waiting`` of them already wait, :class:`QueueFull` tells
-the server to answer 429. A waiting turn can be cancelled (its client left, its cell was
-interrupted); the running turn can be interrupted through the callback its owner set.
+the server to answer 429. A waiting turn leaves the queue (its client left, its cell was
+interrupted); the running turn is stopped through the callback its owner set, and finishes.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class QueueFull(RuntimeError):
 
 @dataclass(eq=False)
 class Turn:
-    """One place in the line: waiting, then running, then done (or cancelled while waiting)."""
+    """One place in the line: waiting, then running, then finished (or left the queue while waiting)."""
 
     queue: GenerationQueue
     source: str
@@ -39,7 +39,7 @@ class Turn:
     entered_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
     state: str = "waiting"
-    on_interrupt: Callable[[], None] | None = None
+    on_stop: Callable[[], None] | None = None
     """Set by the owner: stops the running generation (the stop button, a client that left)."""
 
     @property
@@ -47,16 +47,16 @@ class Turn:
         return (self.started_at or time.monotonic()) - self.entered_at
 
     def wait(self) -> bool:
-        """Block until this turn runs (True), or until it is cancelled while waiting (False)."""
+        """Block until this turn runs (True), or until it leaves the queue while waiting (False)."""
         return self.queue._wait(self)
 
-    def cancel(self) -> bool:
-        """Leave the line if still waiting; True if it was waiting."""
-        return self.queue._cancel(self)
+    def leave(self) -> bool:
+        """Leave the queue if still waiting; True if it was waiting."""
+        return self.queue._leave(self)
 
-    def leave(self) -> None:
+    def finish(self) -> None:
         """The running turn is over: the next one starts."""
-        self.queue._leave(self)
+        self.queue._finish(self)
 
 
 class GenerationQueue:
@@ -82,22 +82,22 @@ class GenerationQueue:
 
     @contextmanager
     def take_turn(self, source: str) -> Iterator[Turn]:
-        """Wait (interruptibly) for a turn, hold it for the block, then leave."""
+        """Wait (interruptibly) for a turn, hold it for the block, then finish (or leave the queue, if it never ran)."""
         turn = self.enter(source)
         try:
             turn.wait()
             yield turn
         finally:
-            if not turn.cancel():
-                turn.leave()
+            if not turn.leave():
+                turn.finish()
 
-    def interrupt_running(self) -> Turn | None:
+    def stop_running(self) -> Turn | None:
         """Stop the running generation through its owner's callback; the turn stopped, None when none runs."""
         with self._cond:
             turn = self.running
-        if turn is None or turn.on_interrupt is None:
+        if turn is None or turn.on_stop is None:
             return None
-        turn.on_interrupt()
+        turn.on_stop()
         return turn
 
     def num_waiting(self) -> int:
@@ -121,20 +121,20 @@ class GenerationQueue:
             self.running = turn
             return True
 
-    def _cancel(self, turn: Turn) -> bool:
+    def _leave(self, turn: Turn) -> bool:
         with self._cond:
             if turn.state != "waiting":
                 return False
-            turn.state = "cancelled"
+            turn.state = "left"
             self._waiting.remove(turn)
             self._cond.notify_all()
             return True
 
-    def _leave(self, turn: Turn) -> None:
+    def _finish(self, turn: Turn) -> None:
         with self._cond:
             if turn.state != "running":
                 return
-            turn.state = "done"
+            turn.state = "finished"
             self._last_run_s = time.monotonic() - (turn.started_at or time.monotonic())
             if self.running is turn:
                 self.running = None

@@ -58,7 +58,8 @@ def judge(state: RankState, silence_s: float, closed: bool) -> tuple[str | None,
         return None, (
             f"rank {state.rank} has not answered heartbeats for {SILENT_S:.0f} s: stopped, swapping or unreachable "
             "(a rank that is only busy, even holding the GIL, still answers). The cell waits for it; the stop button "
-            f"interrupts, and a rank silent for {SILENCE_TIMEOUT_S:.0f} s (SHARDBOOK_HEARTBEAT_TIMEOUT) is declared dead."
+            f"interrupts, and a rank silent for {SILENCE_TIMEOUT_S:.0f} s (SHARDBOOK_HEARTBEAT_TIMEOUT) "
+            "is declared dead."
         )
     return None, None
 

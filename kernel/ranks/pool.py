@@ -186,7 +186,8 @@ class Pool:
         self._check_liveness(now)
 
     def _check_liveness(self, now: float) -> None:
-        """Dead means gone (a local pid that exited) or silent past SHARDBOOK_HEARTBEAT_TIMEOUT; a GIL-bound rank answers."""
+        """Dead means gone (a local pid that exited) or silent past SHARDBOOK_HEARTBEAT_TIMEOUT;
+        a GIL-bound rank answers."""
         with self._lock:
             for state in self.ranks.values():
                 if state.rank == 0 or not state.connected or state.dead_reason:

@@ -14,7 +14,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from shardbook.kernel.ranks.generation_queue import GenerationQueue
 from shardbook.kernel.ranks.pool import Pool, PoolError
@@ -29,6 +29,17 @@ _failure: str | None = None
 _lock = threading.Lock()
 
 
+class RunningServer(Protocol):
+    """What the runtime needs of its HTTP server: to stop it when the kernel ends.
+
+    Implemented by :class:`shardbook.kernel.server.server.Server`, a layer above this one.
+    """
+
+    url: str
+
+    def stop(self) -> None: ...
+
+
 @dataclass
 class Runtime:
     """The world and pool rank 0 runs commands on, the line generations wait in, and the HTTP server if one runs."""
@@ -37,8 +48,8 @@ class Runtime:
     pool: Pool
     ctx0: RankContext
     generation_queue: GenerationQueue = field(default_factory=GenerationQueue)
-    server: Any = None
-    """The running ``shardbook.kernel.server.server.Server`` (``%serve``, ``shardbook serve``), else None."""
+    server: RunningServer | None = None
+    """The running HTTP server (``%serve``, ``shardbook serve``), else None."""
 
     def close(self) -> None:
         if self.server is not None:

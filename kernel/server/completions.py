@@ -17,7 +17,7 @@ from typing import Any
 import tornado.web
 from tornado.iostream import StreamClosedError
 
-from shardbook.kernel.api.chat import AsyncChatStream, ChatModel, GenerationCancelled
+from shardbook.kernel.api.chat import AsyncChatStream, ChatModel, LeftQueue
 from shardbook.kernel.ranks.generation_queue import QueueFull
 from shardbook.kernel.ranks.pool import PoolError
 from shardbook.kernel.server.openai_api import (
@@ -30,16 +30,18 @@ from shardbook.kernel.server.openai_api import (
     parse_request,
     usage_body,
 )
+from shardbook.kernel.server.state import ServerState
 
 log = logging.getLogger(__name__)
 BODY_READ_LIMIT = 64 * 1024 * 1024
-"""Bodies past the server's limit are read and dropped (so the client gets its 413) up to this; beyond, the connection closes."""
+"""Bodies past the server's limit are read and dropped (so the client gets its 413) up to this;
+beyond, the connection closes."""
 
 
 class ApiHandler(tornado.web.RequestHandler):
     """JSON in and out, errors in OpenAI's shape, the API key checked when the server has one."""
 
-    def initialize(self, server: Any) -> None:
+    def initialize(self, server: ServerState) -> None:
         self.server = server
 
     def prepare(self) -> None:
@@ -185,7 +187,7 @@ class ChatCompletionsHandler(ApiHandler):
                 )
                 await self.flush()
         except StreamClosedError:
-            stream.interrupt()  # the client left: free the ranks at the next step
+            stream.stop()  # the client left: free the ranks at the next step
             return
         except Exception as e:
             if not sent_any:
@@ -224,7 +226,7 @@ class ChatCompletionsHandler(ApiHandler):
 
     def fail(self, error: Exception) -> None:
         """An error before anything was sent: an OpenAI-style error reply."""
-        if isinstance(error, GenerationCancelled) or self.client_left():
+        if isinstance(error, LeftQueue) or self.client_left():
             return
         log.warning("chat completion failed: %s", error)
         if isinstance(error, PoolError):  # e.g. a %%all cell holds the ranks
@@ -242,7 +244,7 @@ class ChatCompletionsHandler(ApiHandler):
 
     def on_connection_close(self) -> None:
         if self.stream is not None:
-            self.stream.interrupt()
+            self.stream.stop()
 
 
 def prompt_length(tokenizer: Any, messages: list[dict[str, str]]) -> int:
@@ -251,7 +253,7 @@ def prompt_length(tokenizer: Any, messages: list[dict[str, str]]) -> int:
     return int(build_prompt_ids(tokenizer, messages).shape[1])
 
 
-def make_app(server: Any) -> tornado.web.Application:
+def make_app(server: ServerState) -> tornado.web.Application:
     handlers = [
         (r"/health", HealthHandler, {"server": server}),
         (r"/v1/models", ModelsHandler, {"server": server}),

@@ -218,7 +218,8 @@ def override_value(override: Override, field_type: object) -> object:
 
 
 def config_from_dict(data: dict, source: str = "a dict") -> ShardbookConfig:
-    """Build a config from nested dicts (the inverse of `ShardbookConfig.to_dict`), with the same checks as a YAML file."""
+    """Build a config from nested dicts (the inverse of `ShardbookConfig.to_dict`),
+    with the same checks as a YAML file."""
     return build_config(read_sections(data, source))
 
 

@@ -70,7 +70,8 @@ class ParallelConfig:
     fsdp_size: int = -1
     """Ranks that share one FSDP-sharded copy of the model; -1 means every rank of the job."""
     ep_size: int = 1
-    """Expert-parallel size for mixture-of-experts models: experts split over this many consecutive ranks (decode tp)."""
+    """Expert-parallel size for mixture-of-experts models: experts split over this many consecutive ranks
+    (decode tp)."""
     ep_fsdp_size: int = 1
     """Each expert's rows split again over this many ranks; 1 and ep_size 1: experts split like a dense MLP under tp."""
     decode: str = "auto"
@@ -96,7 +97,8 @@ class ParallelConfig:
         require(
             self.ep_size * self.ep_fsdp_size == 1 or self.decode in ("auto", "tp"),
             f"parallel.ep_size={self.ep_size} x ep_fsdp_size={self.ep_fsdp_size} is expert parallelism, which runs in "
-            f"the tp layout, but parallel.decode is {self.decode}: set parallel.decode tp (or auto), or both sizes to 1",
+            f"the tp layout, but parallel.decode is {self.decode}: "
+            "set parallel.decode tp (or auto), or both sizes to 1",
         )
 
     def fsdp_size_for(self, world_size: int) -> int:
@@ -105,7 +107,8 @@ class ParallelConfig:
 
 
 def decode_from_reshard_flag(decode: str, reshard_after_forward: bool | None) -> str:
-    """`decode` with MindSpeed's `reshard_after_forward` folded in (true: reshard, false: gather), noting the mapping."""
+    """`decode` with MindSpeed's `reshard_after_forward` folded in (true: reshard, false: gather),
+    noting the mapping."""
     if reshard_after_forward is None:
         return decode
     implied = "reshard" if reshard_after_forward else "gather"

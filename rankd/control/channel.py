@@ -89,7 +89,8 @@ class DropLog:
             return
         if self._suppressed:
             log.warning(
-                "control plane: dropped %d more bad messages in the last %.0f s (warnings are limited to %d per %.0f s)",
+                "control plane: dropped %d more bad messages in the last %.0f s "
+                "(warnings are limited to %d per %.0f s)",
                 self._suppressed,
                 now - self._window_start,
                 self.burst,

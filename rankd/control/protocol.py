@@ -141,7 +141,8 @@ def pack(obj: Any) -> bytes:
 
 
 def make_session(key: bytes, signature_scheme: str = "hmac-sha256"):
-    """A Session that signs with ``key`` and packs with :func:`pack`; an empty key is refused (it would sign nothing)."""
+    """A Session that signs with ``key`` and packs with :func:`pack`;
+    an empty key is refused (it would sign nothing)."""
     from jupyter_client.session import Session
 
     if not key:

@@ -109,7 +109,8 @@ def layer_names(model: nn.Module) -> list[str]:
 
 
 def first_tensor(value: Any) -> torch.Tensor:
-    """A module's output or positional input as one tensor: the first of a tuple (hidden states, not attention weights)."""
+    """A module's output or positional input as one tensor:
+    the first of a tuple (hidden states, not attention weights)."""
     while isinstance(value, (tuple, list)):
         value = value[0]
     return value

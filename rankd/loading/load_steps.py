@@ -19,7 +19,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-INTERRUPTED = "the load was interrupted before it finished, so the new model is not loaded; load it again (%load_sharded in a notebook)"
+INTERRUPTED = (
+    "the load was interrupted before it finished, so the new model is not loaded; "
+    "load it again (%load_sharded in a notebook)"
+)
 
 # What each step does, for "rank N could not <...>" messages, and what to check when it fails.
 STEP_WORDS = {

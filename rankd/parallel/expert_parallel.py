@@ -1,4 +1,5 @@
-"""Expert parallelism in the `tp` layout: each rank keeps some experts, or a slice of each, and one all-reduce joins them.
+"""Expert parallelism in the `tp` layout: each rank keeps some experts, or a slice of each,
+and one all-reduce joins them.
 
 MindSpeed's `ep_size` and `ep_fsdp_size` lay the tensor-parallel group out as an expert mesh
 (edp, efsdp, ep) of shape (ranks / (ep * ep_fsdp), ep_fsdp, ep), EP innermost: consecutive

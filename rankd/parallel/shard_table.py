@@ -77,7 +77,8 @@ def _row(name: str, param: torch.Tensor) -> dict[str, Any]:
 
 
 def _tp_row(name: str, dtype: str, shard: TPShard) -> dict[str, Any]:
-    """A `tp` slice: rank r holds the pieces of its place in its tensor-parallel group (groups are consecutive ranks)."""
+    """A `tp` slice: rank r holds the pieces of its place in its tensor-parallel group
+    (groups are consecutive ranks)."""
     parts = len(shard.selections)
     local = {r: list(shard.local_shape(r % parts)) for r in range(dist.get_world_size())}
     names = ("experts", "rows", "columns") if len(shard.global_shape) == 3 else ("rows", "columns")

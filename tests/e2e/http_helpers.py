@@ -1,4 +1,5 @@
-"""Talking to a shardbook server in tests: raw HTTP for the error paths and streams cut short, the official client otherwise."""
+"""Talking to a shardbook server in tests: raw HTTP for the error paths and streams cut short,
+the official client otherwise."""
 
 from __future__ import annotations
 

@@ -41,7 +41,8 @@ def test_rich_display_and_last_value_carry_rank(kernel):
 def test_images_from_a_follower(kernel):
     code = (
         "%%rank 1\nfrom IPython.display import Image, display\nimport base64\n"
-        "png = base64.b64decode('iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg==')\n"
+        "png = base64.b64decode("
+        "'iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg==')\n"
         "display(Image(png))"
     )
     ex = kernel.run(code)
@@ -106,7 +107,10 @@ def test_rank_subset_runs_only_there(kernel):
 
 
 def test_collective_in_all(kernel):
-    code = "%%all\nimport torch, torch.distributed as dist\nt = torch.ones(1) * (dist.get_rank() + 1)\ndist.all_reduce(t)\nprint('sum', t.item())"
+    code = (
+        "%%all\nimport torch, torch.distributed as dist\nt = torch.ones(1) * (dist.get_rank() + 1)\n"
+        "dist.all_reduce(t)\nprint('sum', t.item())"
+    )
     ex = kernel.run(code)
     assert ex.stdout().count("sum 3.0") == 2
 
@@ -165,7 +169,10 @@ def test_bytes_written_to_stdout_buffer_on_every_rank(kernel):
 
 
 def test_an_exception_whose_str_raises_keeps_its_type(kernel):
-    code = "%%rank 1\nclass Unprintable(Exception):\n    def __str__(self):\n        raise RuntimeError('no')\nraise Unprintable()"
+    code = (
+        "%%rank 1\nclass Unprintable(Exception):\n    def __str__(self):\n"
+        "        raise RuntimeError('no')\nraise Unprintable()"
+    )
     ex = kernel.run(code)
     assert ex.status == "error"
     assert "rank 1: Unprintable: (the Unprintable's message could not be shown" in ex.error_text(), ex.error_text()

@@ -255,7 +255,8 @@ def test_an_interrupt_outside_the_wait_never_strands_the_reply(loaded, where):
 
 @pytest.mark.parametrize("text", ["caf\\udce9 au lait", "lone \\ud800 surrogate"])
 def test_text_that_is_not_unicode_is_refused_before_any_rank_generates(loaded, tmp_path, text):
-    """In a %%chat message (a frontend sends '\\ud800' escapes; surrogate-escaped bytes look alike) or a loaded conversation."""
+    """In a %%chat message (a frontend sends '\\ud800' escapes; surrogate-escaped bytes look alike)
+    or a loaded conversation."""
     ex = loaded.run(f"get_ipython().run_cell_magic('chat', '--output text --max-new-tokens 5', '{text}')", timeout=60)
     assert ex.status == "error" and "is not valid Unicode text" in ex.stderr(), ex.error_text() + ex.stderr()
     assert "Traceback" not in ex.stderr()
@@ -271,7 +272,10 @@ def test_text_that_is_not_unicode_is_refused_before_any_rank_generates(loaded, t
 
 def test_a_rank_that_cannot_build_the_prompt_stops_every_rank_before_generating(loaded):
     """Rank 1's tokenizer refuses the conversation: no rank enters generate, the error names rank 1, nothing waits."""
-    refuse = "%%rank 1\nsaved_template = tokenizer.chat_template\ntokenizer.chat_template = \"{{ raise_exception('rank 1 refuses this prompt') }}\""
+    refuse = (
+        "%%rank 1\nsaved_template = tokenizer.chat_template\n"
+        "tokenizer.chat_template = \"{{ raise_exception('rank 1 refuses this prompt') }}\""
+    )
     assert loaded.run(refuse).status == "ok"
     try:
         ex = loaded.run("%%chat --output text --max-new-tokens 5\nhello", timeout=60)

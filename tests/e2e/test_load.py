@@ -46,7 +46,8 @@ def test_load_summary_progress_and_namespaces(kernel, tiny):
     ]
     assert len(values) >= 3 and values[-1] == 100 and values == sorted(values)
     ex = kernel.run(
-        "%%all\nimport torch.distributed as dist\nw = model.model.embed_tokens.weight\nprint(dist.get_rank(), type(tokenizer).__name__, tuple(w.to_local().shape), tuple(w.shape))"
+        "%%all\nimport torch.distributed as dist\nw = model.model.embed_tokens.weight\n"
+        "print(dist.get_rank(), type(tokenizer).__name__, tuple(w.to_local().shape), tuple(w.shape))"
     )
     assert ex.status == "ok", ex.error_text()
     out = ex.stdout()
@@ -85,7 +86,8 @@ def uneven(tmp_path_factory):
 TP_CELL = """%%all
 import torch, torch.distributed as dist
 seen = []
-hook = model.model.layers[1].register_forward_hook(lambda m, a, out: seen.append(tuple(out[0].shape if isinstance(out, tuple) else out.shape)))
+hook = model.model.layers[1].register_forward_hook(lambda m, a, out: seen.append(tuple(out[0].shape \
+if isinstance(out, tuple) else out.shape)))
 ids = tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
 with torch.no_grad():
     logits = model(ids).logits
@@ -196,7 +198,8 @@ def mapped_view_replaced(kernel, where: str, body: str):
     """On the ranks ``where`` selects (``%%all``, ``%%rank 1``), reading a mapped tensor runs ``body``
     (one line; ``original_view`` is the real reader)."""
     patch = (
-        f"{where}\nfrom shardbook.rankd.loading.safetensors_files import MappedFiles\noriginal_view = MappedFiles.view\n"
+        f"{where}\nfrom shardbook.rankd.loading.safetensors_files import MappedFiles\n"
+        "original_view = MappedFiles.view\n"
         f"def replaced_view(self, stored):\n    {body}\nMappedFiles.view = replaced_view"
     )
     assert kernel.run(patch).status == "ok"
@@ -240,7 +243,8 @@ def test_interrupt_during_a_load_stops_every_rank_together(kernel, tiny):
 def assert_forward_works(kernel):
     """`model` is loaded on both ranks and runs a forward (a collective over its shards)."""
     ex = kernel.run(
-        "%%all\nimport torch\nwith torch.no_grad():\n    print('logits', tuple(model(torch.tensor([[1, 2, 3]])).logits.shape))"
+        "%%all\nimport torch\nwith torch.no_grad():\n"
+        "    print('logits', tuple(model(torch.tensor([[1, 2, 3]])).logits.shape))"
     )
     assert ex.status == "ok" and ex.stdout().count("logits (1, 3, 384)") == 2, ex.error_text() + ex.stdout()
 

@@ -55,7 +55,8 @@ def test_all_reaches_every_rank_of_both_nodes(jupyter_prefix, tmp_path):
         assert [line.split()[5] for line in first.splitlines()[1:3]] == ["idle", "idle"], first
         ex = handle.run(
             "%%all\nimport os, torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\n"
-            "print('rank', dist.get_rank(), 'of', dist.get_world_size(), 'local', os.environ['LOCAL_RANK'], 'sum', t.item())"
+            "print('rank', dist.get_rank(), 'of', dist.get_world_size(), "
+            "'local', os.environ['LOCAL_RANK'], 'sum', t.item())"
         )
         assert ex.status == "ok", ex.error_text()
         assert "[rank 0]\nrank 0 of 2 local 0 sum 2.0" in ex.stdout()

@@ -68,7 +68,8 @@ def normalized(text: str) -> str:
 
 
 class MarkdownOutputs(html.parser.HTMLParser):
-    """The visible text of each output nbconvert rendered from text/markdown (not markdown cells, widget state or scripts)."""
+    """The visible text of each output nbconvert rendered from text/markdown
+    (not markdown cells, widget state or scripts)."""
 
     def __init__(self):
         super().__init__()

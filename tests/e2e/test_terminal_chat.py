@@ -1,4 +1,5 @@
-"""``shardbook chat`` on 2 ranks under torchrun, driven through piped input and through a pty (tiny model; SmolLM2 when slow)."""
+"""``shardbook chat`` on 2 ranks under torchrun, driven through piped input and through a pty
+(tiny model; SmolLM2 when slow)."""
 
 from __future__ import annotations
 
@@ -180,7 +181,8 @@ def test_a_model_that_fails_to_load_ends_every_rank(tiny_config, tmp_path):
 
 
 def test_input_that_is_not_utf8_is_read_with_replacement_characters(tiny_config):
-    """A Latin-1 line and random bytes on stdin: each is answered (bytes read as U+FFFD, with a notice), no rank hangs."""
+    """A Latin-1 line and random bytes on stdin: each is answered (bytes read as U+FFFD, with a notice),
+    no rank hangs."""
     noise = (
         bytes(random.Random(11).randrange(128, 256) for _ in range(24)) + b"\x00\x01 \xc3"
     )  # short: the tiny context

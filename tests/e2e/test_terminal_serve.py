@@ -1,4 +1,5 @@
-"""``shardbook serve --nproc 2`` under torchrun: the openai client, Ctrl-C and SIGTERM with a reply in flight, the key check."""
+"""``shardbook serve --nproc 2`` under torchrun: the openai client, Ctrl-C and SIGTERM with a reply in flight,
+the key check."""
 
 from __future__ import annotations
 

@@ -51,7 +51,8 @@ DEADLINE_S = 60.0
 
 
 def _rank_main(rank: int, init_file: str, model_path: str, layout: str, pg_timeout_s: float, conn: Any) -> None:
-    """One rank: join the gloo group, load the model sharded, then run the scenarios the test sends until told to quit."""
+    """One rank: join the gloo group, load the model sharded,
+    then run the scenarios the test sends until told to quit."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)

@@ -15,7 +15,8 @@ from tests.tiny import make_tiny_lm
 
 PROMPT = "The capital of France is"
 LAYOUTS = ["gather", "reshard", "tp"]
-# the demo model's uneven heads (6 and 3 query heads per rank under tp), and Qwen3's per-head q/k norms (split under tp only)
+# the demo model's uneven heads (6 and 3 query heads per rank under tp),
+# and Qwen3's per-head q/k norms (split under tp only)
 MODELS = {
     "llama-uneven": dict(family="llama", hidden_size=72, num_heads=9, num_kv_heads=3),
     "qwen3": dict(family="qwen3", num_heads=4, num_kv_heads=2),
@@ -60,7 +61,8 @@ def one_process(path: Path) -> dict:
 
 
 def traced(rank: int, path: Path, decode: str) -> dict:
-    """Decoder layers with the lens, every module of layer 1, o_proj inputs, q_proj's weight, and a zeroing intervention."""
+    """Decoder layers with the lens, every module of layer 1, o_proj inputs, q_proj's weight,
+    and a zeroing intervention."""
     from shardbook.rankd.inspection import interventions
     from shardbook.rankd.inspection.tracing import match_modules, trace
     from shardbook.rankd.parallel.wholes import full_parameter_on_rank0

@@ -1,4 +1,5 @@
-"""Mixture-of-experts checkpoints on gloo ranks: one process's logits in every layout, experts held once between the ranks.
+"""Mixture-of-experts checkpoints on gloo ranks: one process's logits in every layout,
+experts held once between the ranks.
 
 The tiny checkpoints are written by `save_pretrained`, which stores every expert apart as the Hub
 does, so each load goes through transformers' conversion mapping.

@@ -1,4 +1,5 @@
-"""Loading again on 2 gloo ranks: a bad checkpoint never costs the model already loaded; memory pressure is announced."""
+"""Loading again on 2 gloo ranks: a bad checkpoint never costs the model already loaded;
+memory pressure is announced."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The `tp` layout on 2 gloo ranks: one process's logits per family, half the weights per rank, hooks that see it all."""
+"""The `tp` layout on 2 gloo ranks: one process's logits per family, half the weights per rank,
+hooks that see it all."""
 
 from __future__ import annotations
 

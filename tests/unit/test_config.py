@@ -1,4 +1,5 @@
-"""Unit tests of the config: defaults, YAML, overrides, errors, validation and the shipped files (schema and parsing)."""
+"""Unit tests of the config: defaults, YAML, overrides, errors, validation
+and the shipped files (schema and parsing)."""
 
 import dataclasses
 import logging

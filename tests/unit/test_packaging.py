@@ -76,5 +76,5 @@ def test_readme_links_the_projects_own_architecture_page():
     assert "(docs/architecture.md)" in readme
     page = (ROOT / "docs" / "architecture.md").read_text()
     assert "../shared" not in page
-    for module in re.findall(r"`((?:kernel|magics|rankd)/\w+\.py)`", page):  # modules the page names exist
+    for module in re.findall(r"`((?:kernel|magics|rankd)/[\w/]+\.py)`", page):  # modules the page names exist
         assert (ROOT / module).is_file(), module

@@ -1,4 +1,5 @@
-"""The serving pieces without processes: OpenAI request checks, stop strings in a stream, the generation queue, options."""
+"""The serving pieces without processes: OpenAI request checks, stop strings in a stream,
+the generation queue, options."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 from shardbook.kernel.ranks.generation_queue import GenerationQueue, QueueFull
 from shardbook.kernel.server.openai_api import ApiError, check_fits_context, parse_request
-from shardbook.kernel.server.server import ServeOptions, is_loopback
+from shardbook.kernel.server.state import ServeOptions, is_loopback
 from shardbook.rankd.generation.streaming import StopTextFilter
 
 USER = [{"role": "user", "content": "hi"}]
@@ -125,7 +126,7 @@ def test_turns_run_one_at_a_time_in_arrival_order():
     def run(turn):
         assert turn.wait()
         order.append(turn.source)
-        turn.leave()
+        turn.finish()
 
     threads = [threading.Thread(target=run, args=(t,)) for t in reversed(turns)]
     for t in threads:
@@ -135,7 +136,7 @@ def test_turns_run_one_at_a_time_in_arrival_order():
     assert order == ["t0", "t1", "t2", "t3"]
 
 
-def test_a_full_line_refuses_bounded_entries_only_and_a_cancelled_turn_frees_its_place():
+def test_a_full_line_refuses_bounded_entries_only_and_a_turn_that_left_frees_its_place():
     queue = GenerationQueue(max_waiting=2)
     first = queue.enter("http", bounded=True)
     assert first.wait()  # running: no longer waiting
@@ -144,18 +145,18 @@ def test_a_full_line_refuses_bounded_entries_only_and_a_cancelled_turn_frees_its
         queue.enter("http", bounded=True)
     assert e.value.retry_after_s >= 1
     queue.enter("chat")  # a %%chat cell always gets in line
-    assert waiting[0].cancel() and not waiting[0].wait()
+    assert waiting[0].leave() and not waiting[0].wait()
     queue.enter("http", bounded=True)
 
 
-def test_interrupt_running_reaches_only_the_running_turn():
+def test_stop_running_reaches_only_the_running_turn():
     queue = GenerationQueue()
     stopped = []
     running, waiting = queue.enter("a"), queue.enter("b")
-    running.on_interrupt, waiting.on_interrupt = (lambda: stopped.append("a")), (lambda: stopped.append("b"))
-    assert not queue.interrupt_running()
+    running.on_stop, waiting.on_stop = (lambda: stopped.append("a")), (lambda: stopped.append("b"))
+    assert not queue.stop_running()
     running.wait()
-    assert queue.interrupt_running() and stopped == ["a"]
+    assert queue.stop_running() and stopped == ["a"]
 
 
 def test_other_addresses_than_loopback_need_an_api_key():

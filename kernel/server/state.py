@@ -1,0 +1,129 @@
+"""What the HTTP handlers see of a server: where it listens and who may ask, the model it serves, its counters.
+
+`Server` (``server``) adds the thread and the lifecycle on top; the handlers (``completions``) need only this.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from shardbook.kernel.ranks.runtime import Runtime
+from shardbook.kernel.server.openai_api import ApiError
+
+if TYPE_CHECKING:
+    from shardbook.kernel.api.chat import AsyncChatStream
+    from shardbook.rankd.loading.load_sharded import LoadedModel
+
+DEFAULT_PORT = 8000
+MAX_BODY_BYTES = 4 * 1024 * 1024
+"""Largest request body accepted (413 beyond): room for a long conversation, not for abuse."""
+
+
+@dataclass
+class ServeOptions:
+    """Where to listen and who may ask: loopback by default; any other address needs an API key."""
+
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    api_key: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
+    max_waiting: int | None = None
+    """Requests that may wait for the model (429 beyond); None keeps the queue's own bound."""
+
+    def check(self) -> None:
+        """ValueError naming the fix when the server must not start with these options."""
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("the API key is empty: give a non-empty --api-key, or a file with one in --api-key-file")
+        if self.api_key is None and not is_loopback(self.host):
+            raise ValueError(
+                f"refusing to serve on {self.host} without an API key: anyone who can reach that address could use "
+                "the model. Give --api-key KEY or --api-key-file FILE (clients then send 'Authorization: Bearer KEY'), "
+                "or serve on 127.0.0.1 (the default) and reach it through an SSH tunnel."
+            )
+
+
+def is_loopback(host: str) -> bool:
+    """True when every address ``host`` resolves to is a loopback address."""
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except socket.gaierror as e:
+        raise ValueError(f"cannot resolve the host {host!r}: {e}") from None
+    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+
+
+def read_api_key(key: str | None, key_file: str | None) -> str | None:
+    """The key from ``--api-key`` or the first line of ``--api-key-file``."""
+    if key_file is None:
+        return key
+    try:
+        return Path(key_file).expanduser().read_text().strip()
+    except OSError as e:
+        raise ValueError(f"cannot read the API key file {key_file}: {e.strerror}") from None
+
+
+@dataclass
+class ServerStats:
+    served: int = 0
+    errors: int = 0
+    in_flight: int = 0
+
+
+class ServerState:
+    """A server's options, counters and replies in flight, and the model it serves (whatever is loaded now)."""
+
+    def __init__(self, runtime: Runtime, options: ServeOptions):
+        options.check()
+        self.runtime = runtime
+        self.options = options
+        self.stats = ServerStats()
+        self.port = options.port
+        self.started_at = int(time.time())
+        self.streams: set[AsyncChatStream] = set()
+        """Replies in flight or waiting (``AsyncChatStream``); touched on the server's loop only."""
+        if options.max_waiting is not None:
+            runtime.generation_queue.max_waiting = options.max_waiting
+
+    @property
+    def url(self) -> str:
+        host = self.options.host
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}/v1"
+
+    def model_id(self) -> str | None:
+        """The id clients name the loaded model by: its checkpoint directory's name; None when none is loaded."""
+        config = self.runtime.ctx0.state.get("config")
+        if config is None or "loaded" not in self.runtime.ctx0.state:
+            return None
+        return Path(config.model.model_name_or_path).name
+
+    def served_model(self, requested: str) -> LoadedModel:
+        """The loaded model if ``requested`` names it; ApiError 503 (none loaded) or 404 (another name)."""
+        model_id = self.model_id()
+        if model_id is None:
+            raise ApiError(
+                503,
+                "no model is loaded yet: load one (%load_sharded) and retry",
+                type="server_error",
+                code="model_not_loaded",
+            )
+        if requested not in (model_id, self.runtime.ctx0.state["config"].model.model_name_or_path):
+            raise ApiError(
+                404,
+                f"the model '{requested}' does not exist here; this server serves '{model_id}'",
+                param="model",
+                code="model_not_found",
+            )
+        return self.runtime.ctx0.state["loaded"]
+
+    def status_text(self) -> str:
+        s = self.stats
+        return (
+            f"serving {self.model_id() or '(no model loaded)'} at {self.url}\n"
+            f"queue: {self.runtime.generation_queue.describe()}\n"
+            f"requests: {s.served} served, {s.errors} errors, {s.in_flight} in flight"
+            + ("" if self.options.api_key else "\nno API key: loopback clients only")
+        )
