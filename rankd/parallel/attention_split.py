@@ -20,8 +20,8 @@ arithmetic and picks the same top-k indices, with no collective. Per token and i
 costs every rank index_n_heads x index_head_dim x (q_lora_rank + past tokens) + hidden x
 (index_head_dim + index_n_heads) multiply-adds (GLM-5 with 4k past tokens: 32 x 128 x (2048 + 4096)
 + 6144 x 160 = about 26 M per indexed layer) and index_head_dim values of key cache per token
-(128, 256 bytes in bf16), the same on every rank. Splitting its heads instead would need an all-reduce of [tokens x past tokens]
-scores before top-k for every indexed layer, more traffic than the work it saves.
+(128, 256 bytes in bf16), the same on every rank. Splitting its heads instead would need an all-reduce of
+[tokens x past tokens] scores before top-k for every indexed layer, more traffic than the work it saves.
 """
 
 from __future__ import annotations
