@@ -308,3 +308,40 @@ DEEPSEEK_V4 = dict(
     sliding_window=8,
 )
 """A tiny DeepSeek-V4 (hyper-connections, grouped output LoRA, compressed attention with an indexer)."""
+
+
+_SMALL_MOE = dict(num_experts_per_tok=2, head_dim=16)
+
+TP_FAMILIES = {
+    # 5 query heads on 1 KV head: 3 and 2 per rank, both ranks read the KV head
+    "gpt_oss": dict(num_heads=5, num_kv_heads=1, num_local_experts=4, **_SMALL_MOE),
+    "qwen3_next": dict(
+        num_heads=5,
+        num_kv_heads=1,
+        num_experts=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        **_SMALL_MOE,
+    ),
+    "minimax_m2": dict(num_heads=5, num_kv_heads=1, num_local_experts=4, **_SMALL_MOE),
+}
+"""Tiny GPT-OSS (sinks, expert biases), Qwen3-Next (a Gated DeltaNet layer, then gated attention) and MiniMax-M2."""
+
+
+def random_biases(model) -> None:
+    """Non-zero expert biases and router biases (transformers initialises them to zeros)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("_proj_bias", "router.bias")):
+                param.copy_(torch.randn_like(param) * 0.2)
+    random_router_bias(model)
+
+
+def make_tiny_tp_family(path: Path, family: str) -> Path:
+    """Write a random float32 causal LM of `family` (see `TP_FAMILIES`)."""
+    return make_tiny_lm(path, family=family, init=random_biases, **TP_FAMILIES[family])

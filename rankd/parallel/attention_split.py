@@ -4,7 +4,10 @@ The plan says which projections are split (column: output rows, row: input colum
 says which rows each rank keeps, in whole heads, so every rank computes attention for its heads only.
 
 Grouped-query attention (Llama, Qwen, GLM-4): q_proj rows by query heads, k/v_proj rows by the KV
-heads those queries read (`head_split`), o_proj columns by query heads.
+heads those queries read (`head_split`), o_proj columns by query heads. A q_proj twice as wide
+(Qwen3-Next: each head's query followed by its output gate) keeps twice the rows per query head.
+Per-head parameters of the attention module itself (GPT-OSS's attention sinks, one logit per
+query head) keep the rank's query heads.
 
 MLA (DeepSeek-V3/V3.2, GLM-5 `glm_moe_dsa`): q_a_proj, kv_a_proj_with_mqa and their norms are
 small and stay whole; every rank computes the same compressed latents from them. The per-head
@@ -60,9 +63,15 @@ class AttentionSplit:
             return [(_scaled(s.query_heads, self.head_dim),) for s in self.shares]
         if features == self.num_kv_heads * self.head_dim:
             return [_kv_pieces(s, self.head_dim) for s in self.shares]
+        if features == 2 * self.num_heads * self.head_dim:  # a query and an output gate per head
+            return [(_scaled(s.query_heads, 2 * self.head_dim),) for s in self.shares]
         raise ValueError(
             f"{name} has {features} output features, not whole query or key/value heads: tp cannot split it"
         )
+
+    def per_head(self) -> list[tuple[range]]:
+        """Each rank's query heads, for a parameter with one entry per query head (attention sinks)."""
+        return [(s.query_heads,) for s in self.shares]
 
     def local_groups(self, rank: int) -> int:
         """The attention module's `num_key_value_groups` on `rank` (MLA: one key per query head)."""
@@ -74,13 +83,21 @@ def is_mla(attn: nn.Module) -> bool:
     return hasattr(attn, "kv_b_proj")
 
 
-def kv_cache_bytes_per_token(model: nn.Module, split: list[AttentionSplit], rank: int, element_size: int) -> int:
-    """Bytes of KV cache one token adds on `rank`, over every layer (and the indexer's key cache where there is one)."""
+def kv_cache_bytes_per_token(model: nn.Module, split: list[AttentionSplit | None], rank: int, element_size: int) -> int:
+    """Bytes of KV cache one token adds on `rank`, over every layer (and the indexer's key cache where there is one).
+
+    A layer without `self_attn` (linear attention: a fixed-size state) adds none; one whose attention
+    stays whole (None) keeps every key/value head.
+    """
     config = model.config.get_text_config()
     total = 0
     for layer, heads in zip(model.model.layers, split):
-        attn = layer.self_attn
-        if heads.head_dim is None:
+        attn = getattr(layer, "self_attn", None)
+        if attn is None:
+            continue
+        if heads is None:
+            total += 2 * config.num_key_value_heads * attn.head_dim
+        elif heads.head_dim is None:
             total += config.kv_lora_rank + config.qk_rope_head_dim  # the latent, whole on every rank
         else:
             total += 2 * len(heads.shares[rank].kv_heads) * heads.head_dim

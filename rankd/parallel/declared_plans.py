@@ -17,7 +17,8 @@ What each word means here (transformers' `integrations/tensor_parallel.py` names
   experts module goes expert-parallel (`expert_parallel`), laid out by ep_size / ep_fsdp_size.
 - `mla_kv_a_proj`, `replicated_with_grad_allreduce`: the module stays whole on every rank.
 
-Where a plan leaves something out that splits exactly, `SUPPLEMENTS` adds it, each entry saying why.
+Where a plan leaves something out that splits exactly, `SUPPLEMENTS` adds it; where a plan's word
+would compute something else than one process does here, `OVERRIDES` replaces it; each entry says why.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ WORDS = {
     "grouped_gemm": EXPERTS,
     "mla_kv_a_proj": WHOLE,
     "replicated_with_grad_allreduce": WHOLE,
+    "replicated": WHOLE,
 }
 """Every plan word `tp` understands, and what it makes of it."""
 
@@ -47,6 +49,13 @@ _MLA_ATTENTION = {
     "layers.*.self_attn.q_proj": "colwise",
     "layers.*.self_attn.q_b_proj": "colwise",
     "layers.*.self_attn.kv_b_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+}
+
+_GQA_ATTENTION = {
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
     "layers.*.self_attn.o_proj": "rowwise",
 }
 
@@ -71,8 +80,38 @@ SUPPLEMENTS: dict[str, dict[str, tuple[str, str]]] = {
         pattern: (word, "DeepSeek-V3's plan splits only the MLPs; its MLA splits by heads as DeepSeek-V3.2's plan says")
         for pattern, word in _MLA_ATTENTION.items()
     },
+    "gpt_oss": {
+        pattern: (word, "GPT-OSS's plan names only the embedding; its attention splits by heads, sinks with them")
+        for pattern, word in _GQA_ATTENTION.items()
+    },
 }
 """Per model type (`*`: every one), module pattern -> (plan word, why the declared plan needs it)."""
+
+_LINEAR_ATTENTION = ("in_proj_qkvz", "in_proj_ba", "out_proj")
+
+OVERRIDES: dict[str, dict[str, tuple[str, str]]] = {
+    "qwen3_next": {
+        f"layers.*.linear_attn.{proj}": (
+            "replicated",
+            (
+                "the plan computes the Gated DeltaNet projections whole on every rank (colwise_gather_output); "
+                "its causal conv1d and recurrent state span all heads, so the linear-attention layers stay whole"
+            ),
+        )
+        for proj in _LINEAR_ATTENTION
+    },
+    "minimax_m2": {
+        f"layers.*.self_attn.{proj}": (
+            "replicated",
+            (
+                "MiniMax-M2's q_norm and k_norm take one RMS over all heads together, so a rank's heads alone "
+                "cannot be normalised: its attention stays whole on every rank (the plan gathers it too)"
+            ),
+        )
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj")
+    },
+}
+"""Per model type, module pattern -> (plan word that replaces the declared one, why)."""
 
 
 def declared_words(config, model: nn.Module | None = None) -> dict[str, str]:
@@ -86,6 +125,8 @@ def declared_words(config, model: nn.Module | None = None) -> dict[str, str]:
     for family in ("*", getattr(text, "model_type", None)):
         for pattern, (word, _why) in SUPPLEMENTS.get(family, {}).items():
             words.setdefault(prefix + pattern, word)
+    for pattern, (word, _why) in OVERRIDES.get(getattr(text, "model_type", None), {}).items():
+        words[prefix + pattern] = word
     return words
 
 

@@ -9,19 +9,19 @@ config (MLA, indexer, shared experts, dense first layers) and from what is not d
 from __future__ import annotations
 
 from shardbook.rankd.parallel.expert_parallel import num_experts
-from shardbook.rankd.parallel.tensor_parallel import SUPPORTED_MODEL_TYPES, tp_unavailable
+from shardbook.rankd.parallel.tensor_parallel import NOT_SUPPORTED, SUPPORTED_MODEL_TYPES, tp_unavailable
 
-LISTED = (*SUPPORTED_MODEL_TYPES, "gpt_oss", "minimax_m2", "qwen3_next", "longcat_flash", "deepseek_v4")
+LISTED = (*SUPPORTED_MODEL_TYPES, *NOT_SUPPORTED)
 """Every family the table lists: the ones `tp` runs, then the rest of MindSpeed-LLM's FSDP2 examples."""
 
-NOT_YET = {
-    "gpt_oss": "tp not yet: expert biases and attention sinks are not split",
-    "minimax_m2": "tp not yet: its q/k norms span all heads (colwise_gather_output)",
-    "qwen3_next": "tp not yet: linear-attention (Gated DeltaNet) layers",
-    "longcat_flash": "tp not yet: two attentions per layer and identity experts",
-    "deepseek_v4": "tp not yet: hyper-connections, grouped output LoRA and compressed attention",
+HOW = {
+    "gpt_oss": "attention split by heads, sinks with their heads; expert biases split with the experts",
+    "qwen3_next": (
+        "gated full attention split by heads; Gated DeltaNet (linear-attention) layers replicated on every rank"
+    ),
+    "minimax_m2": "attention replicated on every rank (its q/k norms span all heads); experts split",
 }
-"""What keeps a listed family from a layout, said where the code cannot tell."""
+"""How `tp` handles what is particular to a family, said where the code cannot tell."""
 
 MARK_START, MARK_END = "<!-- families:start -->", "<!-- families:end -->"
 
@@ -48,9 +48,11 @@ def _notes(config, model_type: str) -> list[str]:
         notes.append("shared experts")
     if getattr(config, "first_k_dense_replace", None):
         notes.append("dense first layers")
-    if model_type in NOT_YET:
+    if model_type in HOW:
+        notes.append(HOW[model_type])
+    if model_type in NOT_SUPPORTED:
         tested = " (tests load it under gather)" if model_type == "deepseek_v4" else " (no test here loads this family)"
-        notes.append(NOT_YET[model_type] + tested)
+        notes.append(f"tp not yet: {NOT_SUPPORTED[model_type]}{tested}")
     return notes
 
 

@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardbook.rankd.parallel.attention_split import AttentionSplit
+from shardbook.rankd.parallel.biased_experts import apply_biased_experts, biased_experts_plan, has_expert_biases
 from shardbook.rankd.parallel.declared_plans import (
     COLUMN,
     EXPERTS,
@@ -58,11 +59,21 @@ SUPPORTED_MODEL_TYPES = (
     "glm_moe_dsa",
     "deepseek_v3",
     "deepseek_v32",
+    "gpt_oss",
+    "qwen3_next",
+    "minimax_m2",
 )
 """Families whose declared plans `tp` has been checked against one process (tests/multiproc): Llama (SmolLM2 too),
 Qwen2 (qkv bias), Qwen3 (q/k norm), the mixture-of-experts families Qwen2-MoE (shared expert), Qwen3-MoE, Mixtral
 and GLM-4-MoE (shared experts, dense first layers), and the MLA ones: GLM-5 (`glm_moe_dsa`) and DeepSeek-V3.2 with
-their sparse-attention indexer, DeepSeek-V3."""
+their sparse-attention indexer, DeepSeek-V3; GPT-OSS (attention sinks, expert biases), Qwen3-Next (gated attention
+split by heads, Gated DeltaNet layers whole) and MiniMax-M2 (attention whole: its q/k norms span all heads)."""
+
+NOT_SUPPORTED = {
+    "longcat_flash": "two attentions and two MLPs per layer, and identity (zero-compute) experts",
+    "deepseek_v4": "hyper-connections, a grouped output LoRA and compressed attention",
+}
+"""Families with a declared plan that `tp` refuses, and what in them it does not split yet."""
 
 _WAYS_OUT = (
     "use parallel.decode gather (each rank keeps the whole model after the first forward) or reshard "
@@ -79,6 +90,8 @@ def tp_unavailable(hf_config, parts: int) -> str | None:
             f"parallel.decode tp needs the tensor-parallel plan transformers declares for a model family "
             f"(base_model_tp_plan), and {model_type!r} has none: {_WAYS_OUT}"
         )
+    if model_type in NOT_SUPPORTED:
+        return f"parallel.decode tp does not split {model_type!r} models ({NOT_SUPPORTED[model_type]}): {_WAYS_OUT}"
     if model_type not in SUPPORTED_MODEL_TYPES:
         return (
             f"parallel.decode tp does not support {model_type!r} models yet (it supports "
@@ -109,10 +122,18 @@ def shard_tp(model: nn.Module, mesh: DeviceMesh, experts: ExpertLayout | None, e
     return plan
 
 
-def attention_splits(model: nn.Module, parts: int) -> list[AttentionSplit]:
-    """Every decoder layer's head split (pure arithmetic, the same on every rank)."""
+def attention_splits(model: nn.Module, parts: int) -> list[AttentionSplit | None]:
+    """Every decoder layer's head split (pure arithmetic, the same on every rank).
+
+    None for a layer whose attention stays whole: no `self_attn` (linear attention), or a plan that splits none of it.
+    """
     config = model.config.get_text_config()
-    return [AttentionSplit.of(layer.self_attn, config, parts) for layer in model.model.layers]
+    plan = module_plan(model).items()
+    split = {name.split(".self_attn.")[0] for name, kind in plan if ".self_attn." in name and kind in (COLUMN, ROW)}
+    return [
+        AttentionSplit.of(layer.self_attn, config, parts) if f"model.layers.{index}" in split else None
+        for index, layer in enumerate(model.model.layers)
+    ]
 
 
 def plan_tp(model: nn.Module, parts: int, experts: ExpertLayout | None = None) -> dict[str, TPShard]:
@@ -122,20 +143,25 @@ def plan_tp(model: nn.Module, parts: int, experts: ExpertLayout | None = None) -
     for index, (layer, heads) in enumerate(zip(model.model.layers, attention_splits(model, parts))):
         prefix = f"model.layers.{index}."
         mine = {name: kind for name, kind in modules.items() if name.startswith(prefix)}
-        plan.update(_layer_plan(model, layer, prefix, mine, heads, experts))
+        plan.update(_layer_plan(model, layer, prefix, mine, heads, experts, parts))
     return plan
 
 
-def _layer_plan(model, layer, prefix: str, modules: dict[str, str], heads: AttentionSplit, experts) -> dict:
+def _layer_plan(model, layer, prefix: str, modules: dict[str, str], heads, experts, parts: int) -> dict:
     """One decoder layer: attention by heads first, then its MLPs by rows evened out against it, then its experts."""
     plan = {}
     attention = {n: k for n, k in modules.items() if n.startswith(prefix + "self_attn.") and k in (COLUMN, ROW)}
     for name, kind in attention.items():
         plan.update(_linear_plan(name, model.get_submodule(name), kind, heads.pieces))
-    units = _local_weights(plan, len(heads.shares))
+    sinks = getattr(getattr(layer, "self_attn", None), "sinks", None)
+    if heads is not None and sinks is not None:
+        plan[prefix + "self_attn.sinks"] = TPShard.along(sinks.shape, 0, heads.per_head())
+    units = _local_weights(plan, parts)
     for name, kind in modules.items():
         if kind == EXPERTS:
-            plan.update(experts_plan(name, model.get_submodule(name), experts))
+            module = model.get_submodule(name)
+            plan_of = biased_experts_plan if has_expert_biases(module) else experts_plan
+            plan.update(plan_of(name, module, experts))
         elif kind in (COLUMN, ROW) and name not in attention:
             rows = _mlp_rows(model, name, layer, units)
             plan.update(_linear_plan(name, model.get_submodule(name), kind, lambda m, d, n, rows=rows: rows))
@@ -209,10 +235,12 @@ def _apply_tp(model: nn.Module, group: dist.ProcessGroup, rank: int, experts, ex
         if model.get_output_embeddings() is not None:
             become(model.get_output_embeddings(), VocabGatheredLinear, group, vocab_sizes=[len(r) for r in vocab])
     for layer, heads in zip(model.model.layers, attention_splits(model, parts)):
-        layer.self_attn.num_key_value_groups = heads.local_groups(rank)
+        if heads is not None:
+            layer.self_attn.num_key_value_groups = heads.local_groups(rank)
     for name, kind in modules.items():
         module = model.get_submodule(name)
         if kind == ROW:
             become(module, RowParallelLinear, group)
         elif kind == EXPERTS:
-            apply_experts(module, experts, rank, expert_group)
+            apply = apply_biased_experts if has_expert_biases(module) else apply_experts
+            apply(module, experts, rank, expert_group)

@@ -75,3 +75,21 @@ def test_readme_families_table_is_generated_from_the_code():
     assert MARK_START in text and MARK_END in text, "paste families_table() into README.md between the markers"
     start, end = text.index(MARK_START), text.index(MARK_END) + len(MARK_END)
     assert text[start:end] == families_table()
+
+
+@pytest.mark.parametrize("model_type", ["longcat_flash", "deepseek_v4"])
+def test_families_tp_does_not_split_are_refused_naming_gather_and_reshard(model_type):
+    from transformers import AutoConfig
+
+    message = tp_unavailable(AutoConfig.for_model(model_type), 2)
+    assert f"does not split {model_type!r} models" in message and "gather" in message and "reshard" in message
+
+
+def test_qwen3_next_keeps_its_linear_attention_whole_and_minimax_m2_its_attention():
+    from shardbook.rankd.parallel.tensor_parallel import attention_splits
+
+    qwen = meta_model("qwen3_next", head_dim=16, layer_types=["linear_attention", "full_attention", "linear_attention"])
+    assert [split is not None for split in attention_splits(qwen, 2)] == [False, True, False]
+    assert not any(".linear_attn." in name for name in plan_tp(qwen, 2, _layout()))
+    minimax = meta_model("minimax_m2", head_dim=16)
+    assert not any(".self_attn." in name for name in plan_tp(minimax, 2, _layout()))
