@@ -185,6 +185,31 @@ def measure(path: Path, what: str, tokens: int, nproc: int) -> dict:
         return json.loads(Path(out.name).read_text())
 
 
+GLM5_SCALED = dict(
+    hidden_size=256,
+    num_layers=6,
+    num_heads=8,
+    num_kv_heads=8,
+    q_lora_rank=128,
+    kv_lora_rank=64,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    n_routed_experts=32,
+    num_experts_per_tok=4,
+    moe_intermediate_size=256,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    index_n_heads=4,
+    index_head_dim=32,
+    index_topk=64,
+)
+"""A random glm_moe_dsa: GLM-5's structure (MLA with a query LoRA, the sparse-attention indexer, a dense first layer,
+routed experts with a shared one) at hidden 256, 6 layers, 32 experts of 4 per token."""
+
+
 def model_paths(names: list[str]) -> list[tuple[str, Path, str]]:
     """(title, checkpoint, the sharded layout to compare: tp, or tp+ep for a MoE model) for each name."""
     import platformdirs
@@ -217,6 +242,9 @@ def model_paths(names: list[str]) -> list[tuple[str, Path, str]]:
                 norm_topk_prob=True,
             )
             models.append(("Qwen3-MoE 27M, 8 experts, hidden 256 (random)", path, "tp+ep"))
+        elif name == "glm5mla":
+            path = make_tiny_lm(scratch / name, family="glm_moe_dsa", **GLM5_SCALED)
+            models.append(("GLM-5 shapes (MLA, indexer, MoE) scaled to 34M (random)", path, "tp+ep"))
         else:
             models.append((name, Path(name), "tp"))
     return models
@@ -389,7 +417,9 @@ def _bytes(n: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--models", default="smollm2,llama42m,qwen3moe", help="smollm2, llama42m, qwen3moe or checkpoint directories"
+        "--models",
+        default="smollm2,llama42m,qwen3moe",
+        help="smollm2, llama42m, qwen3moe, glm5mla or checkpoint directories",
     )
     parser.add_argument("--tokens", type=int, default=32, help="tokens per run (single, gather, tp)")
     parser.add_argument("--tokens-reshard", type=int, default=12, help="tokens per run with reshard (slow)")
