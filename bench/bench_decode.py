@@ -185,6 +185,31 @@ def measure(path: Path, what: str, tokens: int, nproc: int) -> dict:
         return json.loads(Path(out.name).read_text())
 
 
+GLM5_SCALED = dict(
+    hidden_size=256,
+    num_layers=6,
+    num_heads=8,
+    num_kv_heads=8,
+    q_lora_rank=128,
+    kv_lora_rank=64,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    n_routed_experts=32,
+    num_experts_per_tok=4,
+    moe_intermediate_size=256,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    index_n_heads=4,
+    index_head_dim=32,
+    index_topk=64,
+)
+"""A random glm_moe_dsa: GLM-5's structure (MLA with a query LoRA, the sparse-attention indexer, a dense first layer,
+routed experts with a shared one) at hidden 256, 6 layers, 32 experts of 4 per token."""
+
+
 def model_paths(names: list[str]) -> list[tuple[str, Path, str]]:
     """(title, checkpoint, the sharded layout to compare: tp, or tp+ep for a MoE model) for each name."""
     import platformdirs
@@ -217,6 +242,9 @@ def model_paths(names: list[str]) -> list[tuple[str, Path, str]]:
                 norm_topk_prob=True,
             )
             models.append(("Qwen3-MoE 27M, 8 experts, hidden 256 (random)", path, "tp+ep"))
+        elif name == "glm5mla":
+            path = make_tiny_lm(scratch / name, family="glm_moe_dsa", **GLM5_SCALED)
+            models.append(("GLM-5 shapes (MLA, indexer, MoE) scaled to 34M (random)", path, "tp+ep"))
         else:
             models.append((name, Path(name), "tp"))
     return models
@@ -323,6 +351,62 @@ def print_expert_weights() -> None:
             )
 
 
+def glm5_per_rank(ranks: int = 32, ep_size: int = 16, ep_fsdp_size: int = 2, dtype_bytes: int = 2) -> dict:
+    """GLM-5 (GlmMoeDsaConfig defaults) under tp, from shardbook's own plan on a meta model: per rank, weights,
+    the part kept whole, KV cache at 4k and 32k tokens, and the bytes sent per generated token."""
+    import torch
+    from transformers import AutoModelForCausalLM, GlmMoeDsaConfig
+
+    from shardbook.rankd.parallel.attention_split import kv_cache_bytes_per_token
+    from shardbook.rankd.parallel.declared_plans import EXPERTS, ROW, module_plan
+    from shardbook.rankd.parallel.expert_parallel import ExpertLayout
+    from shardbook.rankd.parallel.tensor_parallel import attention_splits, plan_tp
+
+    config = GlmMoeDsaConfig()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    plan = plan_tp(model, ranks, ExpertLayout.of(ranks, ep_size, ep_fsdp_size))
+    params = dict(model.named_parameters())
+    whole = sum(p.numel() for name, p in params.items() if name not in plan)
+    local = [whole + sum(_numel(s.local_shape(r)) for s in plan.values()) for r in range(ranks)]
+    kinds = list(module_plan(model).values())
+    ring, hidden = 2 * (ranks - 1) / ranks, config.hidden_size * dtype_bytes
+    all_reduces = kinds.count(ROW) + kinds.count(EXPERTS) + 1  # row-parallel layers, expert sets, the embedding
+    traffic = all_reduces * ring * hidden + config.vocab_size / ranks * dtype_bytes * (ranks - 1)
+    kv = kv_cache_bytes_per_token(model, attention_splits(model, ranks), 0, dtype_bytes)
+    return {
+        "params": sum(p.numel() for p in params.values()),
+        "weights": max(local) * dtype_bytes,
+        "whole": whole * dtype_bytes,
+        "kv_per_token": kv,
+        "kv_4k": kv * 4096,
+        "kv_32k": kv * 32768,
+        "collectives": all_reduces + 1,
+        "traffic": traffic,
+    }
+
+
+def print_glm5(ranks: int = 32, ep_size: int = 16, ep_fsdp_size: int = 2) -> None:
+    f = glm5_per_rank(ranks, ep_size, ep_fsdp_size)
+    print(f"\n### GLM-5 (GlmMoeDsaConfig(), {f['params'] / 1e9:.1f}B parameters) under tp on {ranks} ranks, bf16\n")
+    print(
+        "| ep_size x ep_fsdp_size | weights/rank | kept whole/rank | KV cache/token/rank | KV 4k | KV 32k "
+        "| collectives/token | sent/token/rank |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    print(
+        f"| {ep_size} x {ep_fsdp_size} | {_bytes(f['weights'])} | {_bytes(f['whole'])} | {_bytes(f['kv_per_token'])} "
+        f"| {_bytes(f['kv_4k'])} | {_bytes(f['kv_32k'])} | {f['collectives']} | {_bytes(f['traffic'])} |"
+    )
+
+
+def _numel(shape) -> int:
+    total = 1
+    for size in shape:
+        total *= size
+    return total
+
+
 def _bytes(n: float) -> str:
     for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if n >= size:
@@ -333,13 +417,16 @@ def _bytes(n: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--models", default="smollm2,llama42m,qwen3moe", help="smollm2, llama42m, qwen3moe or checkpoint directories"
+        "--models",
+        default="smollm2,llama42m,qwen3moe",
+        help="smollm2, llama42m, qwen3moe, glm5mla or checkpoint directories",
     )
     parser.add_argument("--tokens", type=int, default=32, help="tokens per run (single, gather, tp)")
     parser.add_argument("--tokens-reshard", type=int, default=12, help="tokens per run with reshard (slow)")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--link-gbs", type=float, default=56.0, help="link bandwidth per rank for the cost model, GB/s")
     parser.add_argument("--latency-us", type=float, default=20.0, help="latency of one collective, microseconds")
+    parser.add_argument("--cost-only", action="store_true", help="print only the cost models (no runs)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -360,12 +447,17 @@ def main() -> None:
         "tp+ep": args.tokens,
         "reshard": args.tokens_reshard,
     }
+    if args.cost_only:
+        print_cost_model(args.link_gbs, args.latency_us)
+        print_glm5()
+        return
     print(f"{args.nproc} ranks, gloo, 1 thread per process; prompt {PROMPT!r}; greedy")
     for name, path, sharded in model_paths(args.models.split(",")):
         runs = ("single", "gather", sharded, "reshard")
         figures = {what: measure(path, what, tokens[what], args.nproc) for what in runs}
         print_model(name, figures, tokens, sharded)
     print_cost_model(args.link_gbs, args.latency_us)
+    print_glm5()
 
 
 if __name__ == "__main__":

@@ -80,12 +80,14 @@ def make_tiny_lm(
     tie_word_embeddings: bool = True,
     seed: int = 0,
     max_shard_size: str | None = None,
+    init=None,
     **config_kwargs,
 ) -> Path:
     """Write a random float32 causal LM of `family` (any transformers model type), its tokenizer and generation config.
 
     `config_kwargs` go to the family's config (expert counts and sizes for the MoE families).
 
+    `init(model)`, if given, changes the random model before it is saved (e.g. non-zero router biases).
     `max_shard_size` (e.g. "40KB") splits the safetensors into several files with an index.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
@@ -112,6 +114,8 @@ def make_tiny_lm(
     )
     with _seeded(seed):
         model = AutoModelForCausalLM.from_config(config).to(torch.float32)
+        if init is not None:
+            init(model)
     model.generation_config = GenerationConfig(
         eos_token_id=eos_id, pad_token_id=tokenizer.pad_token_id, do_sample=False
     )
@@ -243,8 +247,101 @@ MOE_FAMILIES = {
 """Tiny mixture-of-experts configurations: 8 experts per layer, 2 per token;
 GLM and DeepSeek with a dense first layer."""
 
+_MLA = dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+_ROUTED = dict(
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=2,  # grouped routing: the best group of 4 experts first, then the top 2 in it
+    topk_group=1,
+    routed_scaling_factor=2.5,
+)
+_INDEXER = dict(index_n_heads=2, index_head_dim=16, index_topk=4)  # top-4 of a longer prompt: the selection matters
+
+MLA_FAMILIES = {
+    # GLM-5: 5 heads (3 and 2 per rank); layer 2 reuses layer 1's top-k ("shared" indexer)
+    "glm_moe_dsa": dict(
+        num_heads=5, num_kv_heads=5, num_layers=3, index_topk_pattern="FFS", **_MLA, **_ROUTED, **_INDEXER
+    ),
+    "deepseek_v32": dict(num_heads=4, num_kv_heads=4, num_layers=2, **_MLA, **_ROUTED, **_INDEXER),
+    "deepseek_v3": dict(num_heads=4, num_kv_heads=4, num_layers=2, **_MLA, **_ROUTED),
+}
+"""Tiny multi-head latent attention models with grouped routing, a score-correction bias and a shared expert."""
+
+
+def random_router_bias(model) -> None:
+    """A non-zero score-correction bias on every router (transformers initialises it to zeros)."""
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buffer.copy_(torch.rand_like(buffer) * 0.5)
+
+
+def make_tiny_mla(path: Path, family: str, **kwargs) -> Path:
+    """Write a random float32 MLA mixture-of-experts causal LM of `family` (see `MLA_FAMILIES`)."""
+    return make_tiny_lm(path, family=family, init=random_router_bias, **{**MLA_FAMILIES[family], **kwargs})
+
 
 def make_tiny_moe(path: Path, family: str, **kwargs) -> Path:
     """Write a random float32 MoE causal LM of `family`;
     `save_pretrained` stores its experts one by one, as the Hub does."""
     return make_tiny_lm(path, family=family, num_layers=2, **{**MOE_FAMILIES[family], **kwargs})
+
+
+DEEPSEEK_V4 = dict(
+    num_heads=4,
+    num_kv_heads=1,
+    num_layers=2,
+    head_dim=16,
+    q_lora_rank=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    o_groups=2,
+    o_lora_rank=16,
+    index_n_heads=2,
+    index_head_dim=16,
+    index_topk=4,
+    qk_rope_head_dim=8,
+    hc_mult=2,
+    sliding_window=8,
+)
+"""A tiny DeepSeek-V4 (hyper-connections, grouped output LoRA, compressed attention with an indexer)."""
+
+
+_SMALL_MOE = dict(num_experts_per_tok=2, head_dim=16)
+
+TP_FAMILIES = {
+    # 5 query heads on 1 KV head: 3 and 2 per rank, both ranks read the KV head
+    "gpt_oss": dict(num_heads=5, num_kv_heads=1, num_local_experts=4, **_SMALL_MOE),
+    "qwen3_next": dict(
+        num_heads=5,
+        num_kv_heads=1,
+        num_experts=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        **_SMALL_MOE,
+    ),
+    "minimax_m2": dict(num_heads=5, num_kv_heads=1, num_local_experts=4, **_SMALL_MOE),
+}
+"""Tiny GPT-OSS (sinks, expert biases), Qwen3-Next (a Gated DeltaNet layer, then gated attention) and MiniMax-M2."""
+
+
+def random_biases(model) -> None:
+    """Non-zero expert biases and router biases (transformers initialises them to zeros)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("_proj_bias", "router.bias")):
+                param.copy_(torch.randn_like(param) * 0.2)
+    random_router_bias(model)
+
+
+def make_tiny_tp_family(path: Path, family: str) -> Path:
+    """Write a random float32 causal LM of `family` (see `TP_FAMILIES`)."""
+    return make_tiny_lm(path, family=family, init=random_biases, **TP_FAMILIES[family])

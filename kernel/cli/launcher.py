@@ -45,7 +45,7 @@ def launch(args: argparse.Namespace, command: list[str] | None = None, graceful_
         argv = [
             sys.executable,
             "-m",
-            "torch.distributed.run",
+            "shardbook.kernel.cli.torchrun",  # torchrun, minus its traceback when a rank has failed
             *layout.torchrun_args(),
             "-m",
             "shardbook",

@@ -38,6 +38,10 @@ def summary_table(summary: dict[str, Any]) -> Table:
         ["decode", f"{summary['decode']} — {summary['decode_reason']}"],
         ["load time", f"{summary['load_seconds']:.2f} s"],
     ]
+    if "replicated_param_bytes" in summary:  # the tp layout: what every rank keeps whole, and its cache per token
+        facts.append(["kept whole on every rank", format_bytes(summary["replicated_param_bytes"]) + " per rank"])
+        per_token = ", ".join(format_bytes(b) for b in summary["kv_cache_bytes_per_token"])
+        facts.append(["KV cache per token", f"{per_token} (rank 0, 1, ...)"])
     for rank, local in enumerate(summary["local_param_bytes"]):
         device = summary["device_bytes"][rank]
         memory = f"rss {format_bytes(summary['rss_bytes'][rank])}" + (

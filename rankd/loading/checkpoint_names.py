@@ -95,6 +95,9 @@ def checkpoint_sources(model: nn.Module, index: dict[str, StoredTensor]) -> dict
     groups: dict[str, tuple] = {}
     members: dict[str, dict[str, list[tuple[str, StoredTensor]]]] = defaultdict(lambda: defaultdict(list))
     for key, stored in index.items():
+        if _names_a_model_tensor(key, meta, model.base_model_prefix):
+            sources[_with_prefix(key, meta, model.base_model_prefix)] = stored
+            continue
         renamed = apply_renamings(key, renamings)
         converter, pattern = _converter_for(renamed, converters)
         target = converter.rename_source_key(renamed)[0] if converter else renamed
@@ -107,6 +110,21 @@ def checkpoint_sources(model: nn.Module, index: dict[str, StoredTensor]) -> dict
     for target, converter in groups.items():
         sources[target] = _expert_stack(target, converter, members[target])
     return sources
+
+
+def _names_a_model_tensor(key: str, meta: dict, prefix: str) -> bool:
+    """A stored name that already is a model tensor's (with or without the base-model prefix) is taken as it is.
+
+    Renamings are unscoped patterns: DeepSeek-V4's `\\.norm\\.` -> `.kv_norm.` is meant for the
+    attention's norm, but would also turn `model.norm.weight` (the final norm) into a name no tensor has.
+    """
+    return key in meta or f"{prefix}.{key}" in meta or key.removeprefix(f"{prefix}.") in meta
+
+
+def _with_prefix(key: str, meta: dict, prefix: str) -> str:
+    if key in meta:
+        return key
+    return f"{prefix}.{key}" if f"{prefix}.{key}" in meta else key.removeprefix(f"{prefix}.")
 
 
 def _converter_for(key: str, converters: list) -> tuple:

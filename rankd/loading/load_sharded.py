@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardbook.rankd.loading.load_steps import LoadSteps
-from shardbook.rankd.loading.summary import full_param_bytes, load_summary, rank_figures
+from shardbook.rankd.loading.summary import full_param_bytes, load_summary, rank_figures, tp_figures
 from shardbook.rankd.loading.weight_reading import plan_reads, read_shards, read_tp_slices
 from shardbook.rankd.parallel.expert_parallel import ExpertLayout, expert_layout_problem, init_expert_group, num_experts
 from shardbook.rankd.parallel.layout import (
@@ -165,6 +165,8 @@ def _load(
         decode=layout,
         decode_reason=reason,
     )
+    if layout == "tp" and steps.ok:
+        summary.update(tp_figures(model, ckpt.mesh_shape[-1]))
     return LoadedModel(model=model, tokenizer=ckpt.tokenizer, summary=summary)
 
 

@@ -15,7 +15,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from shardbook.rankd.control.world import memory_in_use
-from shardbook.rankd.parallel.tp_modules import global_numel
+from shardbook.rankd.parallel.attention_split import kv_cache_bytes_per_token
+from shardbook.rankd.parallel.tensor_parallel import attention_splits
+from shardbook.rankd.parallel.tp_modules import global_numel, tp_shard_of
 
 
 def local_param_bytes(model: nn.Module) -> int:
@@ -61,6 +63,27 @@ def load_summary(
         "load_seconds": round(max(rank["seconds"] for rank in every), 3),
         "decode": decode,
         "decode_reason": decode_reason,
+    }
+
+
+def tp_figures(model: nn.Module, parts: int) -> dict[str, Any]:
+    """What the `tp` layout costs each rank beyond its slices: the modules kept whole, and the KV cache per token.
+
+    `replicated_bytes` groups the whole parameters by name with layer numbers as `*` (every rank
+    holds each of them in full); `kv_cache_bytes_per_token[r]` is what one more token of context
+    adds to rank r's cache over all layers.
+    """
+    replicated: dict[str, int] = {}
+    for name, param in model.named_parameters():
+        if tp_shard_of(param) is None:
+            key = ".".join("*" if part.isdigit() else part for part in name.split("."))
+            replicated[key] = replicated.get(key, 0) + param.numel() * param.element_size()
+    size = next(model.parameters()).element_size()
+    splits = attention_splits(model, parts)
+    return {
+        "replicated_param_bytes": sum(replicated.values()),
+        "replicated_bytes": dict(sorted(replicated.items(), key=lambda item: -item[1])),
+        "kv_cache_bytes_per_token": [kv_cache_bytes_per_token(model, splits, r, size) for r in range(parts)],
     }
 
 

@@ -30,9 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardbook.rankd.parallel.head_split import balanced_ranges
-from shardbook.rankd.parallel.tp_modules import RowParallelLinear, TPShard, all_reduce, become
-
-MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe")
+from shardbook.rankd.parallel.tp_modules import TPShard, all_reduce, become
 
 
 @dataclass(frozen=True)
@@ -113,10 +111,13 @@ def init_expert_group(layout: ExpertLayout, tp_group: dist.ProcessGroup) -> dist
     return mine
 
 
-def moe_plan(prefix: str, block: nn.Module, layout: ExpertLayout) -> dict[str, TPShard]:
-    """The slices of one MoE block: its experts by `layout`, its shared expert like a dense MLP, its router whole."""
-    experts = block.experts
-    num, rows2, hidden = experts.gate_up_proj.shape
+def experts_plan(name: str, experts: nn.Module, layout: ExpertLayout) -> dict[str, TPShard]:
+    """The slices of one fused experts module (`gate_up_proj`, `down_proj`) by `layout`.
+
+    Shared experts and routers are not here: the declared plan splits a shared expert like a
+    dense MLP, and the router stays whole (every rank routes every token the same way).
+    """
+    num, rows2, _hidden = experts.gate_up_proj.shape
     rows = rows2 // 2
     gate_up, down = [], []
     for rank in range(layout.parts):
@@ -127,34 +128,17 @@ def moe_plan(prefix: str, block: nn.Module, layout: ExpertLayout) -> dict[str, T
         rows_kept = (part, range(rows + part.start, rows + part.stop)) if layout.efsdp > 1 else None
         gate_up.append((experts_kept, rows_kept, None))
         down.append((experts_kept, None, (part,) if layout.efsdp > 1 else None))
-    plan = {
-        f"{prefix}.experts.gate_up_proj": TPShard(tuple(experts.gate_up_proj.shape), tuple(gate_up)),
-        f"{prefix}.experts.down_proj": TPShard(tuple(experts.down_proj.shape), tuple(down)),
+    return {
+        f"{name}.gate_up_proj": TPShard(tuple(experts.gate_up_proj.shape), tuple(gate_up)),
+        f"{name}.down_proj": TPShard(tuple(experts.down_proj.shape), tuple(down)),
     }
-    name, shared = shared_expert(block)
-    if shared is not None:
-        pieces = [(r,) for r in balanced_ranges(shared.gate_proj.out_features, layout.parts)]
-        for proj, dim in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)):
-            plan[f"{prefix}.{name}.{proj}.weight"] = TPShard.along(getattr(shared, proj).weight.shape, dim, pieces)
-    return plan
 
 
-def shared_expert(block: nn.Module) -> tuple[str, nn.Module | None]:
-    """The block's always-on expert (Qwen2-MoE `shared_expert`, GLM/DeepSeek `shared_experts`), if any."""
-    for name in ("shared_expert", "shared_experts"):
-        if getattr(block, name, None) is not None:
-            return name, getattr(block, name)
-    return "", None
-
-
-def apply_moe(block: nn.Module, layout: ExpertLayout, rank: int, tp_group, expert_group) -> None:
-    """Give a MoE block's experts their expert-parallel forward and its shared expert a row-parallel down_proj."""
+def apply_experts(experts: nn.Module, layout: ExpertLayout, rank: int, expert_group) -> None:
+    """Give a fused experts module its expert-parallel forward (this rank's experts, summed over the expert set)."""
     ep_index, _ = layout.position(rank)
-    mine = balanced_ranges(block.experts.gate_up_proj.shape[0], layout.ep)[ep_index]
-    become(block.experts, _expert_parallel_class(type(block.experts)), expert_group, expert_start=mine.start)
-    _, shared = shared_expert(block)
-    if shared is not None:
-        become(shared.down_proj, RowParallelLinear, tp_group)
+    mine = balanced_ranges(experts.gate_up_proj.shape[0], layout.ep)[ep_index]
+    become(experts, _expert_parallel_class(type(experts)), expert_group, expert_start=mine.start)
 
 
 class ExpertParallel:

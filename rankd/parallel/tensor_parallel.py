@@ -8,6 +8,11 @@ so every rank gets the full logits and `generate` (with `synced_gpus`) picks the
 every rank. No weight is ever gathered: a layer costs two all-reduces of the hidden state
 instead of an all-gather of its weights.
 
+Which modules are split comes from the plans transformers declares for the model class
+(`declared_plans`: `base_model_tp_plan`, `base_model_ep_plan`, the LM class's `_tp_plan`);
+how their rows go to the ranks (whole heads, uneven splits) from `attention_split`,
+`head_split` and `expert_parallel`. Modules no plan names stay whole on every rank.
+
 The model stays the transformers model users know: the sliced layers keep their names and
 hooks and are only given a forward of their own (their class becomes a subclass of theirs), and
 attention modules get their local number of query heads per KV head. Parameters are plain local
@@ -22,8 +27,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardbook.rankd.parallel.expert_parallel import ExpertLayout, apply_moe, moe_plan
-from shardbook.rankd.parallel.head_split import HeadShare, balanced_ranges, split_heads, split_mlp_rows
+from shardbook.rankd.parallel.attention_split import AttentionSplit
+from shardbook.rankd.parallel.biased_experts import apply_biased_experts, biased_experts_plan, has_expert_biases
+from shardbook.rankd.parallel.declared_plans import (
+    COLUMN,
+    EXPERTS,
+    ROW,
+    VOCAB,
+    has_declared_plan,
+    module_plan,
+    unknown_words,
+)
+from shardbook.rankd.parallel.expert_parallel import ExpertLayout, apply_experts, experts_plan
+from shardbook.rankd.parallel.head_split import balanced_ranges, split_mlp_rows
 from shardbook.rankd.parallel.tp_modules import (
     RowParallelLinear,
     TPShard,
@@ -32,26 +48,69 @@ from shardbook.rankd.parallel.tp_modules import (
     become,
 )
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe")
-"""Families whose decoder layers `plan_tp` knows: Llama (SmolLM2 too), Qwen2 (qkv bias), Qwen3 (q/k norm), and the
-mixture-of-experts families Qwen2-MoE (shared expert), Qwen3-MoE, Mixtral and GLM-4-MoE (shared experts, dense
-first layers), whose experts go expert-parallel (`expert_parallel`)."""
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen2_moe",
+    "qwen3_moe",
+    "mixtral",
+    "glm4_moe",
+    "glm_moe_dsa",
+    "deepseek_v3",
+    "deepseek_v32",
+    "gpt_oss",
+    "qwen3_next",
+    "minimax_m2",
+)
+"""Families whose declared plans `tp` has been checked against one process (tests/multiproc): Llama (SmolLM2 too),
+Qwen2 (qkv bias), Qwen3 (q/k norm), the mixture-of-experts families Qwen2-MoE (shared expert), Qwen3-MoE, Mixtral
+and GLM-4-MoE (shared experts, dense first layers), and the MLA ones: GLM-5 (`glm_moe_dsa`) and DeepSeek-V3.2 with
+their sparse-attention indexer, DeepSeek-V3; GPT-OSS (attention sinks, expert biases), Qwen3-Next (gated attention
+split by heads, Gated DeltaNet layers whole) and MiniMax-M2 (attention whole: its q/k norms span all heads)."""
+
+NOT_SUPPORTED = {
+    "longcat_flash": "two attentions and two MLPs per layer, and identity (zero-compute) experts",
+    "deepseek_v4": "hyper-connections, a grouped output LoRA and compressed attention",
+}
+"""Families with a declared plan that `tp` refuses, and what in them it does not split yet."""
+
+_WAYS_OUT = (
+    "use parallel.decode gather (each rank keeps the whole model after the first forward) or reshard "
+    "(gathers each layer for every token; least memory)"
+)
 
 
 def tp_unavailable(hf_config, parts: int) -> str | None:
     """Why `tp` cannot run this model over `parts` ranks (a message naming what to do), or None when it can."""
     config = hf_config.get_text_config()
     model_type = getattr(config, "model_type", None)
+    if not has_declared_plan(config):
+        return (
+            f"parallel.decode tp needs the tensor-parallel plan transformers declares for a model family "
+            f"(base_model_tp_plan), and {model_type!r} has none: {_WAYS_OUT}"
+        )
+    if model_type in NOT_SUPPORTED:
+        return f"parallel.decode tp does not split {model_type!r} models ({NOT_SUPPORTED[model_type]}): {_WAYS_OUT}"
     if model_type not in SUPPORTED_MODEL_TYPES:
         return (
             f"parallel.decode tp does not support {model_type!r} models yet (it supports "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}): use parallel.decode gather (each rank keeps the whole model "
-            "after the first forward) or reshard (gathers each layer for every token; least memory)"
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}): {_WAYS_OUT}"
         )
-    try:
-        split_heads(config.num_attention_heads, config.num_key_value_heads, parts)
-    except ValueError as e:
-        return str(e)
+    if unknown := unknown_words(config):
+        return f"{model_type!r}'s parallel plan uses {', '.join(unknown)}, which tp does not know: {_WAYS_OUT}"
+    heads = config.num_attention_heads
+    if getattr(config, "kv_lora_rank", None) and config.num_key_value_heads != heads:
+        return (
+            f"this {model_type} config has {config.num_key_value_heads} key/value heads for {heads} query heads, but "
+            f"its latent attention (MLA) gives every query head its own key: tp needs num_key_value_heads = "
+            f"num_attention_heads; {_WAYS_OUT}"
+        )
+    if heads < parts:
+        return (
+            f"the model has {heads} attention heads, fewer than the {parts} ranks of the tensor-parallel "
+            f"group: use parallel.decode gather or reshard, or a parallel.fsdp_size of at most {heads}"
+        )
     return None
 
 
@@ -63,85 +122,125 @@ def shard_tp(model: nn.Module, mesh: DeviceMesh, experts: ExpertLayout | None, e
     return plan
 
 
+def attention_splits(model: nn.Module, parts: int) -> list[AttentionSplit | None]:
+    """Every decoder layer's head split (pure arithmetic, the same on every rank).
+
+    None for a layer whose attention stays whole: no `self_attn` (linear attention), or a plan that splits none of it.
+    """
+    config = model.config.get_text_config()
+    plan = module_plan(model).items()
+    split = {name.split(".self_attn.")[0] for name, kind in plan if ".self_attn." in name and kind in (COLUMN, ROW)}
+    return [
+        AttentionSplit.of(layer.self_attn, config, parts) if f"model.layers.{index}" in split else None
+        for index, layer in enumerate(model.model.layers)
+    ]
+
+
 def plan_tp(model: nn.Module, parts: int, experts: ExpertLayout | None = None) -> dict[str, TPShard]:
     """The `TPShard` of every sliced parameter of `model`, by parameter name."""
-
-    config = model.config.get_text_config()
-    plan: dict[str, TPShard] = {}
-    embedding = model.get_input_embeddings().weight.shape
-    vocab = TPShard.along(embedding, 0, [(r,) for r in balanced_ranges(embedding[0], parts)])
-    plan["model.embed_tokens.weight"] = vocab
-    if "lm_head.weight" in dict(model.named_parameters(remove_duplicate=False)):
-        plan["lm_head.weight"] = vocab
-    shares = split_heads(config.num_attention_heads, config.num_key_value_heads, parts)
-    for index, layer in enumerate(model.model.layers):
-        prefix = f"model.layers.{index}"
-        moe = hasattr(layer.mlp, "experts")
-        plan.update(_layer_plan(prefix, layer, config, shares, dense_mlp=not moe))
-        if moe:
-            plan.update(moe_plan(f"{prefix}.mlp", layer.mlp, experts))
+    modules = module_plan(model)
+    plan = _vocab_plan(model, parts, modules)
+    for index, (layer, heads) in enumerate(zip(model.model.layers, attention_splits(model, parts))):
+        prefix = f"model.layers.{index}."
+        mine = {name: kind for name, kind in modules.items() if name.startswith(prefix)}
+        plan.update(_layer_plan(model, layer, prefix, mine, heads, experts, parts))
     return plan
 
 
-def _layer_plan(prefix: str, layer: nn.Module, config, shares: list[HeadShare], dense_mlp: bool) -> dict[str, TPShard]:
-    """Attention sliced by heads, and a dense MLP by rows that even out the weights per rank."""
-    attn, mlp = layer.self_attn, layer.mlp
-    head_dim = attn.head_dim
-    query_rows = [(_scaled(s.query_heads, head_dim),) for s in shares]
-    kv_rows = [_kv_pieces(s, head_dim) for s in shares]
-    hidden = config.hidden_size
-    attention_units = [2 * hidden * head_dim * (len(s.query_heads) + len(s.kv_heads)) for s in shares]
-    slices = [
-        ("self_attn.q_proj", attn.q_proj, 0, query_rows),
-        ("self_attn.k_proj", attn.k_proj, 0, kv_rows),
-        ("self_attn.v_proj", attn.v_proj, 0, kv_rows),
-        ("self_attn.o_proj", attn.o_proj, 1, query_rows),
-    ]
-    if dense_mlp:
-        mlp_rows = [(rows,) for rows in split_mlp_rows(mlp.gate_proj.out_features, attention_units, hidden)]
-        slices += [
-            ("mlp.gate_proj", mlp.gate_proj, 0, mlp_rows),
-            ("mlp.up_proj", mlp.up_proj, 0, mlp_rows),
-            ("mlp.down_proj", mlp.down_proj, 1, mlp_rows),
-        ]
+def _layer_plan(model, layer, prefix: str, modules: dict[str, str], heads, experts, parts: int) -> dict:
+    """One decoder layer: attention by heads first, then its MLPs by rows evened out against it, then its experts."""
     plan = {}
-    for name, module, dim, pieces in slices:
-        plan[f"{prefix}.{name}.weight"] = TPShard.along(module.weight.shape, dim, pieces)
-        if module.bias is not None and dim == 0:  # a row-parallel bias is added once, after the sum
-            plan[f"{prefix}.{name}.bias"] = TPShard.along(module.bias.shape, 0, pieces)
+    attention = {n: k for n, k in modules.items() if n.startswith(prefix + "self_attn.") and k in (COLUMN, ROW)}
+    for name, kind in attention.items():
+        plan.update(_linear_plan(name, model.get_submodule(name), kind, heads.pieces))
+    sinks = getattr(getattr(layer, "self_attn", None), "sinks", None)
+    if heads is not None and sinks is not None:
+        plan[prefix + "self_attn.sinks"] = TPShard.along(sinks.shape, 0, heads.per_head())
+    units = _local_weights(plan, parts)
+    for name, kind in modules.items():
+        if kind == EXPERTS:
+            module = model.get_submodule(name)
+            plan_of = biased_experts_plan if has_expert_biases(module) else experts_plan
+            plan.update(plan_of(name, module, experts))
+        elif kind in (COLUMN, ROW) and name not in attention:
+            rows = _mlp_rows(model, name, layer, units)
+            plan.update(_linear_plan(name, model.get_submodule(name), kind, lambda m, d, n, rows=rows: rows))
     return plan
 
 
-def _scaled(heads: range, head_dim: int) -> range:
-    return range(heads.start * head_dim, heads.stop * head_dim)
+def _vocab_plan(model: nn.Module, parts: int, modules: dict[str, str]) -> dict[str, TPShard]:
+    """The embedding and the output layer, split by vocabulary ranges (tied ones are one tensor)."""
+    embedding = model.get_input_embeddings()
+    names = {id(m): n for n, m in model.named_modules()}
+    if modules.get(names[id(embedding)]) != VOCAB:
+        return {}
+    shape = embedding.weight.shape
+    vocab = TPShard.along(shape, 0, [(r,) for r in balanced_ranges(shape[0], parts)])
+    plan = {f"{names[id(embedding)]}.weight": vocab}
+    output = model.get_output_embeddings()
+    if output is not None:
+        plan[f"{names[id(output)]}.weight"] = vocab
+    return plan
 
 
-def _kv_pieces(share: HeadShare, head_dim: int) -> tuple[range, ...]:
-    """The rows of the KV heads `share` stores, consecutive heads merged into one range."""
-    pieces: list[range] = []
-    for head in share.kv_heads:
-        rows = range(head * head_dim, (head + 1) * head_dim)
-        if pieces and pieces[-1].stop == rows.start:
-            pieces[-1] = range(pieces[-1].start, rows.stop)
-        else:
-            pieces.append(rows)
-    return tuple(pieces)
+def _linear_plan(name: str, module: nn.Module, kind: str, pieces_of) -> dict[str, TPShard]:
+    """A column-parallel module's weight (and bias) by output rows, a row-parallel one's weight by input columns."""
+    if not isinstance(module, nn.Linear):
+        raise ValueError(f"the parallel plan splits {name}, a {type(module).__name__}: tp splits linear layers only")
+    dim = 0 if kind == COLUMN else 1
+    pieces = pieces_of(module, dim, name)
+    plan = {f"{name}.weight": TPShard.along(module.weight.shape, dim, pieces)}
+    if module.bias is not None and dim == 0:  # a row-parallel bias is added once, after the sum
+        plan[f"{name}.bias"] = TPShard.along(module.bias.shape, 0, pieces)
+    return plan
+
+
+def _local_weights(plan: dict[str, TPShard], parts: int) -> list[int]:
+    """Per rank, the elements of the split weights in `plan` it keeps (to even out the MLP rows against)."""
+    shards = [shard for name, shard in plan.items() if name.endswith(".weight")]
+    return [sum(_numel(shard.local_shape(rank)) for shard in shards) for rank in range(parts)]
+
+
+def _mlp_rows(model: nn.Module, name: str, layer: nn.Module, attention_units: list[int]) -> list[tuple[range]]:
+    """The intermediate rows of the MLP `name` belongs to, per rank.
+
+    The layer's own dense MLP takes rows that even out attention plus MLP weights per rank (a rank
+    with more heads gets fewer rows); any other MLP (a shared expert) is split evenly.
+    """
+    parent_name = name.rpartition(".")[0]
+    parent = model.get_submodule(parent_name)
+    rows = parent.gate_proj.out_features
+    if parent is layer.mlp:
+        hidden = parent.gate_proj.in_features
+        return [(r,) for r in split_mlp_rows(rows, attention_units, hidden)]
+    return [(r,) for r in balanced_ranges(rows, len(attention_units))]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    total = 1
+    for size in shape:
+        total *= size
+    return total
 
 
 def _apply_tp(model: nn.Module, group: dist.ProcessGroup, rank: int, experts, expert_group) -> None:
     """Give the sliced layers their forwards and attention its local head counts (before the weights are read)."""
-
-    config = model.config.get_text_config()
     parts = dist.get_world_size(group)
-    shares = split_heads(config.num_attention_heads, config.num_key_value_heads, parts)
-    vocab = balanced_ranges(model.get_input_embeddings().weight.shape[0], parts)
-    become(model.get_input_embeddings(), VocabParallelEmbedding, group, vocab_start=vocab[rank].start)
-    if model.get_output_embeddings() is not None:
-        become(model.get_output_embeddings(), VocabGatheredLinear, group, vocab_sizes=[len(r) for r in vocab])
-    for layer in model.model.layers:
-        layer.self_attn.num_key_value_groups = shares[rank].groups
-        become(layer.self_attn.o_proj, RowParallelLinear, group)
-        if hasattr(layer.mlp, "experts"):
-            apply_moe(layer.mlp, experts, rank, group, expert_group)
-        else:
-            become(layer.mlp.down_proj, RowParallelLinear, group)
+    modules = module_plan(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    embedding = model.get_input_embeddings()
+    if modules.get(names[id(embedding)]) == VOCAB:
+        vocab = balanced_ranges(embedding.weight.shape[0], parts)
+        become(embedding, VocabParallelEmbedding, group, vocab_start=vocab[rank].start)
+        if model.get_output_embeddings() is not None:
+            become(model.get_output_embeddings(), VocabGatheredLinear, group, vocab_sizes=[len(r) for r in vocab])
+    for layer, heads in zip(model.model.layers, attention_splits(model, parts)):
+        if heads is not None:
+            layer.self_attn.num_key_value_groups = heads.local_groups(rank)
+    for name, kind in modules.items():
+        module = model.get_submodule(name)
+        if kind == ROW:
+            become(module, RowParallelLinear, group)
+        elif kind == EXPERTS:
+            apply = apply_biased_experts if has_expert_biases(module) else apply_experts
+            apply(module, experts, rank, expert_group)

@@ -174,6 +174,8 @@ def test_a_model_that_fails_to_load_ends_every_rank(tiny_config, tmp_path):
     assert result.returncode == 1, result.stderr
     assert "shardbook chat: error: loading failed: ranks 0, 1: ValueError: " in result.stderr
     assert "not a causal language model" in result.stderr
+    assert result.stderr.count("loading failed") == 1, result.stderr  # said once,
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr  # no torchrun traceback
     assert result.stdout == ""
     assert_all_gone(pids)
 

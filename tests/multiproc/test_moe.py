@@ -97,14 +97,15 @@ def test_moe_logits_match_one_process(ranks, families, layout):
             assert summary["decode"] == "gather", family
 
 
-def test_deepseek_v3_loads_sharded_in_the_fsdp_layouts_and_tp_says_it_cannot(ranks, tmp_path):
-    """DeepSeek-V3 (multi-head latent attention): its experts load from per-expert tensors; tp is refused clearly."""
+def test_deepseek_v3_loads_sharded_in_the_fsdp_layouts_and_tp_says_what_it_needs(ranks, tmp_path):
+    """DeepSeek-V3 (multi-head latent attention): its experts load from per-expert tensors; tp (test_mla) needs one
+    key per query head, and this config's 2 key/value heads for 4 query heads are refused clearly."""
     path = make_tiny_moe(tmp_path / "deepseek", "deepseek_v3")
     reference, _ = one_process(path)
     for result in ranks(load_and_forward, path, {"decode": "reshard"}):
         torch.testing.assert_close(result["logits"], reference, atol=1e-4, rtol=0)
     for message in ranks(failing_load, path, {"ep_size": 2}):
-        assert "does not support 'deepseek_v3'" in message and "gather" in message
+        assert "tp needs num_key_value_heads = num_attention_heads" in message and "gather" in message
 
 
 def failing_load(rank: int, path, parallel: dict) -> str:

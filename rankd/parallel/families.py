@@ -1,0 +1,63 @@
+"""The supported-families table of the README, rendered from what the code supports (a test keeps them equal).
+
+Layouts: `gather` and `reshard` (FSDP2) load any causal LM whose checkpoint sharded loading can
+read; `tp` is listed where `tp_unavailable` accepts the family's default config. Expert
+parallelism is listed for families with experts that `tp` runs. Notes come from the default
+config (MLA, indexer, shared experts, dense first layers) and from what is not done yet.
+"""
+
+from __future__ import annotations
+
+from shardbook.rankd.parallel.expert_parallel import num_experts
+from shardbook.rankd.parallel.tensor_parallel import NOT_SUPPORTED, SUPPORTED_MODEL_TYPES, tp_unavailable
+
+LISTED = (*SUPPORTED_MODEL_TYPES, *NOT_SUPPORTED)
+"""Every family the table lists: the ones `tp` runs, then the rest of MindSpeed-LLM's FSDP2 examples."""
+
+HOW = {
+    "gpt_oss": "attention split by heads, sinks with their heads; expert biases split with the experts",
+    "qwen3_next": (
+        "gated full attention split by heads; Gated DeltaNet (linear-attention) layers replicated on every rank"
+    ),
+    "minimax_m2": "attention replicated on every rank (its q/k norms span all heads); experts split",
+}
+"""How `tp` handles what is particular to a family, said where the code cannot tell."""
+
+MARK_START, MARK_END = "<!-- families:start -->", "<!-- families:end -->"
+
+
+def family_row(model_type: str) -> list[str]:
+    """One row: family, layouts, expert parallelism, notes."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type).get_text_config()
+    tp = tp_unavailable(config, 2) is None
+    layouts = ", ".join(["gather", "reshard", *(["tp"] if tp else [])])
+    experts = num_experts(config)
+    expert_parallel = "ep_size, ep_fsdp_size" if tp and experts else "-"
+    return [f"`{model_type}`", layouts, expert_parallel, "; ".join(_notes(config, model_type))]
+
+
+def _notes(config, model_type: str) -> list[str]:
+    notes = []
+    if model_type in SUPPORTED_MODEL_TYPES and getattr(config, "kv_lora_rank", None):
+        notes.append("MLA split by heads, latent KV cache whole on every rank")
+    if model_type in SUPPORTED_MODEL_TYPES and getattr(config, "index_topk", None):
+        notes.append("sparse-attention indexer replicated")
+    if getattr(config, "n_shared_experts", None) or getattr(config, "shared_expert_intermediate_size", None):
+        notes.append("shared experts")
+    if getattr(config, "first_k_dense_replace", None):
+        notes.append("dense first layers")
+    if model_type in HOW:
+        notes.append(HOW[model_type])
+    if model_type in NOT_SUPPORTED:
+        tested = " (tests load it under gather)" if model_type == "deepseek_v4" else " (no test here loads this family)"
+        notes.append(f"tp not yet: {NOT_SUPPORTED[model_type]}{tested}")
+    return notes
+
+
+def families_table() -> str:
+    """The markdown table, markers included, as the README holds it."""
+    lines = ["| family | layouts | expert parallel | notes |", "| --- | --- | --- | --- |"]
+    lines += ["| " + " | ".join(family_row(model_type)) + " |" for model_type in LISTED]
+    return "\n".join([MARK_START, *lines, MARK_END])
