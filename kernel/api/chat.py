@@ -75,7 +75,10 @@ class LeftQueue(PoolError):
 
 
 class ModelChanged(PoolError):
-    """Another model was loaded while the reply waited for its turn: it was checked against (and built for) the old one."""
+    """Another model was loaded while the reply waited for its turn.
+
+    The reply was checked against (and built for) the old one, so it must not run on the new one.
+    """
 
 
 def _loaded_model(runtime: Runtime) -> tuple[Any, str | None]:

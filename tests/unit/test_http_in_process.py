@@ -54,9 +54,10 @@ def model_state(name: str, system_prompt: str | None = None) -> dict:
 
 @pytest.fixture
 def served():
+    state = model_state("A", "Be brief.")
     runtime = SimpleNamespace(
-        pool=EchoPool(), generation_queue=GenerationQueue(), ctx0=SimpleNamespace(state=model_state("A", "Be brief.")), server=None
-    )  # fmt: skip
+        pool=EchoPool(), generation_queue=GenerationQueue(), ctx0=SimpleNamespace(state=state), server=None
+    )
     server = Server(runtime, ServeOptions(port=0)).start()
     yield runtime, server.url
     server.stop()
