@@ -1,10 +1,11 @@
-"""The ``shardbook`` command line: install, uninstall, list, fetch, run, chat, serve."""
+"""The ``shardbook`` command line: install, uninstall, list, configs, fetch, run, chat, serve."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from shardbook.kernel.api.configs import configs_listing
 from shardbook.kernel.api.fetch import add_fetch_parser
 from shardbook.kernel.cli import kernelspec
 from shardbook.kernel.cli.chat import add_chat_parser
@@ -64,6 +65,33 @@ def run_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_configs(args: argparse.Namespace) -> int:
+    print(configs_listing())
+    return 0
+
+
+EXTRAS = {
+    "gguf": "demo",
+    "accelerate": "demo",
+    "torch_npu": "npu",
+    "pytest": "test",
+    "pexpect": "test",
+    "nbconvert": "test",
+    "playwright": "test",
+    "openai": "test",
+}
+"""Module -> the optional extra of pyproject.toml that installs it."""
+
+
+def missing_extra(error: ImportError) -> str | None:
+    """The one-line message for an ImportError of a module an extra installs, else None."""
+    module = (error.name or "").split(".")[0]
+    if module not in EXTRAS:
+        return None
+    extra = EXTRAS[module]
+    return f"{module} is not installed; it comes with the {extra} extra: pip install 'shardbook[{extra}]'"
+
+
 def add_install_parser(sub) -> None:
     p = sub.add_parser("install", help="register a Jupyter kernel that runs N ranks under torchrun")
     p.add_argument("--nproc", type=int, required=True, help="ranks on this node (torchrun --nproc_per_node)")
@@ -93,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=run_uninstall)
     p = sub.add_parser("list", help="list installed shardbook kernels")
     p.set_defaults(run=run_list)
+    p = sub.add_parser("configs", help="list the packaged configs, their short names and paths (to copy one)")
+    p.set_defaults(run=run_configs)
     add_fetch_parser(sub)
     add_run_parser(sub)
     add_chat_parser(sub)
@@ -107,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except ValueError as e:
         parser.exit(2, f"shardbook {args.command}: error: {e}\n")
+    except ImportError as e:
+        message = missing_extra(e)
+        if message is None:
+            raise
+        parser.exit(2, f"shardbook {args.command}: error: {message}\n")
 
 
 if __name__ == "__main__":

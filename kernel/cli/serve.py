@@ -18,7 +18,7 @@ import signal
 import threading
 from functools import partial
 
-from shardbook.kernel.cli.chat import Terminal, run_rank
+from shardbook.kernel.cli.chat import CONFIG_HELP, Terminal, run_rank
 from shardbook.kernel.cli.launcher import launch
 from shardbook.kernel.ranks.runtime import Runtime
 from shardbook.kernel.server.state import DEFAULT_PORT, ServeOptions, read_api_key
@@ -51,7 +51,7 @@ def add_serve_parser(sub) -> None:
     )
     p.add_argument("--nproc", type=int, help="ranks to start with torchrun (default: one rank in this process)")
     add_serve_flags(p)
-    p.add_argument("config", help="YAML config (sections model, parallel, inference), e.g. configs/smollm2-135m.yaml")
+    p.add_argument("config", help=CONFIG_HELP)
     p.add_argument(
         "overrides", nargs=argparse.REMAINDER, help="--section.key value pairs; serve flags may come here too"
     )

@@ -38,6 +38,8 @@ def summary_table(summary: dict[str, Any]) -> Table:
         ["decode", f"{summary['decode']} — {summary['decode_reason']}"],
         ["load time", f"{summary['load_seconds']:.2f} s"],
     ]
+    if "config_source" in summary:
+        facts.insert(0, ["config", summary["config_source"]])
     for rank, local in enumerate(summary["local_param_bytes"]):
         device = summary["device_bytes"][rank]
         memory = f"rss {format_bytes(summary['rss_bytes'][rank])}" + (
