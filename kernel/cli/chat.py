@@ -58,7 +58,8 @@ if TYPE_CHECKING:
 
 CONFIG_HELP = (
     "a YAML config (sections model, parallel, inference), a model directory (every setting at its default), "
-    "or a packaged config by name: demo, qwen-8rank, glm-744b-npu (`shardbook configs` lists them)"
+    "or a packaged config by name: demo, qwen-8rank, glm-744b-npu (`shardbook configs` lists them); "
+    "without one, give --model.model_name_or_path"
 )
 KEY_FILE_STORE_KEY = "shardbook/chat-key-file"
 """torchrun store key holding the path of rank 0's key file (one node, no key in the environment)."""
@@ -90,7 +91,7 @@ def add_chat_parser(sub) -> None:
         type=int,
         help="ranks to start with torchrun (default: one rank in this process; omit under torchrun)",
     )
-    p.add_argument("config", help=CONFIG_HELP)
+    p.add_argument("config", nargs="?", help=CONFIG_HELP)
     p.add_argument(
         "overrides", nargs=argparse.REMAINDER, help="--section.key value pairs, e.g. --inference.max_new_tokens 64"
     )

@@ -130,9 +130,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+VALUE_FLAGS = frozenset({"--nproc", "--port", "--host", "--api-key", "--api-key-file", "--max-waiting"})
+"""The flags of ``shardbook chat`` and ``shardbook serve`` that take a value."""
+
+
+def split_leading_overrides(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """``shardbook chat [--nproc N] --model.model_name_or_path DIR ...`` (no CONFIG): (argv up to the first
+    ``--section.key``, the overrides from there); (argv, None) when a CONFIG comes first or it is another command."""
+    if not argv or argv[0] not in ("chat", "serve"):
+        return argv, None
+    index = 1
+    while index < len(argv):
+        token = argv[index]
+        if token in VALUE_FLAGS:
+            index += 2
+            continue
+        if token.startswith("--") and "." in token.partition("=")[0]:
+            return argv[:index], argv[index:]
+        if not token.startswith("-"):
+            break
+        index += 1
+    return argv, None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv, overrides = split_leading_overrides(sys.argv[1:] if argv is None else list(argv))
     args = parser.parse_args(argv)
+    if overrides is not None:
+        args.overrides = overrides + args.overrides
     try:
         return args.run(args)
     except ValueError as e:

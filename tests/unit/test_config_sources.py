@@ -11,7 +11,7 @@ import pytest
 from shardbook.kernel.api import fetch
 from shardbook.kernel.api.configs import PACKAGED_CONFIGS, configs_listing, packaged_configs, resolve_config
 from shardbook.kernel.api.load import prepare_load
-from shardbook.kernel.cli.main import main, missing_extra
+from shardbook.kernel.cli.main import main, missing_extra, split_leading_overrides
 from shardbook.rankd.config.parsing import load_config
 from shardbook.rankd.config.schema import ShardbookConfig
 from shardbook.rankd.control.world import detect_device
@@ -123,3 +123,19 @@ def test_an_import_error_of_an_extra_names_it():
     assert "pip install 'shardbook[test]'" in missing_extra(ModuleNotFoundError("x", name="pexpect"))
     assert "pip install 'shardbook[demo]'" in missing_extra(ModuleNotFoundError("x", name="gguf.constants"))
     assert missing_extra(ModuleNotFoundError("x", name="numpy")) is None
+
+
+def test_chat_and_serve_take_overrides_without_a_config(capsys):
+    assert split_leading_overrides(["chat", "--nproc", "2", "--model.model_name_or_path", "X", "--x.y", "1"]) == (
+        ["chat", "--nproc", "2"],
+        ["--model.model_name_or_path", "X", "--x.y", "1"],
+    )
+    assert split_leading_overrides(["chat", "--nproc", "2", "demo", "--x.y", "1"])[1] is None
+    assert split_leading_overrides(["serve", "--port", "8001", "--model.model_name_or_path=X"])[1] == [
+        "--model.model_name_or_path=X"
+    ]
+    for command in ("chat", "serve"):
+        with pytest.raises(SystemExit) as exit_:
+            main([command, "--nproc", "2", "--model.model_name_or_path", "/nonexistent"])
+        assert exit_.value.code == 2
+        assert "model path '/nonexistent' does not exist" in capsys.readouterr().err
