@@ -61,7 +61,10 @@ class Venv:
         )
 
     def pip(self, *args: str) -> None:
-        result = self.run(str(self.bin / "python"), "-m", "pip", "install", "--quiet", *args)
+        """pip install into the virtualenv with this interpreter's pip (``--python``: no ensurepip, which costs
+        a minute), without byte-compiling (torch and transformers' .pyc files would cost minutes more)."""
+        argv = [sys.executable, "-m", "pip", "--python", str(self.bin / "python"), "install", "--quiet", "--no-compile"]
+        result = self.run(*argv, *args)
         assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -89,7 +92,7 @@ def wheel_venv(tmp_path_factory) -> tuple[Venv, Path]:
     root = tmp_path_factory.mktemp("wheel")
     wheel = build_wheel(root)
     venv = Venv(root)
-    subprocess.run([sys.executable, "-m", "venv", str(root / "venv")], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "venv")], check=True, timeout=120)
     venv.pip(TORCH)
     venv.pip(str(wheel))
     return venv, wheel
@@ -103,6 +106,8 @@ def demo_venv(wheel_venv) -> Venv:
     if (BUILT_DEMO / COMPLETE_MARKER).is_file():
         (venv.home / "models").mkdir()
         (venv.home / "models" / DEMO).symlink_to(BUILT_DEMO)
+    else:
+        venv.pip("pip")  # `shardbook fetch` downloads the model's wheel with the environment's own pip
     return venv
 
 
