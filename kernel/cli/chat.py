@@ -1,5 +1,7 @@
 """``shardbook chat``: chat with a sharded model in the terminal; rank 0 reads the input, every rank generates.
 
+    shardbook chat --nproc 2 demo                    # the packaged demo config (`shardbook configs`)
+    shardbook chat --nproc 2 /path/to/checkpoint     # a model directory: every setting at its default
     shardbook chat --nproc 2 configs/smollm2-135m.yaml --inference.max_new_tokens 64
     torchrun --nproc_per_node 2 -m shardbook chat configs/smollm2-135m.yaml
     shardbook chat configs/smollm2-135m.yaml        # one rank, in this process

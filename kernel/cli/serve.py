@@ -1,5 +1,7 @@
 """``shardbook serve``: the OpenAI-compatible endpoint from a terminal, on ranks started with torchrun.
 
+    shardbook serve --nproc 2 demo --port 8000
+    shardbook serve --nproc 2 /path/to/checkpoint --parallel.decode tp
     shardbook serve --nproc 2 configs/smollm2-135m.yaml --port 8000
     shardbook serve --nproc 2 configs/smollm2-135m.yaml --host 0.0.0.0 --api-key-file ~/.shardbook/api.key
 
