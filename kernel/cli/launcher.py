@@ -49,12 +49,17 @@ def launch(args: argparse.Namespace, command: list[str] | None = None, graceful_
             *layout.torchrun_args(),
             "-m",
             "shardbook",
-            *(command or ["chat", args.config, *args.overrides]),
+            *(command or ["chat", *config_argv(args), *args.overrides]),
         ]
         torchrun = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=die_with_parent)
         with relayed_signals(torchrun, pid_file, graceful_term):
             code = torchrun.wait()
     return 128 - code if code < 0 else code  # killed by a signal: the shell's convention
+
+
+def config_argv(args: argparse.Namespace) -> list[str]:
+    """CONFIG as the ranks' command line passes it on: absent when only overrides name the model."""
+    return [] if args.config is None else [args.config]
 
 
 @contextmanager

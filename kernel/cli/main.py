@@ -1,10 +1,11 @@
-"""The ``shardbook`` command line: install, uninstall, list, fetch, run, chat, serve."""
+"""The ``shardbook`` command line: install, uninstall, list, configs, fetch, run, chat, serve."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from shardbook.kernel.api.configs import configs_listing
 from shardbook.kernel.api.fetch import add_fetch_parser
 from shardbook.kernel.cli import kernelspec
 from shardbook.kernel.cli.chat import add_chat_parser
@@ -64,6 +65,33 @@ def run_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_configs(args: argparse.Namespace) -> int:
+    print(configs_listing())
+    return 0
+
+
+EXTRAS = {
+    "gguf": "demo",
+    "accelerate": "demo",
+    "torch_npu": "npu",
+    "pytest": "test",
+    "pexpect": "test",
+    "nbconvert": "test",
+    "playwright": "test",
+    "openai": "test",
+}
+"""Module -> the optional extra of pyproject.toml that installs it."""
+
+
+def missing_extra(error: ImportError) -> str | None:
+    """The one-line message for an ImportError of a module an extra installs, else None."""
+    module = (error.name or "").split(".")[0]
+    if module not in EXTRAS:
+        return None
+    extra = EXTRAS[module]
+    return f"{module} is not installed; it comes with the {extra} extra: pip install 'shardbook[{extra}]'"
+
+
 def add_install_parser(sub) -> None:
     p = sub.add_parser("install", help="register a Jupyter kernel that runs N ranks under torchrun")
     p.add_argument("--nproc", type=int, required=True, help="ranks on this node (torchrun --nproc_per_node)")
@@ -93,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=run_uninstall)
     p = sub.add_parser("list", help="list installed shardbook kernels")
     p.set_defaults(run=run_list)
+    p = sub.add_parser("configs", help="list the packaged configs, their short names and paths (to copy one)")
+    p.set_defaults(run=run_configs)
     add_fetch_parser(sub)
     add_run_parser(sub)
     add_chat_parser(sub)
@@ -100,13 +130,44 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+VALUE_FLAGS = frozenset({"--nproc", "--port", "--host", "--api-key", "--api-key-file", "--max-waiting"})
+"""The flags of ``shardbook chat`` and ``shardbook serve`` that take a value."""
+
+
+def split_leading_overrides(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """``shardbook chat [--nproc N] --model.model_name_or_path DIR ...`` (no CONFIG): (argv up to the first
+    ``--section.key``, the overrides from there); (argv, None) when a CONFIG comes first or it is another command."""
+    if not argv or argv[0] not in ("chat", "serve"):
+        return argv, None
+    index = 1
+    while index < len(argv):
+        token = argv[index]
+        if token in VALUE_FLAGS:
+            index += 2
+            continue
+        if token.startswith("--") and "." in token.partition("=")[0]:
+            return argv[:index], argv[index:]
+        if not token.startswith("-"):
+            break
+        index += 1
+    return argv, None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv, overrides = split_leading_overrides(sys.argv[1:] if argv is None else list(argv))
     args = parser.parse_args(argv)
+    if overrides is not None:
+        args.overrides = overrides + args.overrides
     try:
         return args.run(args)
     except ValueError as e:
         parser.exit(2, f"shardbook {args.command}: error: {e}\n")
+    except ImportError as e:
+        message = missing_extra(e)
+        if message is None:
+            raise
+        parser.exit(2, f"shardbook {args.command}: error: {message}\n")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """``shardbook serve``: the OpenAI-compatible endpoint from a terminal, on ranks started with torchrun.
 
+    shardbook serve --nproc 2 demo --port 8000
+    shardbook serve --nproc 2 /path/to/checkpoint --parallel.decode tp
     shardbook serve --nproc 2 configs/smollm2-135m.yaml --port 8000
     shardbook serve --nproc 2 configs/smollm2-135m.yaml --host 0.0.0.0 --api-key-file ~/.shardbook/api.key
 
@@ -18,8 +20,8 @@ import signal
 import threading
 from functools import partial
 
-from shardbook.kernel.cli.chat import Terminal, run_rank
-from shardbook.kernel.cli.launcher import launch
+from shardbook.kernel.cli.chat import CONFIG_HELP, Terminal, run_rank
+from shardbook.kernel.cli.launcher import config_argv, launch
 from shardbook.kernel.ranks.runtime import Runtime
 from shardbook.kernel.server.state import DEFAULT_PORT, ServeOptions, read_api_key
 from shardbook.rankd.config.schema import ShardbookConfig
@@ -51,7 +53,7 @@ def add_serve_parser(sub) -> None:
     )
     p.add_argument("--nproc", type=int, help="ranks to start with torchrun (default: one rank in this process)")
     add_serve_flags(p)
-    p.add_argument("config", help="YAML config (sections model, parallel, inference), e.g. configs/smollm2-135m.yaml")
+    p.add_argument("config", nargs="?", help=CONFIG_HELP)
     p.add_argument(
         "overrides", nargs=argparse.REMAINDER, help="--section.key value pairs; serve flags may come here too"
     )
@@ -90,7 +92,7 @@ def run_serve(args: argparse.Namespace) -> int:
         os.environ[API_KEY_ENV] = options.api_key  # the ranks' environment, not their argv
     flags = ["--host", options.host, "--port", str(options.port)]
     flags += ["--max-waiting", str(args.max_waiting)] if args.max_waiting is not None else []
-    return launch(args, ["serve", *flags, args.config, *args.overrides], graceful_term=True)
+    return launch(args, ["serve", *flags, *config_argv(args), *args.overrides], graceful_term=True)
 
 
 def serve_until_stopped(options: ServeOptions, runtime: Runtime, config: ShardbookConfig, terminal: Terminal) -> int:

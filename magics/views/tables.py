@@ -42,6 +42,8 @@ def summary_table(summary: dict[str, Any]) -> Table:
         facts.append(["kept whole on every rank", format_bytes(summary["replicated_param_bytes"]) + " per rank"])
         per_token = ", ".join(format_bytes(b) for b in summary["kv_cache_bytes_per_token"])
         facts.append(["KV cache per token", f"{per_token} (rank 0, 1, ...)"])
+    if "config_source" in summary:
+        facts.insert(0, ["config", summary["config_source"]])
     for rank, local in enumerate(summary["local_param_bytes"]):
         device = summary["device_bytes"][rank]
         memory = f"rss {format_bytes(summary['rss_bytes'][rank])}" + (

@@ -75,11 +75,20 @@ class Override:
 def load_config(
     path: str | Path | None = None, overrides: Sequence[str] = (), world_size: int | None = None
 ) -> ShardbookConfig:
-    """Read `path` (defaults only when None), apply `overrides`, validate, and check the layout against `world_size`."""
+    """Read `path` (defaults only when None), apply `overrides`, validate, and check the layout against `world_size`.
+
+    `path` is a YAML file or a model directory: a directory is the default `model.model_name_or_path`, every other
+    setting takes its default (overrides still apply).
+    """
     if isinstance(overrides, str):
         raise ValueError("overrides must be a list of tokens, e.g. shlex.split('--inference.max_new_tokens 64')")
-    source = str(path) if path is not None else "the defaults"
-    values = read_sections(read_yaml(Path(path)), source) if path is not None else empty_values()
+    if path is not None and Path(path).is_dir():
+        source = f"the defaults (model directory {path})"
+        values = empty_values()
+        values["model"]["model_name_or_path"] = str(path)
+    else:
+        source = str(path) if path is not None else "the defaults"
+        values = read_sections(read_yaml(Path(path)), source) if path is not None else empty_values()
     apply_overrides(values, parse_overrides(overrides), source)
     config = build_config(values)
     maybe_warn_unused_sampling(config, values)

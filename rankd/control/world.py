@@ -7,6 +7,7 @@ Every rank of a shardbook job calls :func:`init_world` once at start-up. Outside
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import logging
 import os
 import socket
@@ -90,6 +91,15 @@ def _cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def require_device_extra(requested: str) -> None:
+    """ValueError in one line naming the ``npu`` extra when device npu is asked for and torch_npu is not installed."""
+    if requested == "npu" and importlib.util.find_spec("torch_npu") is None:
+        raise ValueError(
+            "device 'npu' was requested but torch_npu is not installed: pip install 'shardbook[npu]' "
+            "(or the torch_npu build matching your CANN), or use --parallel.device auto"
+        )
+
+
 def detect_device(requested: str = "auto", probe: DeviceProbe | None = None) -> str:
     """Device type for this job: npu if torch_npu has devices, else cuda, else cpu.
 
@@ -98,9 +108,11 @@ def detect_device(requested: str = "auto", probe: DeviceProbe | None = None) -> 
     """
     if requested not in DEVICE_CHOICES:
         raise ValueError(f"unknown device {requested!r}; choose one of {', '.join(DEVICE_CHOICES)}")
-    probe = probe or DeviceProbe.real()
     if requested == "cpu":
         return "cpu"
+    if probe is None:
+        require_device_extra(requested)
+        probe = DeviceProbe.real()
     counts = {"npu": probe.npu_count, "cuda": probe.cuda_count}
     if requested != "auto":
         if counts[requested]() == 0:

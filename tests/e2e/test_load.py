@@ -55,6 +55,14 @@ def test_load_summary_progress_and_namespaces(kernel, tiny):
         assert f"[rank {rank}]\n{rank} TokenizersBackend (192, 64) (384, 64)\n" in out, out
 
 
+def test_a_model_directory_is_enough_and_overrides_apply(kernel, tiny):
+    ex = kernel.run(f"%load_sharded {tiny} --parallel.decode tp", timeout=120)
+    assert ex.status == "ok", ex.error_text() + ex.stderr()
+    summary = ex.of_type("execute_result")[0]["content"]["data"]["text/plain"]
+    assert f"no config file (model directory {tiny}, defaults for every setting)" in summary, summary
+    assert "tp — " in summary and "LlamaForCausalLM" in summary
+
+
 def test_shards_table(kernel, tiny):
     assert load(kernel, tiny).status == "ok"
     ex = kernel.run("%shards model.layers.0.self_attn.q_proj")

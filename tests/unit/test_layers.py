@@ -23,6 +23,10 @@ LAYERS = {
 """Subpackages, lowest first; a folder's own top-level modules (`kernel/app.py`, `rankd/__main__.py`) sit above them."""
 
 
+DATA_PACKAGES = {"shardbook.configs"}
+"""Installed packages that hold data, not code (`configs/`: the packaged YAML files and a docstring)."""
+
+
 def module_name(path: Path) -> str:
     top, *rest = path.relative_to(ROOT).with_suffix("").parts
     parts = [part for part in rest if part != "__init__"]
@@ -130,6 +134,8 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_every_layer_is_a_package_with_its_rules_and_every_package_is_installed():
     packages = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    assert DATA_PACKAGES <= packages
+    packages -= DATA_PACKAGES
     found = {module_name(path.parent / "__init__.py") for top in TOPS for path in (ROOT / top).rglob("__init__.py")}
     assert found == packages
     for top, layers in LAYERS.items():
