@@ -170,3 +170,17 @@ def test_scores_view_colours_tokens_and_lists_alternatives():
         "&#x27;&lt;b&gt;Lyon&#x27; 0.050" in page and "<b>Lyon" not in page
     )  # the alternative, escaped, in the tooltip
     assert repr(view) == "'Paris':0.90 '⟨2⟩':0.20"
+
+
+def test_dist_table_shows_the_slurm_node_and_job_when_there_is_one():
+    from shardbook.magics.views.dist_table import dist_html, dist_text
+
+    rows = [
+        {"rank": r, "host": "h", "pid": r, "device": "cpu", "backend": "gloo", "state": "idle", "memory": {}}
+        for r in range(2)
+    ]
+    assert "slurm" not in dist_text(rows)
+    rows[0]["slurm"], rows[1]["slurm"] = "n1 job 7", "n2 job 7"
+    text = dist_text(rows)
+    assert text.splitlines()[0].split()[:3] == ["rank", "host", "slurm"]
+    assert "n2 job 7" in text.splitlines()[2] and "<td>n1 job 7</td>" in dist_html(rows)
