@@ -80,7 +80,7 @@ MessageTimeout=20
 SlurmdTimeout=300
 {nodes}
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
-PartitionName=held Nodes=ALL MaxTime=INFINITE State=INACTIVE
+PartitionName=held Nodes=ALL MaxTime=INFINITE State=DOWN
 """
 NODE = "NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} CPUs={cpus} RealMemory=1000 State=UNKNOWN"
 
