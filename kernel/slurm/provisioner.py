@@ -10,6 +10,7 @@ Shutdown: the step ends with the kernel, then ``scancel`` (not for a ``jobid`` g
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 from pathlib import Path
@@ -45,7 +46,7 @@ class SlurmProvisioner(KernelProvisionerBase):
     def say(self, text: str) -> None:
         self.log.info("shardbook kernel %s: %s", self.kernel_id, text)
 
-    async def _allocation(self, env: dict[str, str]) -> jobs.JobInfo:
+    async def _allocation(self) -> jobs.JobInfo:
         """The running allocation: the one this kernel already holds, the user's ``jobid``, or a new one."""
         options = self.options
         held = self.job.jobid if self.job else options.jobid
@@ -57,12 +58,12 @@ class SlurmProvisioner(KernelProvisionerBase):
             if options.jobid:
                 raise jobs.AllocationError(f"--jobid {held}: " + (info.why() if info else "no such job"))
             self.say(f"Slurm job {held} has ended ({info.why() if info else 'gone'}): allocating anew")
-        return await jobs.allocate(options, f"shardbook-{(self.kernel_id or 'kernel')[:8]}", self.say, env)
+        return await jobs.allocate(options, f"shardbook-{(self.kernel_id or 'kernel')[:8]}", self.say)
 
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
         km = self.parent
         kwargs = await super().pre_launch(**kwargs)
-        self.job = await self._allocation(kwargs["env"])
+        self.job = await self._allocation()
         self._said_end = False
         if self.lease is None:
             path = Path(jupyter_runtime_dir()) / f"shardbook-slurm-{self.kernel_id}.lease"
@@ -83,7 +84,7 @@ class SlurmProvisioner(KernelProvisionerBase):
                 setattr(km, name, free_port_on(km.ip))
         km.write_connection_file()
         self.connection_info = km.get_connection_info()
-        kwargs["env"] = step_env(kwargs["env"], plan, self.options, dict(self.connection_info))
+        kwargs["env"] = step_env({**os.environ, **kwargs["env"]}, plan, self.options, dict(self.connection_info))
         self.say(f"starting the ranks: torchrun on {plan.nnodes} nodes x {plan.nproc}, rank 0 at {plan.master_addr}")
         kwargs["cmd"] = srun_argv(plan, self.options)
         return kwargs
@@ -99,10 +100,22 @@ class SlurmProvisioner(KernelProvisionerBase):
         code = self.process.poll()
         if code is not None and code != 0 and not self._said_end and self.job is not None:
             self._said_end = True
-            info = await asyncio.to_thread(jobs.job_info, self.job.jobid)
-            why = info.why() if info else f"Slurm job {self.job.jobid} is gone"
+            why = await self._end_reason(self.job.jobid)
             self.log.warning("shardbook kernel %s died (srun exit %s): %s", self.kernel_id, code, why)
         return code
+
+    async def _end_reason(self, jobid: str, settle_s: float = 15.0) -> str:
+        """Slurm's word on the job once srun has ended: its final state (after COMPLETING) and reason."""
+        for _ in range(int(settle_s / 0.5)):
+            info = await asyncio.to_thread(jobs.job_info, jobid)
+            if info is None:
+                return f"Slurm job {jobid} is gone"
+            if info.running:
+                return f"{info.why()}: the ranks' step failed (see the ranks' output above), the allocation remains"
+            if info.state != "COMPLETING":
+                return info.why()
+            await asyncio.sleep(0.5)
+        return info.why()
 
     async def wait(self) -> int | None:
         while (code := await self.poll()) is None:

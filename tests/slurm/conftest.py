@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from shardbook.kernel.cli.main import main
 from tests.slurm.cluster import Cluster, missing
 
 
@@ -32,12 +32,8 @@ def slurm_cluster(tmp_path_factory):
 
 
 def install_slurm_spec(prefix: Path, name: str, *extra: str) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "shardbook.kernel.cli.main", "install", "--prefix", str(prefix), "--name", name]
-        + ["--slurm", *extra],
-        check=True,
-        capture_output=True,
-    )
+    """``shardbook install --slurm`` in this process (a subprocess per spec costs seconds of imports)."""
+    assert main(["install", "--prefix", str(prefix), "--name", name, "--slurm", *extra]) == 0
 
 
 @pytest.fixture(scope="session")
