@@ -1,7 +1,8 @@
 """``shardbook serve --slurm`` (and any terminal command): allocate, run one srun step, give the nodes back.
 
 The terminal process holds the lease: when it is killed, the ranks stop and the job ends itself
-after the grace period. Ctrl-C and SIGTERM go to srun as SIGTERM, which passes them to every node.
+after the grace period. Ctrl-C and SIGTERM become ``stop`` in the lease file: node 0 passes SIGTERM to
+rank 0, which stops serving and ends the job; a second Ctrl-C ends the step at once.
 """
 
 from __future__ import annotations
@@ -41,9 +42,20 @@ def run_in_allocation(options: SlurmOptions, command: list[str]) -> int:
     try:
         plan = plan_for(job, options, command, command, lease.path)
         say(f"starting {options.label()} ranks in Slurm job {job.jobid}; rank 0 on {job.nodes[0]} ({plan.master_addr})")
-        srun = subprocess.Popen(srun_argv(plan, options), env=step_env(dict(os.environ), plan, options, None))
+        env = step_env(dict(os.environ), plan, options, None)
+        # a session of its own: a terminal's Ctrl-C must not reach srun, which would kill the step at once
+        srun = subprocess.Popen(srun_argv(plan, options), env=env, start_new_session=True)
+
+        def stop(signum, frame) -> None:
+            if lease.stopping:
+                say("stopping the step now (scancel)")
+                jobs.cancel_steps(job.jobid)
+                return
+            say("stopping: rank 0 stops the reply in flight and ends the job (Ctrl-C again: at once)")
+            lease.request_stop()
+
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, lambda signum, frame: srun.send_signal(signal.SIGTERM))
+            signal.signal(sig, stop)
         code = srun.wait()
     finally:
         if srun is not None and srun.poll() is None:

@@ -2,7 +2,7 @@
 
 It starts torchrun for its node (``--node_rank`` is ``SLURM_NODEID``, static rendezvous on the
 allocation's first node): the kernel (or ``shardbook serve``) on node 0, followers elsewhere. It
-passes SIGTERM on to torchrun, and watches the lease: once the launcher has not touched it for the
+passes SIGTERM on to rank 0 (which ends the job), and watches the lease: once the launcher has not touched it for the
 grace period, the ranks stop and node 0 cancels the job (when the job was allocated for them).
 """
 
@@ -19,10 +19,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 from shardbook.kernel.slurm.step import CONNECTION_ENV, STEP_ENV, StepPlan
 from shardbook.rankd.control.lifetime import LAUNCHER_ENV, die_with_parent
 
 log = logging.getLogger("shardbook.slurm")
+STOP_GRACE_S = 30.0
+"""After SIGTERM, how long the ranks may take to end by themselves before torchrun is told to stop them."""
 
 
 class LeaseWatch:
@@ -49,6 +53,27 @@ class LeaseWatch:
         if mtime != self.mtime:
             self.mtime, self.changed = mtime, time.monotonic()
         return mtime is None or time.monotonic() - self.changed > self.grace
+
+    def stop_requested(self) -> bool:
+        try:
+            return self.path is not None and self.path.read_text().startswith("stop")
+        except OSError:
+            return False
+
+
+def rank0_of(torchrun_pid: int) -> psutil.Process | None:
+    """The worker with ``LOCAL_RANK=0`` under this node's torchrun (rank 0 on node 0)."""
+    try:
+        children = psutil.Process(torchrun_pid).children()
+    except psutil.Error:
+        return None
+    for child in children:
+        try:
+            if child.environ().get("LOCAL_RANK") == "0":
+                return child
+        except psutil.Error:
+            pass
+    return None
 
 
 def torchrun_argv(plan: StepPlan, node: int, command: list[str]) -> list[str]:
@@ -77,8 +102,19 @@ def main() -> int:
             json.dump(json.loads(os.environ[CONNECTION_ENV]), f)
         command = [str(connection) if arg == "{connection_file}" else arg for arg in command]
     torchrun = subprocess.Popen(torchrun_argv(plan, node, command), env=env, preexec_fn=die_with_parent)
+    stopping: list[float] = []
+
+    def stop(signum, frame) -> None:
+        """Node 0: rank 0 ends the job itself (``shardbook serve`` stops its reply, tells the followers to leave)."""
+        stopping.append(time.monotonic())
+        rank0 = rank0_of(torchrun.pid) if node == 0 else None
+        if rank0 is not None:
+            rank0.send_signal(signal.SIGTERM)
+        elif node == 0:
+            torchrun.send_signal(signal.SIGTERM)
+
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda signum, frame: torchrun.send_signal(signal.SIGTERM))
+        signal.signal(sig, stop)
     lease = LeaseWatch(plan.lease, plan.lease_grace)
     try:
         while True:
@@ -86,6 +122,10 @@ def main() -> int:
                 return torchrun.wait(timeout=1)
             except subprocess.TimeoutExpired:
                 pass
+            if not stopping and lease.stop_requested():
+                stop(signal.SIGTERM, None)
+            if stopping and time.monotonic() - stopping[0] > STOP_GRACE_S:
+                torchrun.terminate()
             if lease.expired():
                 log.warning(
                     "lease %s not renewed for %.0f s: the launcher is gone; ending the job", lease.path, lease.grace

@@ -5,6 +5,8 @@ nodes through srun's environment, never a command line; so does the kernel's con
 (``SHARDBOOK_SLURM_CONNECTION``), which node 0 writes to a private file. The lease is a file the
 launcher touches every few seconds; every node watches it, and once it has gone stale for the grace
 period the ranks stop and node 0 cancels the job (a killed Jupyter server leaves nothing running).
+``stop`` written into the lease asks node 0 to stop rank 0 gracefully (Ctrl-C of ``shardbook serve --slurm``):
+a Slurm signal would reach every process of the step, torchrun included, which then reports a failure.
 """
 
 from __future__ import annotations
@@ -122,6 +124,7 @@ class LeaseKeeper:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.touch()
         self._stop = threading.Event()
+        self.stopping = False
         threading.Thread(target=self._run, daemon=True, name="shardbook-slurm-lease").start()
 
     def _run(self) -> None:
@@ -130,6 +133,11 @@ class LeaseKeeper:
                 os.utime(self.path)
             except FileNotFoundError:
                 self.path.touch()
+
+    def request_stop(self) -> None:
+        """Ask node 0 to stop rank 0 gracefully (``stop`` in the file; the nodes read it every second)."""
+        self.stopping = True
+        self.path.write_text("stop\n")
 
     def stop(self, remove: bool = True) -> None:
         self._stop.set()
