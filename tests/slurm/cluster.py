@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 DAEMONS = ("munged", "slurmctld", "slurmd", "sinfo", "salloc", "srun", "squeue", "scancel", "scontrol")
 
 
@@ -43,6 +45,18 @@ def free_ports(n: int) -> list[int]:
 
 def which(name: str) -> str:
     return shutil.which(name) or str(Path("/usr/sbin", name))
+
+
+def job_processes(job: str) -> list[psutil.Process]:
+    """Processes on this machine that belong to Slurm job ``job`` (slurmstepd's tasks carry SLURM_JOB_ID)."""
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.environ().get("SLURM_JOB_ID") == job and proc.pid != os.getpid():
+                found.append(proc)
+        except (psutil.Error, OSError):
+            pass
+    return found
 
 
 CONF = """\

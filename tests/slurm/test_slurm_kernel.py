@@ -7,6 +7,7 @@ import pytest
 
 from tests.driver import interrupt_when
 from tests.e2e.conftest import KernelHandle, wait_until
+from tests.slurm.cluster import job_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -49,3 +50,24 @@ def test_two_nodes_dist_chat_interrupt_restart_shutdown(slurm_prefix, slurm_clus
     finally:
         handle.stop()
     assert wait_until(lambda: not slurm_cluster.queue(), timeout=30), slurm_cluster.queue()
+    assert wait_until(lambda: not job_processes(job), timeout=20), job_processes(job)
+
+
+def test_two_nodes_of_two_ranks(slurm_prefix, slurm_cluster):
+    handle = KernelHandle("slurm2x2", env={"OMP_NUM_THREADS": "1"})
+    try:
+        job = job_of(handle)
+        rows = dist_rows(handle)[1:]
+        assert [(r[0], r[2], r[4], r[8]) for r in rows] == [
+            ("0", "n1", job, "idle"),
+            ("1", "n1", job, "idle"),
+            ("2", "n2", job, "idle"),
+            ("3", "n2", job, "idle"),
+        ], rows
+        ex = handle.run("%%all\nimport os\nprint(os.environ['SLURMD_NODENAME'], os.environ['LOCAL_RANK'])")
+        assert ex.status == "ok", ex.error_text()
+        assert "[rank 3]\nn2 1" in ex.stdout(), ex.stdout()
+    finally:
+        handle.stop()
+    assert wait_until(lambda: not slurm_cluster.queue(), timeout=30), slurm_cluster.queue()
+    assert wait_until(lambda: not job_processes(job), timeout=20), job_processes(job)

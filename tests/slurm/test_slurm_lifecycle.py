@@ -3,32 +3,19 @@
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 from jupyter_client.manager import KernelManager
 
 from shardbook.kernel.slurm.jobs import AllocationError
 from tests.e2e.conftest import KernelHandle, wait_until
+from tests.slurm.cluster import job_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
-
-
-def job_processes(job: str) -> list[psutil.Process]:
-    """Processes on this machine that belong to Slurm job ``job`` (slurmstepd's tasks carry SLURM_JOB_ID)."""
-    found = []
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if proc.environ().get("SLURM_JOB_ID") == job and proc.pid != os.getpid():
-                found.append(proc)
-        except (psutil.Error, OSError):
-            pass
-    return found
 
 
 def test_a_pending_allocation_says_why_then_times_out_and_leaves_nothing_queued(slurm_prefix, slurm_cluster, caplog):
