@@ -111,6 +111,25 @@ def kernelspec_dict(options: KernelSpecOptions) -> dict:
     }
 
 
+def slurm_kernelspec_dict(slurm: dict, display_name: str | None, python: str = sys.executable) -> dict:
+    """kernel.json for the ``shardbook-slurm`` provisioner: it allocates the nodes and starts every rank.
+
+    ``argv`` is what each node's srun task runs; the provisioner builds the srun line itself.
+    """
+    nodes, per_node = slurm["nodes"], slurm["ntasks_per_node"]
+    return {
+        "argv": [python, "-m", "shardbook.kernel.slurm.node", "{connection_file}"],
+        "display_name": display_name or f"shardbook (Slurm, {nodes} x {per_node})",
+        "language": "python",
+        "interrupt_mode": "message",
+        "env": {},
+        "metadata": {
+            "shardbook": {"nproc": per_node, "nnodes": nodes, "world_size": nodes * per_node, "slurm": True},
+            "kernel_provisioner": {"provisioner_name": "shardbook-slurm", "config": {"slurm": slurm}},
+        },
+    }
+
+
 def ensure_key_file(path: str | os.PathLike) -> Path:
     """Create a random control-plane key (mode 0600) unless the file already holds one."""
     path = Path(path).expanduser()
@@ -122,13 +141,14 @@ def ensure_key_file(path: str | os.PathLike) -> Path:
     return path
 
 
-def install(options: KernelSpecOptions, name: str | None, *, user: bool, prefix: str | None) -> str:
-    """Write the kernelspec with jupyter_client; returns the directory it went to."""
+def install(options: KernelSpecOptions | dict, name: str | None, *, user: bool, prefix: str | None) -> str:
+    """Write the kernelspec (options, or a ready kernel.json dict) with jupyter_client; returns its directory."""
     from jupyter_client.kernelspec import KernelSpecManager
 
+    spec = options if isinstance(options, dict) else kernelspec_dict(options)
     name = name or default_name(options.layout)
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "kernel.json").write_text(json.dumps(kernelspec_dict(options), indent=2))
+        (Path(tmp) / "kernel.json").write_text(json.dumps(spec, indent=2))
         return KernelSpecManager().install_kernel_spec(tmp, name, user=user, prefix=prefix)
 
 
@@ -137,4 +157,4 @@ def shardbook_specs() -> dict[str, dict]:
     from jupyter_client.kernelspec import KernelSpecManager
 
     specs = KernelSpecManager().get_all_specs()
-    return {n: s for n, s in specs.items() if "shardbook.kernel" in s["spec"].get("argv", [])}
+    return {n: s for n, s in specs.items() if any(a.startswith("shardbook.kernel") for a in s["spec"].get("argv", []))}

@@ -11,6 +11,7 @@ from shardbook.kernel.cli import kernelspec
 from shardbook.kernel.cli.chat import add_chat_parser
 from shardbook.kernel.cli.run import add_run_parser
 from shardbook.kernel.cli.serve import add_serve_parser
+from shardbook.kernel.slurm.options import add_slurm_flags, options_from_args
 
 
 def parse_env(items: list[str]) -> dict[str, str]:
@@ -24,6 +25,10 @@ def parse_env(items: list[str]) -> dict[str, str]:
 
 
 def run_install(args: argparse.Namespace) -> int:
+    if args.slurm:
+        return run_install_slurm(args)
+    if args.nproc is None:
+        raise ValueError("give --nproc N (ranks on this node), or --slurm --nodes N --ntasks-per-node G")
     layout = kernelspec.Layout(args.nproc, args.nnodes, args.node_rank, args.master_addr, args.master_port)
     key_file = args.key_file
     if layout.nnodes > 1:
@@ -39,6 +44,17 @@ def run_install(args: argparse.Namespace) -> int:
             f"--master_addr {layout.master_addr} --master_port {layout.master_port} "
             f"-m shardbook.rankd --key-file {key_file}"
         )
+    return 0
+
+
+def run_install_slurm(args: argparse.Namespace) -> int:
+    options = options_from_args(args, parse_env(args.env))
+    name = args.name or f"shardbook-slurm-{options.nodes}x{options.ntasks_per_node}"
+    spec = kernelspec.slurm_kernelspec_dict(options.to_dict(), args.display_name)
+    prefix = sys.prefix if args.sys_prefix else args.prefix
+    where = kernelspec.install(spec, name, user=args.user, prefix=prefix)
+    print(f"Installed kernelspec {name} ({spec['display_name']}) in {where}")
+    print("Starting it allocates the nodes (salloc); stopping it gives them back (scancel).")
     return 0
 
 
@@ -94,7 +110,7 @@ def missing_extra(error: ImportError) -> str | None:
 
 def add_install_parser(sub) -> None:
     p = sub.add_parser("install", help="register a Jupyter kernel that runs N ranks under torchrun")
-    p.add_argument("--nproc", type=int, required=True, help="ranks on this node (torchrun --nproc_per_node)")
+    p.add_argument("--nproc", type=int, help="ranks on this node (torchrun --nproc_per_node)")
     p.add_argument("--name", help="kernelspec name (default shardbook-N)")
     p.add_argument("--display-name", help="name shown in Jupyter (default states the rank count)")
     where = p.add_mutually_exclusive_group()
@@ -109,6 +125,7 @@ def add_install_parser(sub) -> None:
     p.add_argument("--master-port", type=int, help="rendezvous port for multi-node jobs")
     p.add_argument("--key-file", help="control-plane key shared with the other nodes (created if missing)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment for every rank")
+    add_slurm_flags(p)
     p.set_defaults(run=run_install)
 
 

@@ -4,6 +4,7 @@
     shardbook serve --nproc 2 /path/to/checkpoint --parallel.decode tp
     shardbook serve --nproc 2 configs/smollm2-135m.yaml --port 8000
     shardbook serve --nproc 2 configs/smollm2-135m.yaml --host 0.0.0.0 --api-key-file ~/.shardbook/api.key
+    shardbook serve --slurm --nodes 2 --ntasks-per-node 8 --time 01:00:00 configs/glm-744b-npu.yaml
 
 Every rank runs ``python -m shardbook serve ...``, as for ``shardbook chat`` (same launcher,
 same Ctrl-C relay): rank 0 loads the model on every rank and serves it until Ctrl-C or SIGTERM,
@@ -20,10 +21,13 @@ import signal
 import threading
 from functools import partial
 
+from shardbook.kernel.api.load import prepare_load
 from shardbook.kernel.cli.chat import CONFIG_HELP, Terminal, run_rank
 from shardbook.kernel.cli.launcher import config_argv, launch
 from shardbook.kernel.ranks.runtime import Runtime
 from shardbook.kernel.server.state import DEFAULT_PORT, ServeOptions, read_api_key
+from shardbook.kernel.slurm.launch import run_in_allocation
+from shardbook.kernel.slurm.options import add_slurm_flags, options_from_args
 from shardbook.rankd.config.schema import ShardbookConfig
 from shardbook.rankd.control.world import JobShape
 
@@ -53,6 +57,7 @@ def add_serve_parser(sub) -> None:
     )
     p.add_argument("--nproc", type=int, help="ranks to start with torchrun (default: one rank in this process)")
     add_serve_flags(p)
+    add_slurm_flags(p)
     p.add_argument("config", nargs="?", help=CONFIG_HELP)
     p.add_argument(
         "overrides", nargs=argparse.REMAINDER, help="--section.key value pairs; serve flags may come here too"
@@ -82,6 +87,8 @@ def run_serve(args: argparse.Namespace) -> int:
     split_flags(args)
     options = serve_options(args)
     shape = JobShape.from_env()
+    if args.slurm:
+        return run_serve_slurm(args, options)
     if args.nproc is None:
         return run_rank(args, shape, then=partial(serve_until_stopped, options), name="shardbook serve")
     if shape.under_torchrun:
@@ -93,6 +100,19 @@ def run_serve(args: argparse.Namespace) -> int:
     flags = ["--host", options.host, "--port", str(options.port)]
     flags += ["--max-waiting", str(args.max_waiting)] if args.max_waiting is not None else []
     return launch(args, ["serve", *flags, *config_argv(args), *args.overrides], graceful_term=True)
+
+
+def run_serve_slurm(args: argparse.Namespace, options: ServeOptions) -> int:
+    """``--slurm``: the same ranks on an allocation; rank 0 (the server) on its first node."""
+    if args.nproc is not None:
+        raise ValueError("--slurm starts --ntasks-per-node ranks on each node; leave out --nproc")
+    slurm = options_from_args(args, {})
+    prepare_load(args.config, args.overrides, slurm.nodes * slurm.ntasks_per_node)  # a bad config fails here
+    if options.api_key:
+        os.environ[API_KEY_ENV] = options.api_key  # the ranks' environment, not their argv
+    flags = ["--host", options.host, "--port", str(options.port)]
+    flags += ["--max-waiting", str(args.max_waiting)] if args.max_waiting is not None else []
+    return run_in_allocation(slurm, ["-m", "shardbook", "serve", *flags, *config_argv(args), *args.overrides])
 
 
 def serve_until_stopped(options: ServeOptions, runtime: Runtime, config: ShardbookConfig, terminal: Terminal) -> int:

@@ -28,6 +28,7 @@ class RankState:
     pid: int | None = None
     device: str = "?"
     backend: str = "?"
+    slurm: str = ""
     connected: bool = False
     silent_s: float = 0.0
     said_silent: bool = False

@@ -164,7 +164,7 @@ class Pool:
             command.on_output(message.rank, message.type, message.payload)
 
     def _on_hello(self, state: RankState, facts: dict[str, Any]) -> None:
-        for key in ("host", "pid", "device", "backend"):
+        for key in ("host", "pid", "device", "backend", "slurm"):
             setattr(state, key, facts.get(key, getattr(state, key)))
         state.connected = True
         state.local = state.host == self.ranks[0].host

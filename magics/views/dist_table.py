@@ -1,4 +1,4 @@
-"""Rendering the ``%dist`` table: one row per rank with host, pid, device, backend, state, memory."""
+"""Rendering the ``%dist`` table: one row per rank with host, Slurm place, pid, device, backend, state, memory."""
 
 from __future__ import annotations
 
@@ -25,11 +25,19 @@ def memory_text(memory: dict[str, int]) -> str:
     return ", ".join(parts) or "-"
 
 
-def cells(row: dict[str, Any]) -> list[str]:
+def columns(rows: list[dict[str, Any]]) -> tuple[str, ...]:
+    """The columns, with ``slurm`` (node and job id) after ``host`` when the job runs under Slurm."""
+    if any(r.get("slurm") for r in rows):
+        return (*COLUMNS[:2], "slurm", *COLUMNS[2:])
+    return COLUMNS
+
+
+def cells(row: dict[str, Any], slurm: bool = False) -> list[str]:
     state = row["state"] + (f" ({row['dead_reason']})" if row.get("dead_reason") else "")
     return [
         str(row["rank"]),
         str(row["host"]),
+        *([row.get("slurm") or "-"] if slurm else []),
         str(row["pid"]),
         str(row["device"]),
         str(row["backend"]),
@@ -39,14 +47,18 @@ def cells(row: dict[str, Any]) -> list[str]:
 
 
 def dist_text(rows: list[dict[str, Any]]) -> str:
-    table = [list(COLUMNS)] + [cells(r) for r in rows]
-    widths = [max(len(line[i]) for line in table) for i in range(len(COLUMNS))]
+    names = columns(rows)
+    table = [list(names)] + [cells(r, "slurm" in names) for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(names))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in table)
 
 
 def dist_html(rows: list[dict[str, Any]]) -> str:
-    head = "".join(f"<th>{c}</th>" for c in COLUMNS)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells(r)) + "</tr>" for r in rows)
+    names = columns(rows)
+    head = "".join(f"<th>{c}</th>" for c in names)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells(r, "slurm" in names)) + "</tr>" for r in rows
+    )
     return f"<table class='shardbook-dist'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 

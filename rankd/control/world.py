@@ -163,7 +163,14 @@ class World:
 
     def describe(self) -> dict[str, Any]:
         """The static facts ``%dist`` shows for this rank."""
-        return {"rank": self.rank, "host": self.host, "pid": self.pid, "device": self.device, "backend": self.backend}
+        facts = {"rank": self.rank, "host": self.host, "pid": self.pid, "device": self.device, "backend": self.backend}
+        return {**facts, "slurm": slurm_place()}
+
+
+def slurm_place() -> str:
+    """``NODE job JOBID`` under a Slurm step (``%dist`` shows it), else ``""``."""
+    node, job = os.environ.get("SLURMD_NODENAME"), os.environ.get("SLURM_JOB_ID")
+    return f"{node} job {job}" if node and job else ""
 
 
 def process_group_timeout() -> datetime.timedelta:

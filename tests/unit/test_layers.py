@@ -17,7 +17,7 @@ TOPS = {"rankd": 0, "kernel": 1, "magics": 2, "shardbook": 3}
 """The installed packages by folder, lowest first (`shardbook/` holds only `python -m shardbook`)."""
 LAYERS = {
     "rankd": ["control", "config", "parallel", "loading", "generation", "inspection", "commands"],
-    "kernel": ["ranks", "api", "server", "cli"],
+    "kernel": ["ranks", "api", "server", "slurm", "cli"],
     "magics": ["views"],
 }
 """Subpackages, lowest first; a folder's own top-level modules (`kernel/app.py`, `rankd/__main__.py`) sit above them."""

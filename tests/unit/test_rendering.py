@@ -186,3 +186,17 @@ def test_shardbook_run_prints_a_chat_reply_not_its_widget_repr():
     )
     final = new_output("display_data", data={"text/markdown": "Paris.", "text/plain": "Paris."})
     assert output_text(widget) + output_text(final) == "Paris.\n"
+
+
+def test_dist_table_shows_the_slurm_node_and_job_when_there_is_one():
+    from shardbook.magics.views.dist_table import dist_html, dist_text
+
+    rows = [
+        {"rank": r, "host": "h", "pid": r, "device": "cpu", "backend": "gloo", "state": "idle", "memory": {}}
+        for r in range(2)
+    ]
+    assert "slurm" not in dist_text(rows)
+    rows[0]["slurm"], rows[1]["slurm"] = "n1 job 7", "n2 job 7"
+    text = dist_text(rows)
+    assert text.splitlines()[0].split()[:3] == ["rank", "host", "slurm"]
+    assert "n2 job 7" in text.splitlines()[2] and "<td>n1 job 7</td>" in dist_html(rows)

@@ -1,0 +1,64 @@
+"""``shardbook install --slurm``: the kernelspec names the provisioner with the allocation; salloc's and srun's argv."""
+
+from __future__ import annotations
+
+import json
+
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.provisioning.factory import KernelProvisionerFactory
+
+from shardbook.kernel.cli.main import main
+from shardbook.kernel.slurm.options import SlurmOptions
+from shardbook.kernel.slurm.step import StepPlan, srun_argv, step_env
+
+
+def test_install_slurm_writes_a_provisioner_kernelspec(tmp_path, monkeypatch, capsys):
+    args = ["install", "--prefix", str(tmp_path), "--slurm", "--nodes", "2", "--ntasks-per-node", "16"]
+    args += ["--partition", "gpu", "--account", "proj", "--time", "01:00:00", "--gpus-per-node", "16", "--qos", "hi"]
+    args += ["--reservation", "r1", "--sbatch-arg=--exclusive", "--sbatch-arg=--constraint=a100"]
+    args += ["--env", "NCCL_DEBUG=INFO", "--device", "cuda"]
+    assert main(args) == 0
+    spec = json.loads((tmp_path / "share/jupyter/kernels/shardbook-slurm-2x16/kernel.json").read_text())
+    assert spec["display_name"] == "shardbook (Slurm, 2 x 16)"
+    assert spec["interrupt_mode"] == "message"
+    provisioner = spec["metadata"]["kernel_provisioner"]
+    assert provisioner["provisioner_name"] == "shardbook-slurm"
+    options = SlurmOptions.from_dict(provisioner["config"]["slurm"])
+    assert options.salloc_args() == [
+        *("--nodes", "2", "--ntasks-per-node", "16", "--partition=gpu", "--account=proj", "--time=01:00:00"),
+        *("--gpus-per-node=16", "--qos=hi", "--reservation=r1", "--exclusive", "--constraint=a100"),
+    ]
+    assert options.env == {"NCCL_DEBUG": "INFO"} and options.device == "cuda" and options.jobid is None
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "share/jupyter"))
+    ksm_spec = KernelSpecManager().get_kernel_spec("shardbook-slurm-2x16")
+    assert KernelProvisionerFactory.instance().is_provisioner_available(ksm_spec)
+
+
+def test_slurm_install_needs_nodes_and_tasks(tmp_path, capsys):
+    try:
+        main(["install", "--prefix", str(tmp_path), "--slurm", "--nodes", "2"])
+    except SystemExit as e:
+        assert e.code == 2
+    assert "--slurm needs --nodes N and --ntasks-per-node G" in capsys.readouterr().err
+
+
+def test_the_key_and_the_connection_reach_the_nodes_through_the_environment_only():
+    options = SlurmOptions(nodes=2, ntasks_per_node=4, gres="gpu:4", env={"A": "1"})
+    plan = StepPlan(
+        "7", 2, 4, "10.0.0.1", 29500, ["-m", "shardbook.kernel", "-f", "{connection_file}"], [], None, 60, True
+    )
+    argv = srun_argv(plan, options)
+    assert argv[:7] == [
+        "srun",
+        "--jobid=7",
+        "--nodes=2",
+        "--ntasks=2",
+        "--ntasks-per-node=1",
+        "--cpus-per-task=4",
+        "--gres=gpu:4",
+    ]
+    env = step_env({"SLURM_JOB_ID": "3", "SLURM_CONF": "/c", "SHARDBOOK_KEY_FILE": "/k"}, plan, options, {"key": b"s"})
+    assert "SLURM_JOB_ID" not in env and env["SLURM_CONF"] == "/c" and "SHARDBOOK_KEY_FILE" not in env
+    assert len(env["SHARDBOOK_KEY"]) == 64 and env["A"] == "1"
+    assert json.loads(env["SHARDBOOK_SLURM_CONNECTION"]) == {"key": "s"}
+    assert not any(env["SHARDBOOK_KEY"] in arg or "key" in arg for arg in argv)
