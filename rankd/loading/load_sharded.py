@@ -186,6 +186,15 @@ def _decide_layout(parallel: Any, ckpt: _Checkpoint, views: list) -> tuple[str, 
     return layout, reason, ep_sizes
 
 
+def check_layout(parallel: Any, ckpt: _Checkpoint) -> None:
+    """Raise the `ValueError` the layout choice would raise for this request (tp availability, expert sizes).
+
+    The preflight runs it before anything is freed: only memory decides between valid layouts, so
+    whether the request is valid does not depend on the memory views.
+    """
+    _decide_layout(parallel, ckpt, [(True, "")])
+
+
 def _shard_and_read_tp(
     steps: LoadSteps, report: _Reporter, model: nn.Module, mesh, ckpt: _Checkpoint, device, ep_sizes
 ) -> str:

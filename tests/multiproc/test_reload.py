@@ -134,3 +134,38 @@ def test_loading_again_when_memory_forces_freeing_first_says_so_before_and_after
     assert "on rank 1 the gathered model" in before and "does not fit" in before
     assert "If this load fails, no model will be loaded" in before
     assert freed_after and after.startswith("freed the loaded model") and "loading the new model" in after
+
+
+def reload_with_a_bad_layout(rank, tiny: Path) -> dict:
+    """Load tiny, then ask for expert parallelism on it (no experts) while memory would force freeing first."""
+    from shardbook.rankd.loading.reload import replace_model
+    from shardbook.rankd.parallel import layout
+
+    ctx, notices = rank_context(rank), []
+    replace_model(ctx, stand_in_config(tiny), device="cpu", model_path=None, progress=None, notice=notices.append)
+    first = ctx.state["loaded"].model
+    if rank == 1:
+        layout.free_memory_per_rank = lambda device: 1024
+    try:
+        replace_model(
+            ctx, stand_in_config(tiny, ep_size=2), device="cpu", model_path=None, progress=None, notice=notices.append
+        )
+        outcome = "loaded"
+    except ValueError as e:
+        outcome = f"ValueError: {e}"
+    kept = ctx.state.get("loaded") is not None and ctx.state["loaded"].model is first
+    return {
+        "outcome": outcome,
+        "kept": kept,
+        "notices": notices,
+        "then": run_model(first, ctx.shell.user_ns["tokenizer"], synced=True) if kept else None,
+    }
+
+
+def test_a_bad_layout_is_refused_before_the_old_model_is_freed(ranks, tiny):
+    results = ranks(reload_with_a_bad_layout, tiny, deadline=240)
+    for rank, result in enumerate(results):
+        assert "apply to mixture-of-experts models" in result["outcome"], (rank, result["outcome"])
+        assert result["kept"], rank
+    assert_same_as_reference([result["then"] for result in results], single_process(tiny))
+    assert not any("freeing" in notice for notice in results[0]["notices"]), results[0]["notices"]
