@@ -7,11 +7,14 @@ forwards until every rank is done and no rank is left alone in a collective. The
 thread hands the text to `on_text` (rank 0) and waits with a deadline, so an exception or a
 dead peer surfaces as an error naming the rank instead of a hang.
 
-Stopping: `stop_event` is checked by :class:`StopOnEvent` once per step on this rank only.
-A collective inside a stopping criterion would be wrong: transformers skips the criteria on a
-rank that has already finished, so ranks of different lengths would pair that collective with
-a different one. `synced_gpus`' own all-reduce of "this rank is done" (one per step) is what
-keeps the ranks in step; a rank that sees the interrupt later just stops a step or two later.
+Stopping is decided by every rank together (:class:`SyncedStop`): each step, each rank's
+reasons to stop (its `stop_event`, an end-of-text token, a stop string, its own token limit) go
+through one all-reduce (MAX), so every rank ends at the same step and feeds the same tokens until
+then. A rank that stopped alone would go on with dummy forwards of a padding token while the
+others decode: under `tp` and expert parallelism their forwards add partial sums of different
+tokens. All of transformers' own stop reasons are taken over by `SyncedStop` (it is given no
+end-of-text ids or stop strings, and the largest token limit of any rank), so no rank ever
+finishes on its own, and every rank runs the criterion, with its collective, at every step.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.stopping_criteria import StopStringCriteria
 
 from shardbook.rankd.config.schema import InferenceConfig
 from shardbook.rankd.control.agreement import agree
@@ -155,16 +159,37 @@ class GenerationError(RuntimeError):
     """`model.generate` raised on this rank; the message names the rank and the cause is chained."""
 
 
-class StopOnEvent(StoppingCriteria):
-    """Stops generation on this rank at the next step once `event` is set; remembers that it did."""
+class SyncedStop(StoppingCriteria):
+    """Ends generation on every rank at the same step: when any rank's `event` is set or any rank is done.
 
-    def __init__(self, event: threading.Event):
-        self.event = event
+    A rank is done after its `max_new_tokens`, on one of `eos_ids` or on a stop string. `fired`
+    says whether an interrupt (some rank's event) ended it. With `synced`, one all-reduce per step.
+    """
+
+    def __init__(
+        self,
+        event: threading.Event,
+        *,
+        prompt_tokens: int,
+        max_new_tokens: int,
+        eos_ids: list[int],
+        stop_strings: StoppingCriteria | None = None,
+        synced: bool = False,
+    ):
+        self.event, self.prompt_tokens, self.max_new_tokens = event, prompt_tokens, max_new_tokens
+        self.eos_ids, self.stop_strings, self.synced = set(eos_ids), stop_strings, synced
         self.fired = False
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
-        self.fired = self.fired or self.event.is_set()
-        return torch.full((input_ids.shape[0],), self.fired, dtype=torch.bool, device=input_ids.device)
+        done = input_ids.shape[1] - self.prompt_tokens >= self.max_new_tokens
+        done = done or int(input_ids[0, -1]) in self.eos_ids
+        if not done and self.stop_strings is not None:
+            done = bool(self.stop_strings(input_ids, scores).any())
+        flags = torch.tensor([int(self.event.is_set()), int(done)], dtype=torch.int64, device=input_ids.device)
+        if self.synced:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        self.fired = self.fired or bool(flags[0])
+        return torch.full((input_ids.shape[0],), bool(flags.any()), dtype=torch.bool, device=input_ids.device)
 
 
 def generate(
@@ -188,7 +213,20 @@ def generate(
     """
     device = torch.device(device)
     prompt_ids, config = agree(lambda: plan_generation(model, tokenizer, request, device), PLAN_WORDS)
-    stop = StopOnEvent(stop_event)
+    synced = _world_size() > 1
+    stop = SyncedStop(
+        stop_event,
+        prompt_tokens=prompt_ids.shape[1],
+        max_new_tokens=config.max_new_tokens,
+        eos_ids=_eos_ids(config, tokenizer),
+        stop_strings=StopStringCriteria(tokenizer, request.stop) if request.stop else None,
+        synced=synced,
+    )
+    # transformers stops only when SyncedStop says so, on every rank alike
+    run_config = copy.deepcopy(config)
+    run_config.update(
+        eos_token_id=None, stop_strings=None, max_new_tokens=_largest(config.max_new_tokens, synced, device)
+    )
     events: queue.Queue = queue.Queue()
     streamer = None
     if on_text is not None and request.stop:
@@ -203,11 +241,10 @@ def generate(
         kwargs=dict(
             inputs=prompt_ids,
             attention_mask=torch.ones_like(prompt_ids),
-            generation_config=config,
-            synced_gpus=_world_size() > 1,
+            generation_config=run_config,
+            synced_gpus=synced,
             streamer=streamer,
             stopping_criteria=StoppingCriteriaList([stop]),
-            **({"tokenizer": tokenizer} if request.stop else {}),  # transformers' stop_strings need it
         ),
     )
     with _eval_mode(model):
@@ -452,6 +489,15 @@ def _private_rng(device: torch.device) -> Iterator[None]:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _largest(value: int, synced: bool, device: torch.device) -> int:
+    """The largest `value` of any rank (a collective when `synced`)."""
+    if not synced:
+        return value
+    largest = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return int(largest.item())
 
 
 def _world_size() -> int:

@@ -310,13 +310,13 @@ def test_same_seed_samples_alike_on_every_rank(ranks: Ranks) -> None:
 
 
 def test_ranks_sampling_differently_still_finish(ranks: Ranks) -> None:
-    """Ranks that disagree (different seeds and lengths) must not hang: synced_gpus keeps the early one stepping."""
+    """Ranks that disagree (different seeds and lengths) must not hang; the first rank done ends every rank's reply."""
     per_rank = [
         {"request": _request(do_sample=True, temperature=1.5, seed=1, max_new_tokens=4)},
         {"request": _request(do_sample=True, temperature=1.5, seed=2, max_new_tokens=24)},
     ]
     answers = ranks.run("generate", per_rank)
-    assert [a["generated_tokens"] for a in answers] == [4, 24]
+    assert [a["generated_tokens"] for a in answers] == [4, 4]
     assert "".join(answers[0]["chunks"]) == answers[0]["text"]
 
 
@@ -339,9 +339,26 @@ def test_interrupt_stops_every_rank_and_the_next_turn_works(ranks: Ranks, single
     print("\ninterrupted at", [a["interrupted"]["generated_tokens"] for a in answers], "tokens on ranks 0, 1")
 
 
+def test_a_follower_stopping_first_stops_rank_0_at_the_same_step(ranks: Ranks, single: tuple[Any, Any]) -> None:
+    """Rank 1 sees the interrupt first (rank 0 never does): every rank ends at the same step, rank 0's reply
+    a prefix of one process's (no step decoded from partial sums of a padding token)."""
+    request = _request(max_new_tokens=40)
+    per_rank = [
+        {"request": request, "stop_after": 10**6, "next_request": _request(max_new_tokens=4)},
+        {"request": request, "stop_after": 4, "next_request": _request(max_new_tokens=4)},
+    ]
+    answers = ranks.run("interrupt", per_rank)
+    expected = _generate_here(*single, request)
+    lengths = [a["interrupted"]["generated_tokens"] for a in answers]
+    assert lengths[0] == lengths[1] < 40, lengths
+    for rank, answer in enumerate(answers):
+        assert answer["interrupted"]["finish_reason"] == "interrupted", rank
+        assert expected.text.startswith(answer["interrupted"]["text"]), (rank, answer["interrupted"]["text"])
+
+
 def test_expert_parallel_generation_matches_finishes_and_stops(tmp_path: Path) -> None:
     """Qwen3-MoE with ep_size 2: greedy equals one process; ranks sampling different lengths and an
-    interrupt at different steps per rank finish together, the experts' all-reduce staying in step."""
+    interrupt at different steps per rank end at the same step, the experts' all-reduce staying in step."""
     path = make_tiny_moe(tmp_path / "moe", "qwen3_moe")
     expected = _generate_here(
         AutoModelForCausalLM.from_pretrained(path).eval(),
@@ -372,7 +389,7 @@ def test_expert_parallel_generation_matches_finishes_and_stops(tmp_path: Path) -
     finally:
         moe.close()
     assert [a["text"] for a in greedy] == [expected.text] * WORLD_SIZE
-    assert [a["generated_tokens"] for a in lengths] == [3, 16]
+    assert [a["generated_tokens"] for a in lengths] == [3, 3]
     for answer in stopped:
         assert answer["interrupted"]["finish_reason"] == "interrupted"
         assert answer["next"]["text"] == expected.text
