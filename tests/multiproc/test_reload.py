@@ -169,3 +169,23 @@ def test_a_bad_layout_is_refused_before_the_old_model_is_freed(ranks, tiny):
         assert result["kept"], rank
     assert_same_as_reference([result["then"] for result in results], single_process(tiny))
     assert not any("freeing" in notice for notice in results[0]["notices"]), results[0]["notices"]
+
+
+def reload_ten_times(rank, tiny: Path) -> list[int]:
+    """HSDP (fsdp_size 1) makes a group per load: the number of process groups after each of 11 loads."""
+    import torch.distributed as dist
+
+    from shardbook.rankd.loading.reload import replace_model
+
+    ctx, counts = rank_context(rank), []
+    for _ in range(11):
+        config = stand_in_config(tiny, fsdp_size=1)
+        replace_model(ctx, config, device="cpu", model_path=None, progress=None, notice=lambda text: None)
+        counts.append(len(dist.distributed_c10d._world.pg_map))
+    run_model(ctx.state["loaded"].model, ctx.state["loaded"].tokenizer, synced=True)  # the last model still works
+    return counts
+
+
+def test_ten_reloads_do_not_grow_the_process_groups(ranks, tiny):
+    for rank, counts in enumerate(ranks(reload_ten_times, tiny, deadline=280)):
+        assert len(set(counts)) == 1, (rank, counts)
