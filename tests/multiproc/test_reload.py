@@ -189,3 +189,35 @@ def reload_ten_times(rank, tiny: Path) -> list[int]:
 def test_ten_reloads_do_not_grow_the_process_groups(ranks, tiny):
     for rank, counts in enumerate(ranks(reload_ten_times, tiny, deadline=280)):
         assert len(set(counts)) == 1, (rank, counts)
+
+
+def reload_and_generate(rank, path: Path) -> list[int]:
+    """The demo model loaded six times, generating after each load: rank 0's RSS after each generation."""
+    import psutil
+    import torch
+
+    from shardbook.rankd.loading.reload import replace_model
+
+    ctx, rss = rank_context(rank), []
+    for _ in range(6):
+        replace_model(ctx, stand_in_config(path), device="cpu", model_path=None, progress=None, notice=lambda t: None)
+        model, tokenizer = ctx.state["loaded"].model, ctx.state["loaded"].tokenizer
+        with torch.no_grad():
+            model.generate(
+                **tokenizer("The capital of France is", return_tensors="pt"), max_new_tokens=4, synced_gpus=True
+            )
+        rss.append(psutil.Process().memory_info().rss)
+    return rss
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_reloads_after_generating_give_the_memory_back(ranks):
+    from tests.multiproc.test_loading import demo_model_dir
+
+    path = demo_model_dir()
+    if not (path / "config.json").is_file():
+        pytest.skip(f"demo model not built at {path} (run `shardbook fetch smollm2-135m-instruct`)")
+    rss = ranks(reload_and_generate, path, deadline=850)[0]
+    growth = [(r - rss[0]) / 2**20 for r in rss]
+    assert max(growth) <= 150, f"rank 0's RSS grew by {growth} MiB over five reloads"
