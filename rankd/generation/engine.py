@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 600.0
 """Longest wait for the next step or token before a rank gives up (a prefill of a long prompt counts as one step)."""
+PREFILL_CHUNK = 512
+"""Prompt tokens per forward of the prefill: every rank checks for an interrupt between chunks, alike."""
 NUM_ALTERNATIVES = 5
 """Alternatives recorded per generated token when a request wants scores."""
 DECODE_KWARGS = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
@@ -191,6 +193,22 @@ class SyncedStop(StoppingCriteria):
         self.fired = self.fired or bool(flags[0])
         return torch.full((input_ids.shape[0],), bool(flags.any()), dtype=torch.bool, device=input_ids.device)
 
+    def interrupted_everywhere(self, device: torch.device) -> bool:
+        """Whether any rank's event is set (a collective when synced); remembered in `fired`."""
+        flag = torch.tensor([int(self.event.is_set())], dtype=torch.int64, device=device)
+        if self.synced:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.fired = self.fired or bool(flag[0])
+        return self.fired
+
+
+@dataclass
+class _NoTokens:
+    """What `generate` returns when interrupted before its first token: the prompt alone."""
+
+    sequences: torch.Tensor
+    scores: tuple = ()
+
 
 def generate(
     model: Any,
@@ -238,6 +256,7 @@ def generate(
         events,
         device=device,
         seed=request.seed,
+        stop=stop,
         kwargs=dict(
             inputs=prompt_ids,
             attention_mask=torch.ones_like(prompt_ids),
@@ -345,9 +364,19 @@ def build_generation_config(
 class _GenerateThread(threading.Thread):
     """Runs `model.generate` on its own thread and reports each step, then its output or its exception, on `events`."""
 
-    def __init__(self, model: Any, events: queue.Queue, *, device: torch.device, seed: int, kwargs: dict[str, Any]):
+    def __init__(
+        self,
+        model: Any,
+        events: queue.Queue,
+        *,
+        device: torch.device,
+        seed: int,
+        kwargs: dict[str, Any],
+        stop: SyncedStop | None = None,
+    ):
         super().__init__(name="shardbook-generate", daemon=True)
         self.model = model
+        self.stop = stop
         self.events = events
         self.device = device
         self.seed = seed
@@ -370,11 +399,47 @@ class _GenerateThread(threading.Thread):
             with _private_rng(self.device), torch.no_grad():
                 torch.manual_seed(self.seed)
                 self.started_at = time.perf_counter()
+                cache = self._prefill_in_chunks()
+                if cache is False:  # interrupted during the prefill: no token generated
+                    self.ended_at = self.first_step_at = time.perf_counter()
+                    return _NoTokens(self.kwargs["inputs"])
+                if cache is not None:
+                    self.kwargs["past_key_values"] = cache
+                    self.first_step_at = 0.0  # the first token comes from generate's forward
                 output = self.model.generate(**self.kwargs)
                 self.ended_at = time.perf_counter()
                 return output
         finally:
             hook.remove()
+
+    def _prefill_in_chunks(self) -> Any:
+        """All but the last `PREFILL_CHUNK` prompt tokens forwarded in chunks into a cache that `generate` continues.
+
+        Between chunks every rank checks for an interrupt together (a MAX all-reduce of the stop
+        flags, when synced), so every rank stops after the same chunk. Returns the cache, None for a
+        short prompt (nothing to chunk), False when interrupted.
+        """
+        ids = self.kwargs["inputs"]
+        if ids.shape[1] <= PREFILL_CHUNK or self.stop is None:
+            return None
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        cut = ids.shape[1] - PREFILL_CHUNK  # generate's own forward takes the last chunk
+        for start in range(0, cut, PREFILL_CHUNK):
+            if self.stop.interrupted_everywhere(ids.device):
+                return False
+            end = min(start + PREFILL_CHUNK, cut)
+            self.model(
+                input_ids=ids[:, start:end],
+                attention_mask=torch.ones_like(ids[:, :end]),
+                past_key_values=cache,
+                use_cache=True,
+                cache_position=torch.arange(start, end, device=ids.device),
+            )
+        if self.stop.interrupted_everywhere(ids.device):
+            return False
+        return cache
 
     def _on_step(self, module: Any, args: Any, output: Any) -> None:
         now = time.perf_counter()

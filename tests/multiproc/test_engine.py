@@ -167,7 +167,26 @@ def scenario_fail(
     return {**outcome, "seconds": time.perf_counter() - start}
 
 
+def scenario_stop_in_prefill(model: Any, tokenizer: Any, rank: int, request: dict, stop_at_forward: int) -> dict:
+    """Rank 1 is interrupted at its `stop_at_forward`-th forward (a prefill chunk); counts every rank's forwards."""
+    stop_event, forwards = threading.Event(), {"n": 0}
+
+    def count(*_: Any) -> None:
+        forwards["n"] += 1
+        if rank == 1 and forwards["n"] == stop_at_forward:
+            stop_event.set()
+
+    hook = model.register_forward_hook(count)
+    start = time.perf_counter()
+    try:
+        result = _generate(model, tokenizer, rank, request, stop_event=stop_event)
+    finally:
+        hook.remove()
+    return {**result, "forwards": forwards["n"], "seconds": time.perf_counter() - start}
+
+
 SCENARIOS: dict[str, Callable[..., dict]] = {
+    "stop_in_prefill": scenario_stop_in_prefill,
     "generate": scenario_generate,
     "interrupt": scenario_interrupt,
     "fail": scenario_fail,
@@ -393,6 +412,33 @@ def test_expert_parallel_generation_matches_finishes_and_stops(tmp_path: Path) -
     for answer in stopped:
         assert answer["interrupted"]["finish_reason"] == "interrupted"
         assert answer["next"]["text"] == expected.text
+
+
+def test_a_long_prefill_is_chunked_and_an_interrupt_stops_it_on_every_rank(tmp_path: Path) -> None:
+    """A prompt of ~3,400 tokens under tp: forwarded in chunks of 512 (greedy still as one process), and an
+    interrupt seen by rank 1 after its first chunk stops every rank before the next one."""
+    from tiny import make_long_talker
+
+    from shardbook.rankd.generation.engine import PREFILL_CHUNK
+
+    path = make_long_talker(tmp_path / "long")
+    messages = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog. " * 120}]
+    request = GenerationRequest(messages=messages, seed=0, max_new_tokens=4).to_dict()
+    expected = _generate_here(
+        AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path), request
+    )
+    long = Ranks(path, tmp_path, pg_timeout_s=60, layout="tp")
+    try:
+        whole = long.run("generate", [{"request": request}] * WORLD_SIZE)
+        stopped = long.run("stop_in_prefill", [{"request": request, "stop_at_forward": 1}] * WORLD_SIZE)
+    finally:
+        long.close()
+    assert expected.prompt_tokens > 4 * PREFILL_CHUNK
+    assert [a["text"] for a in whole] == [expected.text] * WORLD_SIZE
+    for rank, answer in enumerate(stopped):
+        assert answer["finish_reason"] == "interrupted" and answer["generated_tokens"] == 0, (rank, answer)
+        assert answer["forwards"] == 1, (rank, answer["forwards"])  # one chunk, then every rank stopped
+    print("\nstopped in the prefill after", [round(a["seconds"], 2) for a in stopped], "s")
 
 
 def test_exception_on_one_rank_surfaces_on_every_rank(tiny_path: Path, tmp_path: Path) -> None:
