@@ -10,11 +10,11 @@ per `reshard_after_forward` mode. Variants, all greedy with `synced_gpus=True` a
 private generation config, interleaved round-robin (the machine is shared and noisy):
 
 * ``raw``           `model.generate`, nothing else.
-* ``local stop``    plus the engine's `StopOnEvent` (reads a threading.Event each step).
+* ``local stop``    plus the engine's `SyncedStop` (reads a threading.Event each step).
 * ``all_reduce stop`` plus a criterion that all-reduces the stop flag every step: the
                     collective-safe-looking alternative the engine rejects (it is only
                     correct when every rank generates the same number of tokens, as here).
-* ``engine``        `engine.generate`: worker thread, progress hook, streamer on rank 0, `StopOnEvent`.
+* ``engine``        `engine.generate`: worker thread, progress hook, streamer on rank 0, `SyncedStop`.
 
 tokens/s = generated tokens / wall seconds of the call (prefill included), as rank 0 sees it,
 median and best of the runs; and rank 0's CPU time per token (all its threads), which a
@@ -40,7 +40,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, 
 
 from shardbook.rankd.generation.engine import (
     GenerationRequest,
-    StopOnEvent,
+    SyncedStop,
     build_generation_config,
     build_prompt_ids,
     generate,
@@ -113,7 +113,7 @@ def variants(model: Any, tokenizer: Any, request: GenerationRequest) -> dict[str
 
     return {
         "raw": raw,
-        "local stop": lambda: raw(StopOnEvent(threading.Event())),
+        "local stop": lambda: raw(SyncedStop(threading.Event(), prompt_tokens=0, max_new_tokens=1 << 30, eos_ids=[])),
         "all_reduce stop": lambda: raw(AllReduceStop(threading.Event())),
         "engine": engine,
     }

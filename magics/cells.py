@@ -6,10 +6,11 @@ from argparse import ArgumentTypeError
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 
 from shardbook.kernel.ranks.pool import PoolError, check_timeout
 from shardbook.kernel.ranks.runtime import get_runtime
+from shardbook.magics.arguments import parse_line
 from shardbook.magics.errors import raise_for_outcome
 from shardbook.magics.ranks import parse_rank_spec
 from shardbook.magics.relay import RankRelay, frontend_for
@@ -73,7 +74,7 @@ class RankMagics(Magics):
             dist.all_reduce(t)
             print(dist.get_rank(), t.item())
         """
-        args = parse_argstring(self.all_ranks, line)
+        args = parse_line(self.all_ranks, line)
         self.run_on(list(range(self._runtime().world.world_size)), cell, args.timeout)
 
     @magic_arguments()
@@ -86,7 +87,7 @@ class RankMagics(Magics):
         %%rank 1-3
         print(model.model.layers[0].self_attn.q_proj.weight.to_local().shape)
         """
-        args = parse_argstring(self.some_ranks, line)
+        args = parse_line(self.some_ranks, line)
         ranks = parse_rank_spec(args.spec, self._runtime().world.world_size)
         self.run_on(ranks, cell, args.timeout)
 
@@ -97,5 +98,5 @@ class RankMagics(Magics):
 
         %dist
         """
-        parse_argstring(self.dist, line)
+        parse_line(self.dist, line)
         return DistTable(self._runtime().pool.snapshot())

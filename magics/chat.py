@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
-from IPython.core.magic_arguments import argument, argument_group, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, argument_group, magic_arguments
 from IPython.display import display
 
 from shardbook.kernel.api.conversation import Conversation
 from shardbook.kernel.ranks.pool import PoolError
 from shardbook.kernel.ranks.runtime import get_runtime
+from shardbook.magics.arguments import parse_line
 from shardbook.magics.errors import raise_for_outcome
 from shardbook.magics.relay import RankRelay, frontend_for
 from shardbook.magics.views.chat_view import ScoresView, TextChatView, WidgetChatView
@@ -31,13 +32,6 @@ def generation_options(fn):
         fn = argument(flag, type=kind, default=None, help=text)(fn)
     fn = argument("--do-sample", action="store_true", default=None, help="sample instead of greedy decoding")(fn)
     return fn
-
-
-def unquote(text: str) -> str:
-    """IPython's argument splitting keeps the quotes of ``--system "Be brief."``; drop one matching pair."""
-    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
-        return text[1:-1]
-    return text
 
 
 @magics_class
@@ -78,9 +72,9 @@ class ChatMagics(Magics):
         manages it: ``%chat --history``, ``%chat --reset``, ``%chat --system "Be brief."``,
         ``%chat --save chat.json``, ``%chat --load chat.json``.
         """
-        args = parse_argstring(self.chat, line)
+        args = parse_line(self.chat, line)
         if args.system is not None:
-            self.conversation.system_prompt = unquote(args.system) or None
+            self.conversation.system_prompt = args.system or None
         if cell is None:
             return self._manage(args)
         if not cell.strip():

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import Image, display
 
 from shardbook.kernel.api.inspection import DEFAULT_MAX_MB, InspectionFailed, Inspector
 from shardbook.kernel.ranks.pool import PoolError
 from shardbook.kernel.ranks.runtime import get_runtime
+from shardbook.magics.arguments import parse_line
 from shardbook.magics.errors import raise_for_outcome
 from shardbook.magics.loading import loaded_model
 from shardbook.magics.relay import RankRelay, frontend_for
@@ -95,7 +96,7 @@ class InspectionMagics(Magics):
         returns the trace instead, for loops: ``t = %trace The capital of France is --modules model.layers.{i}``
         (the prompt first, then the flags).
         """
-        args = parse_argstring(self.trace, line)
+        args = parse_line(self.trace, line)
         if cell is not None and args.prompt:
             raise UsageError(
                 "%%trace reads its prompt from the cell: leave it off the first line (or use the line magic %trace)"
@@ -124,7 +125,7 @@ class InspectionMagics(Magics):
         Shows a heatmap (layers x positions, the top token in each cell, colour = its
         probability) and leaves the table in ``_lens`` (``_lens.rows``, ``_lens.lens``).
         """
-        args = parse_argstring(self.logit_lens, line)
+        args = parse_line(self.logit_lens, line)
         prompt = " ".join(args.prompt).strip("'\"")
         if args.top < 1:
             raise UsageError("--top must be at least 1")
@@ -152,7 +153,7 @@ class InspectionMagics(Magics):
 
         w = %param model.layers.0.self_attn.q_proj.weight
         """
-        args = parse_argstring(self.param, line)
+        args = parse_line(self.param, line)
         return self.full_parameter(args.name, max_mb=args.max_mb)
 
     def _complete_parameter(self, shell, event) -> list[str]:
@@ -186,7 +187,7 @@ class InspectionMagics(Magics):
         The function gets the whole tensor (gathered under ``tp``) and returns a tensor of the same
         shape, or None after changing it in place.
         """
-        args = parse_argstring(self.intervene, line)
+        args = parse_line(self.intervene, line)
         if args.function and args.modules:
             listed = self._call("intervene", args.function, args.modules, on_input=args.input)
         elif args.function:
@@ -215,6 +216,6 @@ class InspectionMagics(Magics):
         steer = clean["model.layers.3"][0, -1] - corrupt["model.layers.3"][0, -1]
         %share steer
         """
-        args = parse_argstring(self.share, line)
+        args = parse_line(self.share, line)
         keys = self._call("share", args.name)
         print(f"{args.name} ({len(keys)} tensor(s)) is now on every rank")

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import shlex
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 
 from shardbook.kernel.api.load import load_on_ranks, prepare_load
 from shardbook.kernel.ranks.pool import PoolError
 from shardbook.kernel.ranks.runtime import Runtime, get_runtime
+from shardbook.magics.arguments import parse_line, split_line
 from shardbook.magics.errors import raise_for_outcome
 from shardbook.magics.relay import RankRelay, frontend_for
 from shardbook.magics.views.progress import progress_view
@@ -20,10 +20,10 @@ from shardbook.magics.views.tables import shards_table, summary_table
 
 def parse_load_args(magic, line: str) -> argparse.Namespace:
     """``[CONFIG] [--section.key value ...]``: argparse alone would read a leading override as an unknown flag."""
-    tokens = shlex.split(line)
+    tokens = split_line(line)
     if tokens and tokens[0].startswith("--") and tokens[0] not in ("-h", "--help"):
         return argparse.Namespace(config=None, overrides=tokens)
-    return parse_argstring(magic, line)
+    return parse_line(magic, line)
 
 
 def loaded_model(runtime: Runtime):
@@ -96,7 +96,7 @@ class LoadMagics(Magics):
         With ``reshard_after_forward=False`` the weights stay gathered after a reply; ``%shards``
         puts every rank back to its shards first (the next reply gathers them again).
         """
-        args = parse_argstring(self.shards, line)
+        args = parse_line(self.shards, line)
         try:
             runtime = get_runtime(self.shell)
         except PoolError as e:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 
 from shardbook.kernel.ranks.pool import PoolError
 from shardbook.kernel.ranks.runtime import get_runtime
+from shardbook.magics.arguments import parse_line
 
 
 @magics_class
@@ -37,7 +38,7 @@ class ServeMagics(Magics):
         from shardbook.kernel.server.server import Server
         from shardbook.kernel.server.state import DEFAULT_PORT, ServeOptions, read_api_key
 
-        args = parse_argstring(self.serve, line)
+        args = parse_line(self.serve, line)
         try:
             runtime = get_runtime(self.shell)
         except PoolError as e:

@@ -242,9 +242,11 @@ class Pool:
         another thread needs the command for that).
         """
         check_timeout(timeout_s)
-        self.check_can_run(targets)
+        if not self.connected.is_set():
+            self.wait_connected()
         command = Command(protocol.new_id(), kind, sorted(targets), on_output, on_notice)
-        with self._lock:
+        with self._lock:  # one step: a second caller at the same instant finds the targets busy
+            self._refuse_dead_or_busy(command.targets)
             self.commands[command.id] = command
             self.ctx0.stop_event.clear()
         try:
@@ -265,11 +267,16 @@ class Pool:
             return self._wait(command, timeout_s)
 
     def check_can_run(self, targets: list[int]) -> None:
+        """Raise `PoolError` if a target is dead or busy now (`run` checks again as it registers its command)."""
         if not self.connected.is_set():
             self.wait_connected()
         with self._lock:
-            dead = [r for r in targets if self.ranks[r].dead_reason]
-            busy = sorted({r for c in self.commands.values() for r in c.pending if r in targets})
+            self._refuse_dead_or_busy(targets)
+
+    def _refuse_dead_or_busy(self, targets: list[int]) -> None:
+        """Raise `PoolError` if a target is dead or running a command; call with the lock held."""
+        dead = [r for r in targets if self.ranks[r].dead_reason]
+        busy = sorted({r for c in self.commands.values() for r in c.pending if r in targets})
         if dead:
             reasons = "; ".join(f"rank {r}: {self.ranks[r].dead_reason}" for r in dead)
             raise PoolError(f"ranks {_ranks(dead)} are dead ({reasons}). Restart the kernel to get a working pool.")

@@ -7,11 +7,14 @@ forwards until every rank is done and no rank is left alone in a collective. The
 thread hands the text to `on_text` (rank 0) and waits with a deadline, so an exception or a
 dead peer surfaces as an error naming the rank instead of a hang.
 
-Stopping: `stop_event` is checked by :class:`StopOnEvent` once per step on this rank only.
-A collective inside a stopping criterion would be wrong: transformers skips the criteria on a
-rank that has already finished, so ranks of different lengths would pair that collective with
-a different one. `synced_gpus`' own all-reduce of "this rank is done" (one per step) is what
-keeps the ranks in step; a rank that sees the interrupt later just stops a step or two later.
+Stopping is decided by every rank together (:class:`SyncedStop`): each step, each rank's
+reasons to stop (its `stop_event`, an end-of-text token, a stop string, its own token limit) go
+through one all-reduce (MAX), so every rank ends at the same step and feeds the same tokens until
+then. A rank that stopped alone would go on with dummy forwards of a padding token while the
+others decode: under `tp` and expert parallelism their forwards add partial sums of different
+tokens. All of transformers' own stop reasons are taken over by `SyncedStop` (it is given no
+end-of-text ids or stop strings, and the largest token limit of any rank), so no rank ever
+finishes on its own, and every rank runs the criterion, with its collective, at every step.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 600.0
 """Longest wait for the next step or token before a rank gives up (a prefill of a long prompt counts as one step)."""
+PREFILL_CHUNK = 512
+"""Prompt tokens per forward of the prefill: every rank checks for an interrupt between chunks, alike."""
 NUM_ALTERNATIVES = 5
 """Alternatives recorded per generated token when a request wants scores."""
 DECODE_KWARGS = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
@@ -185,16 +190,53 @@ class StopOnText(StoppingCriteria):
         return torch.full((input_ids.shape[0],), self.fired, dtype=torch.bool, device=input_ids.device)
 
 
-class StopOnEvent(StoppingCriteria):
-    """Stops generation on this rank at the next step once `event` is set; remembers that it did."""
+class SyncedStop(StoppingCriteria):
+    """Ends generation on every rank at the same step: when any rank's `event` is set or any rank is done.
 
-    def __init__(self, event: threading.Event):
-        self.event = event
+    A rank is done after its `max_new_tokens`, on one of `eos_ids` or on a stop string. `fired`
+    says whether an interrupt (some rank's event) ended it. With `synced`, one all-reduce per step.
+    """
+
+    def __init__(
+        self,
+        event: threading.Event,
+        *,
+        prompt_tokens: int,
+        max_new_tokens: int,
+        eos_ids: list[int],
+        stop_strings: StoppingCriteria | None = None,
+        synced: bool = False,
+    ):
+        self.event, self.prompt_tokens, self.max_new_tokens = event, prompt_tokens, max_new_tokens
+        self.eos_ids, self.stop_strings, self.synced = set(eos_ids), stop_strings, synced
         self.fired = False
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
-        self.fired = self.fired or self.event.is_set()
-        return torch.full((input_ids.shape[0],), self.fired, dtype=torch.bool, device=input_ids.device)
+        done = input_ids.shape[1] - self.prompt_tokens >= self.max_new_tokens
+        done = done or int(input_ids[0, -1]) in self.eos_ids
+        if not done and self.stop_strings is not None:
+            done = bool(self.stop_strings(input_ids, scores).any())
+        flags = torch.tensor([int(self.event.is_set()), int(done)], dtype=torch.int64, device=input_ids.device)
+        if self.synced:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        self.fired = self.fired or bool(flags[0])
+        return torch.full((input_ids.shape[0],), bool(flags.any()), dtype=torch.bool, device=input_ids.device)
+
+    def interrupted_everywhere(self, device: torch.device) -> bool:
+        """Whether any rank's event is set (a collective when synced); remembered in `fired`."""
+        flag = torch.tensor([int(self.event.is_set())], dtype=torch.int64, device=device)
+        if self.synced:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.fired = self.fired or bool(flag[0])
+        return self.fired
+
+
+@dataclass
+class _NoTokens:
+    """What `generate` returns when interrupted before its first token: the prompt alone."""
+
+    sequences: torch.Tensor
+    scores: tuple = ()
 
 
 def generate(
@@ -218,8 +260,20 @@ def generate(
     """
     device = torch.device(device)
     prompt_ids, config = agree(lambda: plan_generation(model, tokenizer, request, device), PLAN_WORDS)
-    stop = StopOnEvent(stop_event)
-    criteria = [stop] + ([StopOnText(tokenizer, request.stop, prompt_ids.shape[1])] if request.stop else [])
+    synced = _world_size() > 1
+    stop = SyncedStop(
+        stop_event,
+        prompt_tokens=prompt_ids.shape[1],
+        max_new_tokens=config.max_new_tokens,
+        eos_ids=_eos_ids(config, tokenizer),
+        stop_strings=StopOnText(tokenizer, request.stop, prompt_ids.shape[1]) if request.stop else None,
+        synced=synced,
+    )
+    # transformers stops only when SyncedStop says so, on every rank alike
+    run_config = copy.deepcopy(config)
+    run_config.update(
+        eos_token_id=None, stop_strings=None, max_new_tokens=_largest(config.max_new_tokens, synced, device)
+    )
     events: queue.Queue = queue.Queue()
     streamer = None
     if on_text is not None and request.stop:
@@ -231,13 +285,14 @@ def generate(
         events,
         device=device,
         seed=request.seed,
+        stop=stop,
         kwargs=dict(
             inputs=prompt_ids,
             attention_mask=torch.ones_like(prompt_ids),
-            generation_config=config,
-            synced_gpus=_world_size() > 1,
+            generation_config=run_config,
+            synced_gpus=synced,
             streamer=streamer,
-            stopping_criteria=StoppingCriteriaList(criteria),
+            stopping_criteria=StoppingCriteriaList([stop]),
         ),
     )
     with _eval_mode(model):
@@ -349,9 +404,19 @@ def build_generation_config(
 class _GenerateThread(threading.Thread):
     """Runs `model.generate` on its own thread and reports each step, then its output or its exception, on `events`."""
 
-    def __init__(self, model: Any, events: queue.Queue, *, device: torch.device, seed: int, kwargs: dict[str, Any]):
+    def __init__(
+        self,
+        model: Any,
+        events: queue.Queue,
+        *,
+        device: torch.device,
+        seed: int,
+        kwargs: dict[str, Any],
+        stop: SyncedStop | None = None,
+    ):
         super().__init__(name="shardbook-generate", daemon=True)
         self.model = model
+        self.stop = stop
         self.events = events
         self.device = device
         self.seed = seed
@@ -374,11 +439,47 @@ class _GenerateThread(threading.Thread):
             with _private_rng(self.device), torch.no_grad():
                 torch.manual_seed(self.seed)
                 self.started_at = time.perf_counter()
+                cache = self._prefill_in_chunks()
+                if cache is False:  # interrupted during the prefill: no token generated
+                    self.ended_at = self.first_step_at = time.perf_counter()
+                    return _NoTokens(self.kwargs["inputs"])
+                if cache is not None:
+                    self.kwargs["past_key_values"] = cache
+                    self.first_step_at = 0.0  # the first token comes from generate's forward
                 output = self.model.generate(**self.kwargs)
                 self.ended_at = time.perf_counter()
                 return output
         finally:
             hook.remove()
+
+    def _prefill_in_chunks(self) -> Any:
+        """All but the last `PREFILL_CHUNK` prompt tokens forwarded in chunks into a cache that `generate` continues.
+
+        Between chunks every rank checks for an interrupt together (a MAX all-reduce of the stop
+        flags, when synced), so every rank stops after the same chunk. Returns the cache, None for a
+        short prompt (nothing to chunk), False when interrupted.
+        """
+        ids = self.kwargs["inputs"]
+        if ids.shape[1] <= PREFILL_CHUNK or self.stop is None:
+            return None
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        cut = ids.shape[1] - PREFILL_CHUNK  # generate's own forward takes the last chunk
+        for start in range(0, cut, PREFILL_CHUNK):
+            if self.stop.interrupted_everywhere(ids.device):
+                return False
+            end = min(start + PREFILL_CHUNK, cut)
+            self.model(
+                input_ids=ids[:, start:end],
+                attention_mask=torch.ones_like(ids[:, :end]),
+                past_key_values=cache,
+                use_cache=True,
+                cache_position=torch.arange(start, end, device=ids.device),
+            )
+        if self.stop.interrupted_everywhere(ids.device):
+            return False
+        return cache
 
     def _on_step(self, module: Any, args: Any, output: Any) -> None:
         now = time.perf_counter()
@@ -493,6 +594,15 @@ def _private_rng(device: torch.device) -> Iterator[None]:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _largest(value: int, synced: bool, device: torch.device) -> int:
+    """The largest `value` of any rank (a collective when `synced`)."""
+    if not synced:
+        return value
+    largest = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return int(largest.item())
 
 
 def _world_size() -> int:

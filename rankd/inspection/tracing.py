@@ -108,12 +108,20 @@ def layer_names(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if id(m) in layers]
 
 
-def first_tensor(value: Any) -> torch.Tensor:
+def first_tensor(value: Any) -> Any:
     """A module's output or positional input as one tensor:
-    the first of a tuple (hidden states, not attention weights)."""
-    while isinstance(value, (tuple, list)):
-        value = value[0]
-    return value
+    the first of a tuple (hidden states, not attention weights).
+
+    A model's output (`BaseModelOutputWithPast` of `model.model`, a `ModelOutput`) gives its first
+    field (`last_hidden_state`). What is still not a tensor is returned as it is, and refused by `trace`.
+    """
+    while True:
+        if isinstance(value, (tuple, list)) and value:
+            value = value[0]
+        elif isinstance(value, Mapping) and value:  # ModelOutput is an OrderedDict of its fields that are set
+            value = next(iter(value.values()))
+        else:
+            return value
 
 
 def trace(model: nn.Module, tokenizer: Any, args: dict[str, Any]) -> Trace | dict[str, Any]:
@@ -135,6 +143,8 @@ def trace(model: nn.Module, tokenizer: Any, args: dict[str, Any]) -> Trace | dic
         for hook in hooks:
             hook.remove()
     forward_s = time.perf_counter() - started
+    _refuse_non_tensors(local)
+    names = [n for n in names if n in local]  # containers such as model.layers never run forward themselves
     splits = {n: activation_split(model, n, inputs) for n in names}
     check_size(local, splits, logits, args.get("max_bytes", DEFAULT_MAX_BYTES))
     wholes, sent = {}, 0
@@ -166,12 +176,27 @@ def prompt_ids(tokenizer: Any, prompt: str, chat: bool) -> torch.Tensor:
     return tokenizer(prompt, return_tensors="pt")["input_ids"]
 
 
+def _refuse_non_tensors(local: dict[str, Any]) -> None:
+    """Raise (on every rank alike: the same modules return the same kinds) for a capture that is not a tensor."""
+    odd = {name: type(value).__name__ for name, value in local.items() if not isinstance(value, torch.Tensor)}
+    if odd:
+        listed = ", ".join(f"{name} ({kind})" for name, kind in list(odd.items())[:3])
+        raise ValueError(
+            f"{len(odd)} matched module(s) return no tensor to capture, e.g. {listed}: "
+            "narrow --modules to modules that return tensors (e.g. model.layers.*)"
+        )
+
+
 def _capture_hook(module: nn.Module, name: str, inputs: bool, into: dict[str, torch.Tensor]):
     if inputs:
         return module.register_forward_pre_hook(
-            lambda m, a, kw: into.__setitem__(name, _input_of(a, kw).detach()), with_kwargs=True
+            lambda m, a, kw: into.__setitem__(name, _detached(_input_of(a, kw))), with_kwargs=True
         )
-    return module.register_forward_hook(lambda m, a, out: into.__setitem__(name, first_tensor(out).detach()))
+    return module.register_forward_hook(lambda m, a, out: into.__setitem__(name, _detached(first_tensor(out))))
+
+
+def _detached(value: Any) -> Any:
+    return value.detach() if isinstance(value, torch.Tensor) else value
 
 
 def _input_of(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
@@ -205,6 +230,8 @@ def _lens_hook(model: nn.Module, names: list[str], top: int, captured: dict[str,
 
     def project(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         for name in names:
+            if not isinstance(captured.get(name), torch.Tensor):
+                continue  # refused (not a tensor) or never run: left out after the forward
             stream = norm(captured[name])
             logits = type(module).forward(module, stream)  # its own forward, without re-running hooks
             probs = torch.softmax(logits[0].float(), dim=-1)
@@ -215,7 +242,8 @@ def _lens_hook(model: nn.Module, names: list[str], top: int, captured: dict[str,
 
 
 def _lens(tokenizer: Any, names: list[str], out: dict[str, tuple]) -> Lens | None:
-    if not out:
+    names = [n for n in names if n in out]
+    if not names:
         return None
     ids = torch.stack([out[n][0] for n in names]).cpu()
     probs = torch.stack([out[n][1] for n in names]).cpu()

@@ -12,6 +12,7 @@ up are refused with a clear error rather than guessed.
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -108,7 +109,8 @@ def checkpoint_sources(model: nn.Module, index: dict[str, StoredTensor]) -> dict
             groups[target] = converter
             members[target][pattern].append((key, stored))
     for target, converter in groups.items():
-        sources[target] = _expert_stack(target, converter, members[target])
+        experts = meta[target].shape[0] if target in meta else None
+        sources[target] = _expert_stack(target, converter, members[target], experts)
     return sources
 
 
@@ -135,8 +137,14 @@ def _converter_for(key: str, converters: list) -> tuple:
     return None, None
 
 
-def _expert_stack(target: str, converter, by_pattern: dict[str, list[tuple[str, StoredTensor]]]) -> ExpertStack:
-    """The `ExpertStack` a supported conversion builds: experts stacked on dim 0, then parts joined on dim 1."""
+def _expert_stack(
+    target: str, converter, by_pattern: dict[str, list[tuple[str, StoredTensor]]], experts: int | None
+) -> ExpertStack:
+    """The `ExpertStack` a supported conversion builds: experts stacked on dim 0, then parts joined on dim 1.
+
+    `experts` is how many the model has (the fused tensor's dim 0): a stored tensor missing for
+    one of them is named, rather than showing later as a stack of the wrong shape.
+    """
     from transformers.core_model_loading import Concatenate, MergeModulelist, dot_natural_key
 
     ops = [(type(op), getattr(op, "dim", None)) for op in converter.operations]
@@ -151,6 +159,8 @@ def _expert_stack(target: str, converter, by_pattern: dict[str, list[tuple[str, 
     parts = []
     for pattern in converter.source_patterns:
         found = sorted(by_pattern.get(pattern, []), key=lambda item: dot_natural_key(item[0]))
+        if found and experts is not None:
+            _require_every_expert(target, pattern, [key for key, _ in found], experts)
         parts.append(tuple(stored for _, stored in found))
     counts = {len(part) for part in parts}
     if len(counts) != 1 or 0 in counts:
@@ -159,3 +169,24 @@ def _expert_stack(target: str, converter, by_pattern: dict[str, list[tuple[str, 
             f"{[len(part) for part in parts]} of them: the checkpoint is incomplete"
         )
     return ExpertStack(parts=tuple(parts), concat_dim=1 if ops == merge_concat else None)
+
+
+def _require_every_expert(target: str, pattern: str, keys: list[str], experts: int) -> None:
+    """Raise naming the stored tensors `pattern` lacks for experts 0..experts-1 (keys are the stored names)."""
+    star = re.compile(re.escape(pattern).replace(r"\*", r"(\d+)"))
+    indices: dict[int, str] = {}
+    for key in keys:
+        match = star.search(key)
+        if match is not None:
+            indices[int(match.group(1))] = key
+    absent = [index for index in range(experts) if index not in indices]
+    if not absent or not indices:
+        return
+    some_key = next(iter(indices.values()))
+    match = star.search(some_key)
+    start, stop = match.span(1)
+    names = [f"{some_key[:start]}{index}{some_key[stop:]}" for index in absent]
+    raise ValueError(
+        f"the checkpoint lacks {', '.join(names[:3])}{' and more' if len(names) > 3 else ''} "
+        f"({len(names)} of the {experts} experts' tensors that {target} is built from): the checkpoint is incomplete"
+    )

@@ -33,10 +33,11 @@ from torch import nn
 from shardbook.rankd.loading.load_steps import LoadSteps
 from shardbook.rankd.loading.summary import full_param_bytes, load_summary, rank_figures, tp_figures
 from shardbook.rankd.loading.weight_reading import plan_reads, read_shards, read_tp_slices
-from shardbook.rankd.parallel.expert_parallel import ExpertLayout, expert_layout_problem, init_expert_group, num_experts
+from shardbook.rankd.parallel.expert_parallel import ExpertLayout, expert_layout_problem, num_experts
 from shardbook.rankd.parallel.layout import (
     apply_fsdp,
     choose_layout,
+    expert_group,
     fsdp_mesh_layout,
     gather_fits,
     init_mesh,
@@ -188,6 +189,15 @@ def _decide_layout(parallel: Any, ckpt: _Checkpoint, views: list) -> tuple[str, 
     return layout, reason, ep_sizes
 
 
+def check_layout(parallel: Any, ckpt: _Checkpoint) -> None:
+    """Raise the `ValueError` the layout choice would raise for this request (tp availability, expert sizes).
+
+    The preflight runs it before anything is freed: only memory decides between valid layouts, so
+    whether the request is valid does not depend on the memory views.
+    """
+    _decide_layout(parallel, ckpt, [(True, "")])
+
+
 def _shard_and_read_tp(
     steps: LoadSteps, report: _Reporter, model: nn.Module, mesh, ckpt: _Checkpoint, device, ep_sizes
 ) -> str:
@@ -195,13 +205,13 @@ def _shard_and_read_tp(
 
     Returns what the reason should add about the experts (empty for a dense model).
     """
-    experts = None
+    experts, experts_group = None, None
     if num_experts(ckpt.hf_config.get_text_config()):
         experts = ExpertLayout.of(ckpt.mesh_shape[-1], *ep_sizes)
-    # a collective over the world (outside any step: every rank gets here, failed step or not)
-    expert_group = init_expert_group(experts, mesh.get_group("shard")) if experts is not None else None
+        # a collective over the world (outside any step: every rank gets here, failed step or not)
+        experts_group = expert_group(device.type, experts.set_size, experts.parts, mesh.get_group("shard"))
     targets = steps.run("plan", plan_reads, model, ckpt.path)  # on the global shapes, before slicing
-    plan = steps.run("shard", shard_tp, model, mesh, experts, expert_group)
+    plan = steps.run("shard", shard_tp, model, mesh, experts, experts_group)
     if steps.ok:
         report("shard", 1, 1)
     rank = mesh.get_local_rank("shard")

@@ -27,6 +27,7 @@ INTERRUPTED = (
 # What each step does, for "rank N could not <...>" messages, and what to check when it fails.
 STEP_WORDS = {
     "config": ("read the checkpoint's config and tokenizer", "check the path and the files in it"),
+    "layout": ("choose the layout", "change parallel.decode, ep_size or ep_fsdp_size as the message says"),
     "skeleton": ("build the model skeleton", "check the config (and trust_remote_code for custom code)"),
     "memory": ("measure its free memory", "set parallel.decode explicitly (tp, gather or reshard)"),
     "shard": ("shard the model with FSDP2", "report this with the model's architecture"),

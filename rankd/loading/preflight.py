@@ -3,10 +3,11 @@
 A load replaces the model a rank holds; a typo in a path or a damaged file must not cost that
 model (for a large one, an hour of loading). Everything that can be checked without reading
 weights is checked here, on every rank's own file system (each node has its own): the request
-(mesh, dtype), `config.json` (readable, a known `model_type`, a causal LM), the tokenizer, the
-safetensors index and every file's header, and the shape of every stored tensor against a
-skeleton of the model built from the config on the meta device (no memory). The ranks settle
-once, so when any rank finds a problem every rank raises the same way and nothing has been freed.
+(mesh, dtype, the layout: `tp` availability and expert sizes), `config.json` (readable, a known
+`model_type`, a causal LM), the tokenizer, the safetensors index and every file's header, and the
+shape of every stored tensor against a skeleton of the model built from the config on the meta
+device (no memory). The ranks settle once, so when any rank finds a problem every rank raises the
+same way and nothing has been freed.
 
 The check also says whether the new model can be loaded beside the old one: when its gathered
 weights take at most half of the memory free on every rank (the rule that lets a load keep
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardbook.rankd.loading.load_sharded import build_skeleton, gc_paused, read_checkpoint
+from shardbook.rankd.loading.load_sharded import build_skeleton, check_layout, gc_paused, read_checkpoint
 from shardbook.rankd.loading.load_steps import LoadSteps
 from shardbook.rankd.loading.summary import full_param_bytes
 from shardbook.rankd.loading.weight_reading import plan_reads
@@ -58,6 +59,7 @@ def check_checkpoint(
     steps = LoadSteps(stop)
     with gc_paused():
         ckpt = steps.run("config", read_checkpoint, config, model_path, torch.device(device))
+        steps.run("layout", check_layout, config.parallel, ckpt)
         model = steps.run("skeleton", build_skeleton, ckpt)
         steps.run("plan", plan_reads, model, ckpt.path if ckpt is not None else None)
         view = steps.run("memory", _memory_view, model, torch.device(device))

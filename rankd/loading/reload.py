@@ -9,6 +9,10 @@ When memory forces freeing the old model first, rank 0 says so before and after 
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+import gc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -59,7 +63,29 @@ def replace_model(
     free_model(namespace, device=device)
     namespace["model"], namespace["tokenizer"] = loaded.model, loaded.tokenizer
     ctx.state.update(loaded=loaded, config=config)
+    return_freed_memory()
     return loaded
+
+
+def return_freed_memory() -> None:
+    """Collect the old model's cycles and give glibc's freed heap back to the system (`malloc_trim`).
+
+    Once a model has generated, freeing it left ~0.5 GB per reload in rank 0's heap (freed but
+    kept by malloc); trimming returns it. Only where glibc provides `malloc_trim`.
+    """
+    gc.collect()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
 
 
 def _free_first(ctx: Any, what: str, checked: CheckedCheckpoint, device: torch.device, notice: Notice | None) -> None:

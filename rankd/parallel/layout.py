@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import psutil
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -49,9 +50,43 @@ def chunk_rows(total: int, parts: int, index: int) -> tuple[range, int]:
     return range(start, min(start + chunk, total)), chunk
 
 
+_MESHES: dict[tuple, DeviceMesh] = {}
+"""Every mesh made so far, by (device type, shape, axes): a load reuses the mesh of an earlier one with its layout."""
+
+
 def init_mesh(device_type: str, shape: tuple[int, ...], axes: tuple[str, ...]) -> DeviceMesh:
-    """The device mesh for `fully_shard` (a collective: every rank must call it)."""
-    return init_device_mesh(device_type, shape, mesh_dim_names=axes)
+    """The device mesh for this layout: made once (a collective: every rank must call it), then reused.
+
+    Each new mesh makes process groups that nothing destroys, and destroying them when a model is
+    freed is not safe: torch caches meshes by equality (the same layout's next mesh would be found
+    there, its groups gone). So each layout's mesh is made once; ten reloads add no group. Every
+    rank loads the same sequence of layouts, so every rank finds the same meshes here.
+    """
+    key = (device_type, tuple(shape), tuple(axes))
+    mesh = _MESHES.get(key)
+    if mesh is None or not _alive(mesh):
+        mesh = _MESHES[key] = init_device_mesh(device_type, shape, mesh_dim_names=axes)
+    return mesh
+
+
+def _alive(mesh: DeviceMesh) -> bool:
+    """The mesh's groups still exist (a process group destroyed and started again makes every mesh stale)."""
+    try:
+        return all(mesh.get_group(axis) in dist.distributed_c10d._world.pg_map for axis in range(mesh.ndim))
+    except (RuntimeError, ValueError, KeyError):
+        return False
+
+
+def expert_group(device_type: str, set_size: int, parts: int, tp_group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """This rank's expert-set group, from a mesh (the tensor-parallel group itself when a set spans it).
+
+    Expert sets are `set_size` consecutive ranks (tensor-parallel groups are consecutive too), so
+    they are the inner axis of a (world / set_size, set_size) mesh, made once like every mesh here.
+    """
+    if set_size == parts:
+        return tp_group
+    world = dist.get_world_size()
+    return init_mesh(device_type, (world // set_size, set_size), ("expert_sets", "expert")).get_group("expert")
 
 
 def gather_fits(full_bytes: int, device: torch.device) -> tuple[bool, str]:

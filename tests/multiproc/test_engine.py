@@ -169,7 +169,26 @@ def scenario_fail(
     return {**outcome, "seconds": time.perf_counter() - start}
 
 
+def scenario_stop_in_prefill(model: Any, tokenizer: Any, rank: int, request: dict, stop_at_forward: int) -> dict:
+    """Rank 1 is interrupted at its `stop_at_forward`-th forward (a prefill chunk); counts every rank's forwards."""
+    stop_event, forwards = threading.Event(), {"n": 0}
+
+    def count(*_: Any) -> None:
+        forwards["n"] += 1
+        if rank == 1 and forwards["n"] == stop_at_forward:
+            stop_event.set()
+
+    hook = model.register_forward_hook(count)
+    start = time.perf_counter()
+    try:
+        result = _generate(model, tokenizer, rank, request, stop_event=stop_event)
+    finally:
+        hook.remove()
+    return {**result, "forwards": forwards["n"], "seconds": time.perf_counter() - start}
+
+
 SCENARIOS: dict[str, Callable[..., dict]] = {
+    "stop_in_prefill": scenario_stop_in_prefill,
     "generate": scenario_generate,
     "interrupt": scenario_interrupt,
     "fail": scenario_fail,
@@ -312,13 +331,13 @@ def test_same_seed_samples_alike_on_every_rank(ranks: Ranks) -> None:
 
 
 def test_ranks_sampling_differently_still_finish(ranks: Ranks) -> None:
-    """Ranks that disagree (different seeds and lengths) must not hang: synced_gpus keeps the early one stepping."""
+    """Ranks that disagree (different seeds and lengths) must not hang; the first rank done ends every rank's reply."""
     per_rank = [
         {"request": _request(do_sample=True, temperature=1.5, seed=1, max_new_tokens=4)},
         {"request": _request(do_sample=True, temperature=1.5, seed=2, max_new_tokens=24)},
     ]
     answers = ranks.run("generate", per_rank)
-    assert [a["generated_tokens"] for a in answers] == [4, 24]
+    assert [a["generated_tokens"] for a in answers] == [4, 4]
     assert "".join(answers[0]["chunks"]) == answers[0]["text"]
 
 
@@ -341,9 +360,26 @@ def test_interrupt_stops_every_rank_and_the_next_turn_works(ranks: Ranks, single
     print("\ninterrupted at", [a["interrupted"]["generated_tokens"] for a in answers], "tokens on ranks 0, 1")
 
 
+def test_a_follower_stopping_first_stops_rank_0_at_the_same_step(ranks: Ranks, single: tuple[Any, Any]) -> None:
+    """Rank 1 sees the interrupt first (rank 0 never does): every rank ends at the same step, rank 0's reply
+    a prefix of one process's (no step decoded from partial sums of a padding token)."""
+    request = _request(max_new_tokens=40)
+    per_rank = [
+        {"request": request, "stop_after": 10**6, "next_request": _request(max_new_tokens=4)},
+        {"request": request, "stop_after": 4, "next_request": _request(max_new_tokens=4)},
+    ]
+    answers = ranks.run("interrupt", per_rank)
+    expected = _generate_here(*single, request)
+    lengths = [a["interrupted"]["generated_tokens"] for a in answers]
+    assert lengths[0] == lengths[1] < 40, lengths
+    for rank, answer in enumerate(answers):
+        assert answer["interrupted"]["finish_reason"] == "interrupted", rank
+        assert expected.text.startswith(answer["interrupted"]["text"]), (rank, answer["interrupted"]["text"])
+
+
 def test_expert_parallel_generation_matches_finishes_and_stops(tmp_path: Path) -> None:
     """Qwen3-MoE with ep_size 2: greedy equals one process; ranks sampling different lengths and an
-    interrupt at different steps per rank finish together, the experts' all-reduce staying in step."""
+    interrupt at different steps per rank end at the same step, the experts' all-reduce staying in step."""
     path = make_tiny_moe(tmp_path / "moe", "qwen3_moe")
     expected = _generate_here(
         AutoModelForCausalLM.from_pretrained(path).eval(),
@@ -374,10 +410,37 @@ def test_expert_parallel_generation_matches_finishes_and_stops(tmp_path: Path) -
     finally:
         moe.close()
     assert [a["text"] for a in greedy] == [expected.text] * WORLD_SIZE
-    assert [a["generated_tokens"] for a in lengths] == [3, 16]
+    assert [a["generated_tokens"] for a in lengths] == [3, 3]
     for answer in stopped:
         assert answer["interrupted"]["finish_reason"] == "interrupted"
         assert answer["next"]["text"] == expected.text
+
+
+def test_a_long_prefill_is_chunked_and_an_interrupt_stops_it_on_every_rank(tmp_path: Path) -> None:
+    """A prompt of ~3,400 tokens under tp: forwarded in chunks of 512 (greedy still as one process), and an
+    interrupt seen by rank 1 after its first chunk stops every rank before the next one."""
+    from tiny import make_long_talker
+
+    from shardbook.rankd.generation.engine import PREFILL_CHUNK
+
+    path = make_long_talker(tmp_path / "long")
+    messages = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog. " * 120}]
+    request = GenerationRequest(messages=messages, seed=0, max_new_tokens=4).to_dict()
+    expected = _generate_here(
+        AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path), request
+    )
+    long = Ranks(path, tmp_path, pg_timeout_s=60, layout="tp")
+    try:
+        whole = long.run("generate", [{"request": request}] * WORLD_SIZE)
+        stopped = long.run("stop_in_prefill", [{"request": request, "stop_at_forward": 1}] * WORLD_SIZE)
+    finally:
+        long.close()
+    assert expected.prompt_tokens > 4 * PREFILL_CHUNK
+    assert [a["text"] for a in whole] == [expected.text] * WORLD_SIZE
+    for rank, answer in enumerate(stopped):
+        assert answer["finish_reason"] == "interrupted" and answer["generated_tokens"] == 0, (rank, answer)
+        assert answer["forwards"] == 1, (rank, answer["forwards"])  # one chunk, then every rank stopped
+    print("\nstopped in the prefill after", [round(a["seconds"], 2) for a in stopped], "s")
 
 
 def test_exception_on_one_rank_surfaces_on_every_rank(tiny_path: Path, tmp_path: Path) -> None:

@@ -144,3 +144,31 @@ def test_trace_lens_parameters_and_interventions_match_one_process(ranks, tiny, 
     assert torch.count_nonzero(got["zeroed_layer"]) == 0
     torch.testing.assert_close(got["zeroed"], one_process_intervened(path), **close)
     torch.testing.assert_close(got["back"], want["logits"], **close)
+
+
+def trace_everything(rank: int, path: Path) -> dict:
+    from shardbook.rankd.inspection.tracing import trace
+
+    loaded = load(path, "gather")
+    result = trace(loaded.model, loaded.tokenizer, {"prompt": PROMPT, "modules": ["**"]})
+    return {"model": result["model"], "norm": result["model.norm"], "names": list(result)}
+
+
+def test_trace_of_every_module_unwraps_the_model_output(ranks, tiny):
+    """`**` matches `model` too, whose output is a BaseModelOutputWithPast: its last_hidden_state is captured."""
+    (got,) = ranks(trace_everything, tiny["llama-uneven"], world_size=1)
+    assert "model" in got["names"] and "model.layers.1.mlp.down_proj" in got["names"]
+    torch.testing.assert_close(got["model"], got["norm"])
+
+
+def test_every_magic_drops_the_quotes_around_a_value():
+    from IPython.testing.globalipapp import get_ipython
+
+    from shardbook.magics.arguments import split_line
+    from shardbook.magics.inspection import InspectionMagics
+
+    magics, calls = InspectionMagics(get_ipython()), []
+    magics._call = lambda *args, **kwargs: calls.append(args) or {}
+    magics.trace("--modules \"**\" 'model.layers.*' --as t", "The capital of France is")
+    assert calls == [("trace", "The capital of France is", ["**", "model.layers.*"])]
+    assert split_line("--system 'Be brief.' \"b c\" d") == ["--system", "Be brief.", "b c", "d"]

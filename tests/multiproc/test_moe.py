@@ -7,6 +7,9 @@ does, so each load goes through transformers' conversion mapping.
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 
@@ -129,3 +132,29 @@ def test_bad_expert_layouts_name_the_rule(ranks, tmp_path):
     make_tiny_llama(dense)
     messages = ranks(failing_load, dense, {"ep_size": 2})
     assert all("apply to mixture-of-experts models" in m and "set both to 1" in m for m in messages), messages
+
+
+def test_a_missing_expert_tensor_is_named(tmp_path):
+    """One expert's down_proj missing: the error names it, not a stack of the wrong shape."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardbook.rankd.loading.weight_reading import plan_reads
+
+    path = make_tiny_moe(tmp_path / "qwen3", "qwen3_moe")
+    missing = "model.layers.1.mlp.experts.3.down_proj.weight"
+    for file in path.glob("*.safetensors"):
+        tensors = load_file(file)
+        if missing in tensors:
+            del tensors[missing]
+            save_file(tensors, file, metadata={"format": "pt"})
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        del data["weight_map"][missing]
+        index.write_text(json.dumps(data))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    with pytest.raises(ValueError, match=re.escape(missing)) as error:
+        plan_reads(model, path)
+    assert "shape" not in str(error.value)

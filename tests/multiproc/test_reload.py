@@ -135,3 +135,95 @@ def test_loading_again_when_memory_forces_freeing_first_says_so_before_and_after
     assert "on rank 1 the gathered model" in before and "does not fit" in before
     assert "If this load fails, no model will be loaded" in before
     assert freed_after and after.startswith("freed the loaded model") and "loading the new model" in after
+
+
+def reload_with_a_bad_layout(rank, tiny: Path) -> dict:
+    """Load tiny, then ask for expert parallelism on it (no experts) while memory would force freeing first."""
+    from shardbook.rankd.loading.reload import replace_model
+    from shardbook.rankd.parallel import layout
+
+    ctx, notices = rank_context(rank), []
+    replace_model(ctx, stand_in_config(tiny), device="cpu", model_path=None, progress=None, notice=notices.append)
+    first = ctx.state["loaded"].model
+    if rank == 1:
+        layout.free_memory_per_rank = lambda device: 1024
+    try:
+        replace_model(
+            ctx, stand_in_config(tiny, ep_size=2), device="cpu", model_path=None, progress=None, notice=notices.append
+        )
+        outcome = "loaded"
+    except ValueError as e:
+        outcome = f"ValueError: {e}"
+    kept = ctx.state.get("loaded") is not None and ctx.state["loaded"].model is first
+    return {
+        "outcome": outcome,
+        "kept": kept,
+        "notices": notices,
+        "then": run_model(first, ctx.shell.user_ns["tokenizer"], synced=True) if kept else None,
+    }
+
+
+def test_a_bad_layout_is_refused_before_the_old_model_is_freed(ranks, tiny):
+    results = ranks(reload_with_a_bad_layout, tiny, deadline=240)
+    for rank, result in enumerate(results):
+        assert "apply to mixture-of-experts models" in result["outcome"], (rank, result["outcome"])
+        assert result["kept"], rank
+    assert_same_as_reference([result["then"] for result in results], single_process(tiny))
+    assert not any("freeing" in notice for notice in results[0]["notices"]), results[0]["notices"]
+
+
+def reload_ten_times(rank, tiny: Path) -> list[int]:
+    """HSDP (fsdp_size 1) makes a group per load: the number of process groups after each of 11 loads."""
+    import torch.distributed as dist
+
+    from shardbook.rankd.loading.reload import replace_model
+
+    ctx, counts = rank_context(rank), []
+    for _ in range(11):
+        config = stand_in_config(tiny, fsdp_size=1)
+        replace_model(ctx, config, device="cpu", model_path=None, progress=None, notice=lambda text: None)
+        counts.append(len(dist.distributed_c10d._world.pg_map))
+    run_model(ctx.state["loaded"].model, ctx.state["loaded"].tokenizer, synced=True)  # the last model still works
+    return counts
+
+
+def test_ten_reloads_do_not_grow_the_process_groups(ranks, tiny):
+    for rank, counts in enumerate(ranks(reload_ten_times, tiny, deadline=280)):
+        assert len(set(counts)) == 1, (rank, counts)
+
+
+def reload_and_generate(rank, path: Path) -> list[int]:
+    """The demo model loaded six times, generating after each load: rank 0's RSS after each generation."""
+    import psutil
+    import torch
+
+    from shardbook.rankd.loading.reload import replace_model
+
+    ctx, rss = rank_context(rank), []
+    for _ in range(6):
+        replace_model(ctx, stand_in_config(path), device="cpu", model_path=None, progress=None, notice=lambda t: None)
+        model, tokenizer = ctx.state["loaded"].model, ctx.state["loaded"].tokenizer
+        with torch.no_grad():
+            model.generate(
+                **tokenizer("The capital of France is", return_tensors="pt"), max_new_tokens=4, synced_gpus=True
+            )
+        rss.append(psutil.Process().memory_info().rss)
+    return rss
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.xfail(
+    reason="issue 17 item 7 not solved yet: with gc.collect + malloc_trim rank 0 still grew 207-387 MiB "
+    "over five reloads of the demo model (measured 2026-12-01)",
+    strict=False,
+)
+def test_reloads_after_generating_give_the_memory_back(ranks):
+    from tests.multiproc.test_loading import demo_model_dir
+
+    path = demo_model_dir()
+    if not (path / "config.json").is_file():
+        pytest.skip(f"demo model not built at {path} (run `shardbook fetch smollm2-135m-instruct`)")
+    rss = ranks(reload_and_generate, path, deadline=850)[0]
+    growth = [(r - rss[0]) / 2**20 for r in rss]
+    assert max(growth) <= 150, f"rank 0's RSS grew by {growth} MiB over five reloads"

@@ -54,3 +54,17 @@ def test_expert_set_spanning_the_group_is_the_group_itself(fake_world):
     fake_world(3, 32)
     layout = ExpertLayout.of(32, 16, 2)
     assert init_expert_group(layout, dist.group.WORLD) is dist.group.WORLD
+
+
+@pytest.mark.parametrize("rank", [0, 21])
+def test_the_expert_group_comes_from_a_mesh_made_once(fake_world, rank):
+    from shardbook.rankd.parallel.layout import expert_group
+
+    fake_world(rank, 32)
+    group = expert_group("cpu", 16, 32, dist.group.WORLD)
+    first = rank // 16 * 16
+    assert dist.get_process_group_ranks(group) == list(range(first, first + 16))
+    groups = len(dist.distributed_c10d._world.pg_map)
+    assert expert_group("cpu", 16, 32, dist.group.WORLD) is group  # a second load reuses the mesh's groups
+    assert len(dist.distributed_c10d._world.pg_map) == groups
+    assert expert_group("cpu", 32, 32, dist.group.WORLD) is dist.group.WORLD
