@@ -329,8 +329,20 @@ TP_FAMILIES = {
         **_SMALL_MOE,
     ),
     "minimax_m2": dict(num_heads=5, num_kv_heads=1, num_local_experts=4, **_SMALL_MOE),
+    # two MLAs of 5 heads per layer, 4 routed experts and 2 zero-compute ones, 2 of 6 per token
+    "longcat_flash": dict(
+        num_heads=5,
+        num_kv_heads=5,
+        n_routed_experts=4,
+        zero_expert_num=2,
+        moe_topk=2,
+        expert_ffn_hidden_size=32,
+        head_dim=8,  # the rotary width: qk_rope_head_dim
+        **_MLA,
+    ),
 }
-"""Tiny GPT-OSS (sinks, expert biases), Qwen3-Next (a Gated DeltaNet layer, then gated attention) and MiniMax-M2."""
+"""Tiny GPT-OSS (sinks, expert biases), Qwen3-Next (a Gated DeltaNet layer, then gated attention), MiniMax-M2 and
+LongCat-Flash."""
 
 
 def random_biases(model) -> None:

@@ -48,6 +48,8 @@ class AttentionSplit:
 
     @classmethod
     def of(cls, attn: nn.Module, config, parts: int) -> AttentionSplit:
+        """The split of a layer's attention (of its first one where it has several alike: LongCat-Flash's two MLAs)."""
+        attn = attention_modules(attn)[0]
         heads = config.num_attention_heads
         if is_mla(attn):
             return cls(split_heads(heads, heads, parts), heads, heads, None)
@@ -78,6 +80,11 @@ class AttentionSplit:
         return 1 if self.head_dim is None else self.shares[rank].groups
 
 
+def attention_modules(attn: nn.Module) -> list[nn.Module]:
+    """A layer's `self_attn` as a list: LongCat-Flash holds two attentions per layer (a ModuleList), others one."""
+    return list(attn) if isinstance(attn, nn.ModuleList) else [attn]
+
+
 def is_mla(attn: nn.Module) -> bool:
     """Multi-head latent attention: keys and values come from a shared latent through `kv_b_proj`."""
     return hasattr(attn, "kv_b_proj")
@@ -92,18 +99,21 @@ def kv_cache_bytes_per_token(model: nn.Module, split: list[AttentionSplit | None
     config = model.config.get_text_config()
     total = 0
     for layer, heads in zip(model.model.layers, split):
-        attn = getattr(layer, "self_attn", None)
-        if attn is None:
-            continue
-        if heads is None:
-            total += 2 * config.num_key_value_heads * attn.head_dim
-        elif heads.head_dim is None:
-            total += config.kv_lora_rank + config.qk_rope_head_dim  # the latent, whole on every rank
-        else:
-            total += 2 * len(heads.shares[rank].kv_heads) * heads.head_dim
-        if getattr(attn, "indexer", None) is not None:
-            total += attn.indexer.head_dim
+        modules = attention_modules(layer.self_attn) if hasattr(layer, "self_attn") else []
+        total += sum(_attention_bytes(attn, heads, config, rank) for attn in modules)
     return total * element_size
+
+
+def _attention_bytes(attn: nn.Module, heads: AttentionSplit | None, config, rank: int) -> int:
+    """Values of KV cache one token adds to one attention module on `rank` (and its indexer's keys)."""
+    if heads is None:
+        values = 2 * config.num_key_value_heads * attn.head_dim
+    elif heads.head_dim is None:
+        values = config.kv_lora_rank + config.qk_rope_head_dim  # the latent, whole on every rank
+    else:
+        values = 2 * len(heads.shares[rank].kv_heads) * heads.head_dim
+    indexer = getattr(attn, "indexer", None)
+    return values + (indexer.head_dim if indexer is not None else 0)
 
 
 def _scaled(heads: range, width: int) -> range:

@@ -16,6 +16,8 @@ What each word means here (transformers' `integrations/tensor_parallel.py` names
 - `moe_tp_experts`, `ep_dispatch_experts` (with `grouped_gemm` on the fused expert weights): the
   experts module goes expert-parallel (`expert_parallel`), laid out by ep_size / ep_fsdp_size.
 - `mla_kv_a_proj`, `replicated_with_grad_allreduce`: the module stays whole on every rank.
+- `moe_identity_expert` (LongCat-Flash's zero-compute experts): an identity, nothing to split; the
+  experts' forward adds its share once per expert set (`expert_parallel`).
 
 Where a plan leaves something out that splits exactly, `SUPPLEMENTS` adds it; where a plan's word
 would compute something else than one process does here, `OVERRIDES` replaces it; each entry says why.
@@ -42,6 +44,7 @@ WORDS = {
     "mla_kv_a_proj": WHOLE,
     "replicated_with_grad_allreduce": WHOLE,
     "replicated": WHOLE,
+    "moe_identity_expert": WHOLE,
 }
 """Every plan word `tp` understands, and what it makes of it."""
 

@@ -12,7 +12,8 @@ Dispatch: every rank runs `generate` on the same tokens, so each rank runs its o
 the tokens routed to them and one all-reduce over the expert set per MoE layer adds the partial
 outputs (all-to-all would move the same bytes twice, out and back, for tokens every rank already
 has). The experts' forward is shardbook's own loop over local experts: transformers' grouped
-kernels leave rows routed elsewhere uninitialised unless told they run expert-parallel.
+kernels leave rows routed elsewhere uninitialised unless told they run expert-parallel. LongCat-Flash's
+zero-compute (identity) experts pass a token through, weighted: one rank per expert set adds them.
 
 With the defaults (ep_size = ep_fsdp_size = 1) in a tensor-parallel group of N > 1 ranks, the
 experts are split like a dense MLP: each expert's rows over all N ranks (ep_fsdp = N), so no rank
@@ -116,8 +117,10 @@ def experts_plan(name: str, experts: nn.Module, layout: ExpertLayout) -> dict[st
 
     Shared experts and routers are not here: the declared plan splits a shared expert like a
     dense MLP, and the router stays whole (every rank routes every token the same way).
+    gate_up_proj's slots for zero-compute experts (LongCat-Flash) are never read: no checkpoint holds them.
     """
-    num, rows2, _hidden = experts.gate_up_proj.shape
+    slots, rows2, _hidden = experts.gate_up_proj.shape
+    num = routed_experts(experts)
     rows = rows2 // 2
     gate_up, down = [], []
     for rank in range(layout.parts):
@@ -126,7 +129,7 @@ def experts_plan(name: str, experts: nn.Module, layout: ExpertLayout) -> dict[st
         part = balanced_ranges(rows, layout.efsdp)[efsdp_index]
         experts_kept = (mine,) if layout.ep > 1 else None  # None: the whole dim (shows as not split)
         rows_kept = (part, range(rows + part.start, rows + part.stop)) if layout.efsdp > 1 else None
-        gate_up.append((experts_kept, rows_kept, None))
+        gate_up.append((experts_kept if slots == num else (experts_kept or (range(num),)), rows_kept, None))
         down.append((experts_kept, None, (part,) if layout.efsdp > 1 else None))
     return {
         f"{name}.gate_up_proj": TPShard(tuple(experts.gate_up_proj.shape), tuple(gate_up)),
@@ -136,9 +139,15 @@ def experts_plan(name: str, experts: nn.Module, layout: ExpertLayout) -> dict[st
 
 def apply_experts(experts: nn.Module, layout: ExpertLayout, rank: int, expert_group) -> None:
     """Give a fused experts module its expert-parallel forward (this rank's experts, summed over the expert set)."""
-    ep_index, _ = layout.position(rank)
-    mine = balanced_ranges(experts.gate_up_proj.shape[0], layout.ep)[ep_index]
-    become(experts, _expert_parallel_class(type(experts)), expert_group, expert_start=mine.start)
+    ep_index, efsdp_index = layout.position(rank)
+    mine = balanced_ranges(routed_experts(experts), layout.ep)[ep_index]
+    cls = _expert_parallel_class(type(experts))
+    become(experts, cls, expert_group, expert_start=mine.start, adds_identity=ep_index == efsdp_index == 0)
+
+
+def routed_experts(experts: nn.Module) -> int:
+    """Experts with weights; LongCat-Flash's gate_up_proj has slots for its zero-compute experts too, never used."""
+    return int(getattr(experts, "num_routed_experts", None) or experts.down_proj.shape[0])
 
 
 class ExpertParallel:
@@ -146,13 +155,16 @@ class ExpertParallel:
 
     tp_group: dist.ProcessGroup
     expert_start: int
+    adds_identity: bool
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         local = top_k_index - self.expert_start
         out = torch.zeros_like(hidden_states)
-        for expert in range(self.gate_up_proj.shape[0]):
+        if self.adds_identity:
+            _add_identity_experts(self, out, hidden_states, top_k_index, top_k_weights)
+        for expert in range(self.down_proj.shape[0]):
             token_idx, k_pos = torch.where(local == expert)
             if token_idx.numel() == 0:
                 continue
@@ -160,6 +172,15 @@ class ExpertParallel:
             expert_out = F.linear(self.act_fn(gate) * up, self.down_proj[expert])
             out.index_add_(0, token_idx, (expert_out * top_k_weights[token_idx, k_pos, None]).to(out.dtype))
         return all_reduce(out, self.tp_group)
+
+
+def _add_identity_experts(experts, out, hidden_states, top_k_index, top_k_weights) -> None:
+    """LongCat-Flash's zero-compute experts (indices past the routed ones) pass their tokens through, weighted;
+    one rank of each expert set adds them, since the set's outputs are summed."""
+    if not getattr(experts, "zero_expert_num", 0):
+        return
+    token_idx, k_pos = torch.where(top_k_index >= routed_experts(experts))
+    out.index_add_(0, token_idx, (hidden_states[token_idx] * top_k_weights[token_idx, k_pos, None]).to(out.dtype))
 
 
 @cache

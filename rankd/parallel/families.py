@@ -20,6 +20,7 @@ HOW = {
         "gated full attention split by heads; Gated DeltaNet (linear-attention) layers replicated on every rank"
     ),
     "minimax_m2": "attention replicated on every rank (its q/k norms span all heads); experts split",
+    "longcat_flash": "both MLAs of a layer split by heads, both MLPs by rows; zero-compute experts added once per set",
 }
 """How `tp` handles what is particular to a family, said where the code cannot tell."""
 
@@ -40,7 +41,7 @@ def family_row(model_type: str) -> list[str]:
 
 def _notes(config, model_type: str) -> list[str]:
     notes = []
-    if model_type in SUPPORTED_MODEL_TYPES and getattr(config, "kv_lora_rank", None):
+    if model_type in SUPPORTED_MODEL_TYPES and model_type not in HOW and getattr(config, "kv_lora_rank", None):
         notes.append("MLA split by heads, latent KV cache whole on every rank")
     if model_type in SUPPORTED_MODEL_TYPES and getattr(config, "index_topk", None):
         notes.append("sparse-attention indexer replicated")

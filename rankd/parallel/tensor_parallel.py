@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardbook.rankd.parallel.attention_split import AttentionSplit
+from shardbook.rankd.parallel.attention_split import AttentionSplit, attention_modules
 from shardbook.rankd.parallel.biased_experts import apply_biased_experts, biased_experts_plan, has_expert_biases
 from shardbook.rankd.parallel.declared_plans import (
     COLUMN,
@@ -62,15 +62,16 @@ SUPPORTED_MODEL_TYPES = (
     "gpt_oss",
     "qwen3_next",
     "minimax_m2",
+    "longcat_flash",
 )
 """Families whose declared plans `tp` has been checked against one process (tests/multiproc): Llama (SmolLM2 too),
 Qwen2 (qkv bias), Qwen3 (q/k norm), the mixture-of-experts families Qwen2-MoE (shared expert), Qwen3-MoE, Mixtral
 and GLM-4-MoE (shared experts, dense first layers), and the MLA ones: GLM-5 (`glm_moe_dsa`) and DeepSeek-V3.2 with
 their sparse-attention indexer, DeepSeek-V3; GPT-OSS (attention sinks, expert biases), Qwen3-Next (gated attention
-split by heads, Gated DeltaNet layers whole) and MiniMax-M2 (attention whole: its q/k norms span all heads)."""
+split by heads, Gated DeltaNet layers whole), MiniMax-M2 (attention whole: its q/k norms span all heads) and
+LongCat-Flash (two MLAs and two MLPs per layer, zero-compute experts)."""
 
 NOT_SUPPORTED = {
-    "longcat_flash": "two attentions and two MLPs per layer, and identity (zero-compute) experts",
     "deepseek_v4": "hyper-connections, a grouped output LoRA and compressed attention",
 }
 """Families with a declared plan that `tp` refuses, and what in them it does not split yet."""
@@ -235,8 +236,8 @@ def _apply_tp(model: nn.Module, group: dist.ProcessGroup, rank: int, experts, ex
         if model.get_output_embeddings() is not None:
             become(model.get_output_embeddings(), VocabGatheredLinear, group, vocab_sizes=[len(r) for r in vocab])
     for layer, heads in zip(model.model.layers, attention_splits(model, parts)):
-        if heads is not None:
-            layer.self_attn.num_key_value_groups = heads.local_groups(rank)
+        for attn in attention_modules(layer.self_attn) if heads is not None else []:
+            attn.num_key_value_groups = heads.local_groups(rank)
     for name, kind in modules.items():
         module = model.get_submodule(name)
         if kind == ROW:

@@ -1,9 +1,10 @@
-"""`tp` on 2 gloo ranks for GPT-OSS, Qwen3-Next and MiniMax-M2, each compared with one process.
+"""`tp` on 2 gloo ranks for GPT-OSS, Qwen3-Next, MiniMax-M2 and LongCat-Flash, each compared with one process.
 
 Every family loads once per layout on one process group; logits within |a-b| <= 1e-4 (1 + |b|) on every
 rank, and 8 greedy tokens equal. 5 query heads on 1 KV head (3 and 2 per rank). GPT-OSS has random expert
 biases and sinks (split with the experts and heads); Qwen3-Next a Gated DeltaNet layer (whole on every rank)
-then a gated attention layer (split by heads); MiniMax-M2 keeps its attention whole (q/k norms over all heads).
+then a gated attention layer (split by heads); MiniMax-M2 keeps its attention whole (q/k norms over all heads);
+LongCat-Flash has two MLAs per layer (5 heads each, split 3 and 2) and zero-compute experts (2 of 6).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def run(model, tokenizer) -> dict:
 
 
 def local_shapes(model) -> dict:
-    return {name: tuple(p.shape) for name, p in model.named_parameters() if name.startswith("model.layers.1.")}
+    layers = ("model.layers.0.", "model.layers.1.")
+    return {name: tuple(p.shape) for name, p in model.named_parameters() if name.startswith(layers)}
 
 
 def load_each(rank: int, paths: dict, parallel: dict) -> dict:
@@ -63,7 +65,7 @@ def tp_families(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_gpt_oss_qwen3_next_and_minimax_m2_match_one_process_under_tp(ranks, tp_families, layout):
+def test_four_more_families_match_one_process_under_tp(ranks, tp_families, layout):
     parallel = LAYOUTS[layout]
     per_rank = ranks(load_each, {f: path for f, (path, _) in tp_families.items()}, parallel, deadline=240)
     for family, (_, reference) in tp_families.items():
@@ -82,3 +84,5 @@ def test_gpt_oss_qwen3_next_and_minimax_m2_match_one_process_under_tp(ranks, tp_
     assert [s["model.layers.1.self_attn.q_proj.weight"] for s in qwen] == [(96, 64), (64, 64)]  # query + gate
     minimax = [results["minimax_m2"]["shapes"] for results in per_rank]
     assert [s["model.layers.1.self_attn.q_proj.weight"] for s in minimax] == [(80, 64)] * 2  # whole
+    longcat = [results["longcat_flash"]["shapes"] for results in per_rank]
+    assert [s["model.layers.0.self_attn.1.kv_b_proj.weight"] for s in longcat] == [(72, 16), (48, 16)]
