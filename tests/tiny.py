@@ -340,9 +340,11 @@ TP_FAMILIES = {
         head_dim=8,  # the rotary width: qk_rope_head_dim
         **_MLA,
     ),
+    # attention and hyper-connections whole on every rank; 8 routed experts (4 per rank under ep_size 2)
+    "deepseek_v4": DEEPSEEK_V4,
 }
-"""Tiny GPT-OSS (sinks, expert biases), Qwen3-Next (a Gated DeltaNet layer, then gated attention), MiniMax-M2 and
-LongCat-Flash."""
+"""Tiny GPT-OSS (sinks, expert biases), Qwen3-Next (a Gated DeltaNet layer, then gated attention), MiniMax-M2,
+LongCat-Flash and DeepSeek-V4."""
 
 
 def random_biases(model) -> None:

@@ -87,6 +87,17 @@ SUPPLEMENTS: dict[str, dict[str, tuple[str, str]]] = {
         pattern: (word, "GPT-OSS's plan names only the embedding; its attention splits by heads, sinks with them")
         for pattern, word in _GQA_ATTENTION.items()
     },
+    "deepseek_v4": {
+        f"layers.*.mlp.shared_experts.{proj}": (
+            word,
+            (
+                "DeepSeek-V4's plan splits only the routed experts; its shared expert is a plain MLP (clamped "
+                "elementwise), split like any other. Its attention (compressor, indexer, grouped output LoRA) and "
+                "the hyper-connections stay whole on every rank: no plan names them"
+            ),
+        )
+        for proj, word in (("gate_proj", "colwise"), ("up_proj", "colwise"), ("down_proj", "rowwise"))
+    },
 }
 """Per model type (`*`: every one), module pattern -> (plan word, why the declared plan needs it)."""
 

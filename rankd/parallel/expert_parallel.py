@@ -168,10 +168,20 @@ class ExpertParallel:
             token_idx, k_pos = torch.where(local == expert)
             if token_idx.numel() == 0:
                 continue
-            gate, up = F.linear(hidden_states[token_idx], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            expert_out = F.linear(self.act_fn(gate) * up, self.down_proj[expert])
+            gate_up = F.linear(hidden_states[token_idx], self.gate_up_proj[expert])
+            expert_out = F.linear(_gated(self, gate_up), self.down_proj[expert])
             out.index_add_(0, token_idx, (expert_out * top_k_weights[token_idx, k_pos, None]).to(out.dtype))
         return all_reduce(out, self.tp_group)
+
+
+def _gated(experts, gate_up: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up from a [gate rows, up rows] projection; the family's own `_apply_gate` where it has one
+    (DeepSeek-V4 clamps gate and up first). Elementwise, so a rank's rows of gate and up give its rows."""
+    apply_gate = getattr(experts, "_apply_gate", None)
+    if apply_gate is not None:
+        return apply_gate(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return experts.act_fn(gate) * up
 
 
 def _add_identity_experts(experts, out, hidden_states, top_k_index, top_k_weights) -> None:

@@ -20,6 +20,10 @@ HOW = {
         "gated full attention split by heads; Gated DeltaNet (linear-attention) layers replicated on every rank"
     ),
     "minimax_m2": "attention replicated on every rank (its q/k norms span all heads); experts split",
+    "deepseek_v4": (
+        "attention (compressor, indexer, grouped output LoRA) and hyper-connections replicated on every rank; "
+        "routed experts split, shared experts by rows"
+    ),
     "longcat_flash": "both MLAs of a layer split by heads, both MLPs by rows; zero-compute experts added once per set",
 }
 """How `tp` handles what is particular to a family, said where the code cannot tell."""
@@ -52,8 +56,7 @@ def _notes(config, model_type: str) -> list[str]:
     if model_type in HOW:
         notes.append(HOW[model_type])
     if model_type in NOT_SUPPORTED:
-        tested = " (tests load it under gather)" if model_type == "deepseek_v4" else " (no test here loads this family)"
-        notes.append(f"tp not yet: {NOT_SUPPORTED[model_type]}{tested}")
+        notes.append(f"tp not yet: {NOT_SUPPORTED[model_type]}")
     return notes
 
 

@@ -63,17 +63,17 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_next",
     "minimax_m2",
     "longcat_flash",
+    "deepseek_v4",
 )
 """Families whose declared plans `tp` has been checked against one process (tests/multiproc): Llama (SmolLM2 too),
 Qwen2 (qkv bias), Qwen3 (q/k norm), the mixture-of-experts families Qwen2-MoE (shared expert), Qwen3-MoE, Mixtral
 and GLM-4-MoE (shared experts, dense first layers), and the MLA ones: GLM-5 (`glm_moe_dsa`) and DeepSeek-V3.2 with
 their sparse-attention indexer, DeepSeek-V3; GPT-OSS (attention sinks, expert biases), Qwen3-Next (gated attention
 split by heads, Gated DeltaNet layers whole), MiniMax-M2 (attention whole: its q/k norms span all heads) and
-LongCat-Flash (two MLAs and two MLPs per layer, zero-compute experts)."""
+LongCat-Flash (two MLAs and two MLPs per layer, zero-compute experts); DeepSeek-V4 (attention with its compressor,
+indexer and grouped output LoRA, and the hyper-connections, whole on every rank; routed and shared experts split)."""
 
-NOT_SUPPORTED = {
-    "deepseek_v4": "hyper-connections, a grouped output LoRA and compressed attention",
-}
+NOT_SUPPORTED: dict[str, str] = {}
 """Families with a declared plan that `tp` refuses, and what in them it does not split yet."""
 
 _WAYS_OUT = (

@@ -1,10 +1,14 @@
-"""`tp` on 2 gloo ranks for GPT-OSS, Qwen3-Next, MiniMax-M2 and LongCat-Flash, each compared with one process.
+"""`tp` on 2 gloo ranks for GPT-OSS, Qwen3-Next, MiniMax-M2, LongCat-Flash and DeepSeek-V4, each compared with one
+process.
 
 Every family loads once per layout on one process group; logits within |a-b| <= 1e-4 (1 + |b|) on every
 rank, and 8 greedy tokens equal. 5 query heads on 1 KV head (3 and 2 per rank). GPT-OSS has random expert
 biases and sinks (split with the experts and heads); Qwen3-Next a Gated DeltaNet layer (whole on every rank)
 then a gated attention layer (split by heads); MiniMax-M2 keeps its attention whole (q/k norms over all heads);
-LongCat-Flash has two MLAs per layer (5 heads each, split 3 and 2) and zero-compute experts (2 of 6).
+LongCat-Flash has two MLAs per layer (5 heads each, split 3 and 2) and zero-compute experts (2 of 6). DeepSeek-V4
+keeps its attention (compressor, indexer, grouped output LoRA) and hyper-connections whole on every rank, which the
+load summary counts in its replicated bytes; its routed experts split (4 of 8 per rank under ep_size 2), its shared
+expert by rows.
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ def tp_families(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_four_more_families_match_one_process_under_tp(ranks, tp_families, layout):
+def test_more_families_match_one_process_under_tp(ranks, tp_families, layout):
     parallel = LAYOUTS[layout]
     per_rank = ranks(load_each, {f: path for f, (path, _) in tp_families.items()}, parallel, deadline=240)
     for family, (_, reference) in tp_families.items():
@@ -86,3 +90,11 @@ def test_four_more_families_match_one_process_under_tp(ranks, tp_families, layou
     assert [s["model.layers.1.self_attn.q_proj.weight"] for s in minimax] == [(80, 64)] * 2  # whole
     longcat = [results["longcat_flash"]["shapes"] for results in per_rank]
     assert [s["model.layers.0.self_attn.1.kv_b_proj.weight"] for s in longcat] == [(72, 16), (48, 16)]
+    v4 = [results["deepseek_v4"] for results in per_rank]
+    assert [r["shapes"]["model.layers.1.self_attn.q_b_proj.weight"] for r in v4] == [(64, 32)] * 2  # whole
+    assert [r["shapes"]["model.layers.1.mlp.shared_experts.gate_proj.weight"] for r in v4] == [(64, 64)] * 2
+    experts = [r["shapes"]["model.layers.1.mlp.experts.gate_up_proj"] for r in v4]
+    assert experts == ([(4, 256, 64)] * 2 if "ep_size" in parallel else [(8, 128, 64)] * 2)
+    replicated = v4[0]["summary"]["replicated_bytes"]
+    assert replicated["model.layers.*.self_attn.q_b_proj.weight"] == 2 * 64 * 32 * 4
+    assert any("hc" in name for name in replicated), sorted(replicated)

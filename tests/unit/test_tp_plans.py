@@ -77,12 +77,24 @@ def test_readme_families_table_is_generated_from_the_code():
     assert text[start:end] == families_table()
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v4"])
-def test_families_tp_does_not_split_are_refused_naming_gather_and_reshard(model_type):
-    from transformers import AutoConfig
+def test_deepseek_v4_keeps_attention_and_hyper_connections_whole_and_splits_its_experts():
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    message = tp_unavailable(AutoConfig.for_model(model_type), 2)
-    assert f"does not split {model_type!r} models" in message and "gather" in message and "reshard" in message
+    from shardbook.rankd.parallel.tensor_parallel import attention_splits
+
+    config = AutoConfig.for_model("deepseek_v4", num_hidden_layers=2, hidden_size=64, num_attention_heads=4)
+    assert tp_unavailable(config, 2) is None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    plan = module_plan(model)
+    assert not [name for name in plan if ".self_attn." in name or "hc" in name]
+    assert attention_splits(model, 2) == [None, None]
+    assert plan["model.layers.0.mlp.experts"] == EXPERTS
+    assert [plan[f"model.layers.0.mlp.shared_experts.{p}"] for p in ("gate_proj", "up_proj", "down_proj")] == [
+        COLUMN,
+        COLUMN,
+        ROW,
+    ]
 
 
 def test_qwen3_next_keeps_its_linear_attention_whole_and_minimax_m2_its_attention():
