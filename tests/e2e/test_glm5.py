@@ -3,7 +3,9 @@
 The YAML keeps MindSpeed's `data`, `training` and `optimization` sections; everything else comes from
 command-line overrides, as a MindSpeed user would launch it. One kernel (the shared one) for all of it:
 load under tp with ep 2, %%chat with a reply of a set length, seeded sampling at two lengths, an
-interrupt that stops every rank, %shards, and %%trace of the attention outputs against one process.
+interrupt that stops every rank, %shards, %%trace of the attention outputs against one process, an %intervene
+that zeroes an attention output changing the logits as it does in one process (and removed cleanly), %serve
+answering through the openai client, and loading the model again.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from openai import OpenAI
 
 from tests.driver import interrupt_when
+from tests.e2e.http_helpers import server_url
 from tests.e2e.test_chat import replying
 from tests.e2e.test_load import assert_usable
 from tests.tiny import make_tiny_mla
@@ -99,3 +103,57 @@ def test_glm5_shards_and_trace_match_one_process(kernel, glm5):
     assert ex.status == "ok", ex.error_text() + ex.stderr()
     check = kernel.run(ONE_PROCESS.format(path=str(path)), timeout=120)
     assert "ATTN 3 True" in check.stdout(), check.stdout() + check.error_text()
+
+
+ZERO_ATTENTION = """%%all
+def zero_attention(output, module_name):
+    return output * 0
+"""
+
+ZEROED_IN_ONE_PROCESS = """
+import torch
+from transformers import AutoModelForCausalLM
+single = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.float32).eval()
+hook = single.model.layers[1].self_attn.o_proj.register_forward_hook(lambda m, a, out: out * 0)
+with torch.no_grad():
+    want = single(torch.tensor([zeroed.token_ids])).logits.reshape(-1)
+hook.remove()
+got, before = zeroed.logits.reshape(-1), base.logits.reshape(-1)
+print("ZEROED", bool(((got - want).abs() <= 1e-4 * (1 + want.abs())).all()), not torch.allclose(got, before),
+      torch.equal(back.logits, base.logits))
+"""
+
+
+def test_glm5_intervene_serve_and_load_again(kernel, glm5):
+    path, yaml = glm5
+    prompt = "The capital of France is"
+    assert kernel.run(ZERO_ATTENTION).status == "ok"
+    assert kernel.run(f"%%trace --as base\n{prompt}", timeout=120).status == "ok"
+    ex = kernel.run("%intervene zero_attention model.layers.1.self_attn.o_proj")
+    assert "zero_attention on the output of model.layers.1.self_attn.o_proj" in ex.stdout(), ex.error_text()
+    zeroed = kernel.run(f"%%trace --as zeroed\n{prompt}", timeout=120)
+    assert zeroed.status == "ok", zeroed.error_text() + zeroed.stderr()
+    kernel.run("%intervene --clear")
+    assert "no interventions" in kernel.run("%intervene").stdout()
+    assert kernel.run(f"%%trace --as back\n{prompt}", timeout=120).status == "ok"
+    check = kernel.run(ZEROED_IN_ONE_PROCESS.format(path=str(path)), timeout=120)
+    assert "ZEROED True True True" in check.stdout(), check.stdout() + check.error_text()
+
+    url = server_url(kernel.run("%serve --port 0").stdout())
+    try:
+        client = OpenAI(base_url=url, api_key="unused")
+        [served] = [m.id for m in client.models.list().data]
+        reply = client.chat.completions.create(
+            model=served, messages=[{"role": "user", "content": "hello"}], max_tokens=5
+        )
+        assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 5, reply
+    finally:
+        assert kernel.run("%serve --stop").status == "ok"
+
+    again = kernel.run(f"%load_sharded {yaml} --model.model_name_or_path {path} {OVERRIDES}", timeout=180)
+    assert again.status == "ok", again.error_text() + again.stderr()
+    summary = again.of_type("execute_result")[0]["content"]["data"]["text/plain"]
+    assert "GlmMoeDsaForCausalLM" in summary and "mesh (edp=1, efsdp=1, ep=2)" in summary, summary
+    chat = kernel.run("%%chat --new --output text --max-new-tokens 4\nhello", timeout=120)
+    assert chat.status == "ok" and "4 generated" in chat.stdout(), chat.stdout() + chat.error_text()
+    assert_usable(kernel)
