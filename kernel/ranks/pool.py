@@ -23,7 +23,7 @@ import zmq
 
 from shardbook.kernel.ranks.liveness import SILENT_S, RankState, judge, ranks_health
 from shardbook.rankd import commands  # noqa: F401  (fills the command table rank 0 dispatches from)
-from shardbook.rankd.control import protocol, text
+from shardbook.rankd.control import protocol, text, user_calls
 from shardbook.rankd.control.channel import Channel, MessageTooLarge, control_socket, log_to_process_stderr
 from shardbook.rankd.control.dispatch import STOPPED_BY_EVENT, RankContext, dispatch
 from shardbook.rankd.control.heartbeat import ECHO_KEY, PINGER_KEY, Echo, Pinger, heartbeat_socket
@@ -156,6 +156,7 @@ class Pool:
                 self._on_hello(state, message.payload)
             elif message.type == protocol.HEARTBEAT:
                 state.memory = message.payload.get("memory", {})
+                state.running = message.payload.get("running", [])
             elif message.type == protocol.DONE:
                 self._record_reply(message.id, message.rank, message.payload)
                 return
@@ -333,7 +334,17 @@ class Pool:
         """Give interrupted ranks a short grace to report, then report the ones still stuck."""
         command.done.wait(INTERRUPT_GRACE_S)
         stuck = command.pending
-        if stuck:
+        running = {r: self.ranks[r].running if r else user_calls.running() for r in stuck}
+        if any(running.values()):
+            where = "; ".join(f"rank {r} runs {', '.join(what)}" for r, what in running.items() if what)
+            others = [r for r, what in running.items() if not what]
+            command.on_notice(
+                f"ranks {_ranks(stuck)} did not stop within {INTERRUPT_GRACE_S:.0f} s of the interrupt: {where}, "
+                "a user function that did not return to Python when interrupted (a blocking call in C); "
+                + (f"ranks {_ranks(others)} wait for it in a collective. " if others else "")
+                + "They stop when it returns; interrupt again, or restart the kernel if it never does."
+            )
+        elif stuck:
             command.on_notice(
                 f"ranks {_ranks(stuck)} did not stop within {INTERRUPT_GRACE_S:.0f} s of the interrupt: they are "
                 "probably blocked inside a collective (all_reduce, barrier, ...) that other ranks never joined. "
@@ -347,6 +358,7 @@ class Pool:
         command.interrupted = True
         if 0 in command.pending:
             self.ctx0.stop_event.set()
+            user_calls.interrupt_calls(main_thread=False)  # one in the main thread gets the SIGINT (_SigintForwarder)
         for rank in command.pending:
             if rank != 0:
                 self._send(rank, protocol.INTERRUPT, {}, command.id)
@@ -419,8 +431,8 @@ class _SigintForwarder:
 
     def _handle(self, signum, frame):
         self.pool.interrupt(self.command)
-        if self.command.kind not in STOPPED_BY_EVENT:
-            raise KeyboardInterrupt
+        if self.command.kind not in STOPPED_BY_EVENT or user_calls.claim_main_interrupt():
+            raise KeyboardInterrupt  # the cell's code, or a user function inside the command (an intervention)
 
     def __exit__(self, *exc):
         self.command.sigint_forwarded = False
