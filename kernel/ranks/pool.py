@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 INTERRUPT_GRACE_S = float(os.environ.get("SHARDBOOK_INTERRUPT_GRACE", "3"))
 STRAGGLER_NOTICE_S = 3.0
+STOPPED_FINISH_S = float(os.environ.get("SHARDBOOK_STOPPED_FINISH", "60"))
+"""How long followers of a stopped command may take to reply once rank 0's part ended well (`_after_interrupt`)."""
 
 OnOutput = Callable[[int, str, dict[str, Any]], None]
 OnNotice = Callable[[str], None]
@@ -333,6 +335,13 @@ class Pool:
     def _after_interrupt(self, command: Command, timed_out: bool) -> Outcome:
         """Give interrupted ranks a short grace to report, then report the ones still stuck."""
         command.done.wait(INTERRUPT_GRACE_S)
+        if not command.done.is_set() and command.kind in STOPPED_BY_EVENT and self._own_part_ok(command):
+            # rank 0 stopped with the others, past their last collective together: the followers only finish
+            # their step and reply, which with a slow step or a busy machine can take longer than the grace
+            deadline = time.monotonic() + STOPPED_FINISH_S
+            while not command.done.wait(0.05) and time.monotonic() < deadline:
+                if any(self.ranks[r].dead_reason for r in command.pending):
+                    break
         stuck = command.pending
         running = {r: self.ranks[r].running if r else user_calls.running() for r in stuck}
         if any(running.values()):
@@ -352,6 +361,11 @@ class Pool:
                 "then, and cells that need them are refused. If they are still busy after that, restart the kernel."
             )
         return Outcome(command, stuck=stuck, timed_out=timed_out)
+
+    def _own_part_ok(self, command: Command) -> bool:
+        with self._lock:
+            own = command.replies.get(0)
+        return 0 in command.targets and own is not None and own.get("status") == "ok"
 
     def interrupt(self, command: Command) -> None:
         """Interrupt ``command`` on every rank still running it (rank 0's part through its stop event)."""
