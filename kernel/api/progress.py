@@ -11,8 +11,9 @@ STEP_LABELS = {
     "shard": "sharding layers",
     "read": "reading weights",
     "finalise": "finishing",
+    "warm-up": "warming up (gathering every layer)",
 }
-STEP_SHARES = {"config": 15, "skeleton": 10, "shard": 20, "read": 45, "finalise": 10}
+STEP_SHARES = {"config": 15, "skeleton": 10, "shard": 20, "read": 45, "finalise": 5, "warm-up": 5}
 """Each step's share of the bar, in percent and in the order the steps run (from measured load times)."""
 
 
