@@ -169,6 +169,7 @@ def _load(
     if layout == "tp" and steps.ok:
         summary.update(tp_figures(model, ckpt.mesh_shape[-1]))
     if layout == "gather" and steps.ok:  # every rank settled above: the warm-up's collectives line up
+        report("warm-up", 0, 1)
         summary["warm_up_s"] = steps.run("warm-up", warm_up, model, ckpt, device)
         steps.settle()
         report("warm-up", 1, 1)
