@@ -121,6 +121,28 @@ def run_single(path: str, tokens: int) -> dict:
     return {**result, "memory": [peak_rss_bytes() - before]}
 
 
+SYNC_OPS = ("aten::nonzero", "aten::item", "aten::_local_scalar_dense")
+"""Ops that make the host wait for the device, as torch.profiler names them (counted on CPU as on a device)."""
+
+
+def syncs_per_decode_step(model) -> int:
+    """Host syncs (`SYNC_OPS`) in one decode step of `model`: a 4-token prompt, then one token, profiled.
+
+    On every rank together (the forward may be collective).
+    """
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import DynamicCache
+
+    ids = torch.tensor([[1, 2, 3, 4]])
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True)
+    return sum(event.name in SYNC_OPS for event in prof.events())
+
+
 def run_layout(path: str, layout: str, tokens: int) -> dict | None:
     """On every rank of a torchrun job: `load_sharded` in `layout`, then `generate`; rank 0 returns the figures."""
     import torch
@@ -145,7 +167,8 @@ def run_layout(path: str, layout: str, tokens: int) -> dict | None:
     clock = CollectiveClock()
     result = timed_generate(loaded.model, loaded.tokenizer, tokens, synced=True)
     total_ms = result["ttft_ms"] + result["decode_ms"] * (tokens - 1)
-    mine = {"memory": peak_rss_bytes() - before, "collective_share": clock.seconds * 1e3 / total_ms}
+    syncs = syncs_per_decode_step(loaded.model)
+    mine = {"memory": peak_rss_bytes() - before, "collective_share": clock.seconds * 1e3 / total_ms, "syncs": syncs}
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     rank = dist.get_rank()
@@ -156,6 +179,7 @@ def run_layout(path: str, layout: str, tokens: int) -> dict | None:
         **result,
         "memory": [rank["memory"] for rank in every],
         "collective_share": max(rank["collective_share"] for rank in every),
+        "syncs_per_step": max(rank["syncs"] for rank in every),
         "local_param_bytes": loaded.summary["local_param_bytes"],
     }
 
@@ -253,15 +277,18 @@ def model_paths(names: list[str]) -> list[tuple[str, Path, str]]:
 def print_model(name: str, figures: dict[str, dict], tokens: dict[str, int], sharded: str) -> None:
     single = figures["single"]
     print(f"\n### {name}\n")
-    print("| run | tokens | TTFT ms | decode ms/token | tok/s | vs single | peak MiB per rank | collectives |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| run | tokens | TTFT ms | decode ms/token | tok/s | vs single | peak MiB per rank | collectives "
+        "| host syncs/step |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for what, f in figures.items():
         memory = " / ".join(f"{m / 2**20:.0f}" for m in f["memory"])
         # FSDP2's all-gathers go through other functions: only tp's share is complete
         share = f"{f['collective_share']:.0%}" if what == sharded else "-"
         print(
             f"| {what} | {tokens[what]} | {f['ttft_ms']:.0f} | {f['decode_ms']:.1f} | {1e3 / f['decode_ms']:.1f} "
-            f"| {f['decode_ms'] / single['decode_ms']:.2f}x | {memory} | {share} |"
+            f"| {f['decode_ms'] / single['decode_ms']:.2f}x | {memory} | {share} | {f.get('syncs_per_step', '-')} |"
         )
     tp, gather, reshard = figures[sharded], figures["gather"], figures["reshard"]
     target = 3 if sharded == "tp+ep" else 4

@@ -503,6 +503,36 @@ def descendants(pid: int) -> list:
         return []
 
 
+STARTUP_STEPS = [
+    ("launch (jupyter_client, torchrun and its import of torch)", "process"),
+    ("rank 0's interpreter and shardbook.kernel.app", "python_up"),
+    ("import ipykernel", "ipykernel_imported"),
+    ("IPKernelApp set-up, import of the magics (torch)", "magics_imported"),
+    ("process group (torch.distributed rendezvous)", "process_group_up"),
+    ("followers connected (their start, hello)", "ranks_connected"),
+]
+
+
+def startup_parts(marks_file: Path, t0_wall: float, end_wall: float) -> list[tuple[str, float]]:
+    """Rank 0's start-up split at the marks the ranks wrote (``SHARDBOOK_STARTUP_MARKS``), in seconds.
+
+    ``t0_wall``: when ``start_kernel`` was called; ``end_wall``: when the first broadcast cell's reply
+    came. Each part runs from the mark before to its own; the last, to ``end_wall``.
+    """
+    marks: dict[str, float] = {}
+    for line in marks_file.read_text().splitlines() if marks_file.exists() else []:
+        rank, name, at = line.split()
+        if rank == "0":
+            marks.setdefault(name, float(at))
+    parts, before = [], t0_wall
+    for label, name in STARTUP_STEPS:
+        if name in marks:
+            parts.append((label, marks[name] - before))
+            before = marks[name]
+    parts.append(("kernel ready, first %%all cell", end_wall - before))
+    return parts
+
+
 class Live:
     """One running kernel of one system."""
 
@@ -517,10 +547,12 @@ class Live:
 
     def start(self, startup_timeout: float) -> dict:
         """Start, run the start-up cells and the first broadcast; return timings."""
-        t0 = time.perf_counter()
+        t0, t0_wall = time.perf_counter(), time.time()
+        marks = self.log.with_suffix(".marks")
+        marks.unlink(missing_ok=True)
         self.km = KernelManager(kernel_name=self.kernel_name)
         with open(self.log, "ab") as fh:  # kernel stdout/stderr (the child keeps its own fd)
-            self.km.start_kernel(stdout=fh, stderr=fh)
+            self.km.start_kernel(stdout=fh, stderr=fh, env={**os.environ, "SHARDBOOK_STARTUP_MARKS": str(marks)})
         self.kc = self.km.client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=startup_timeout)
@@ -528,7 +560,8 @@ class Live:
         for cell in self.system.startup_cells:
             run_ok(self.kc, cell, startup_timeout, self.system.error_re)
         run_ok(self.kc, self.system.broadcast(CELL_EMPTY), startup_timeout, self.system.error_re)
-        return {"startup": time.perf_counter() - t0, "ready": t_ready}
+        parts = startup_parts(marks, t0_wall, time.time()) if marks.exists() else []
+        return {"startup": time.perf_counter() - t0, "ready": t_ready, "parts": parts}
 
     def prepare(self) -> None:
         for cell in self.system.rank_cells:
@@ -680,6 +713,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"(kernel_info ready {t['ready']:.2f} s)",
                     flush=True,
                 )
+                for label, seconds in t["parts"]:
+                    print(f"      {seconds:6.2f} s  {label}", flush=True)
             except Exception as e:
                 start_fails.setdefault(s.key, []).append(str(e))
                 print(f"  FAIL {s.key} start {rep + 1}: {e}\n{live.log_tail()}", flush=True)

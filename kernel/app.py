@@ -14,6 +14,7 @@ import sys
 from typing import NoReturn
 
 from shardbook.rankd.control.lifetime import die_with_parent, exit_with_launcher
+from shardbook.rankd.control.startup_marks import mark, mark_process_start
 from shardbook.rankd.control.world import JobShape
 
 
@@ -29,6 +30,8 @@ def connection_file_from(argv: list[str]) -> str | None:
 def launch_kernel(argv: list[str]) -> None:
     """Rank 0: an ipykernel whose shell loads ``shardbook.magics`` (which connects the pool)."""
     from ipykernel.kernelapp import IPKernelApp
+
+    mark("ipykernel imported")
 
     die_with_parent()
     exit_with_launcher()
@@ -60,6 +63,8 @@ def exit_without_teardown() -> NoReturn:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    mark_process_start()
+    mark("python up")
     if JobShape.from_env().rank == 0:
         launch_kernel(argv)
         return 0

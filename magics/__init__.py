@@ -21,7 +21,9 @@ def load_ipython_extension(shell) -> None:
     from shardbook.magics.inspection import InspectionMagics
     from shardbook.magics.loading import LoadMagics
     from shardbook.magics.serve import ServeMagics
+    from shardbook.rankd.control.startup_marks import mark
 
+    mark("magics imported")
     shell.register_magics(RankMagics)
     shell.register_magics(LoadMagics)
     shell.register_magics(ChatMagics)
@@ -38,6 +40,7 @@ def load_ipython_extension(shell) -> None:
 
             announce_on_connect(kernel, str(e))
     else:
+        mark("ranks connected")
         from shardbook.magics.interrupts import install_interrupt_hook
 
         install_interrupt_hook(shell, runtime.generation_queue)

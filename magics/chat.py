@@ -123,6 +123,8 @@ class ChatMagics(Magics):
                 for chunk in stream:
                     view.add(chunk)
             except GenerationFailed as e:
+                if stream.stopped and stream.response is not None:  # the partial reply happened: keep the turn
+                    self.conversation.add_turn(text, stream.response.text, stream.response.finish_reason)
                 view.fail("a rank failed")
                 raise_for_outcome(e.outcome)
             except PoolError as e:

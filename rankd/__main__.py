@@ -15,6 +15,7 @@ import sys
 
 from shardbook.rankd.control import protocol
 from shardbook.rankd.control.lifetime import die_with_parent, exit_with_launcher
+from shardbook.rankd.control.startup_marks import mark
 from shardbook.rankd.control.world import JobShape, StartupAbandoned
 
 
@@ -52,8 +53,10 @@ def follower_main(connection_file: str | None = None, key_file: str | None = Non
     die_with_parent()
     exit_with_launcher()
     key, scheme = control_key(connection_file, key_file)
+    mark("imported")
     try:
         world = init_world(shape=shape)
+        mark("process group up")
     except StartupAbandoned as e:  # exit status 0: torchrun must not end the kernel, which reports the failure
         logging.getLogger(__name__).error("rank %d leaves: %s", shape.rank, e)
         return 0

@@ -239,9 +239,16 @@ class ChatStream:
         ) from None
 
     def _finish(self, outcome: Outcome) -> None:
+        own = outcome.replies.get(0, {})
+        if own.get("status") == "ok":  # rank 0's reply, even when another rank failed: a stopped turn keeps it
+            self.response = ChatResponse.from_result(own["value"])
         if not outcome.ok:
             raise GenerationFailed(outcome)
-        self.response = ChatResponse.from_result(outcome.replies[0]["value"])
+
+    @property
+    def stopped(self) -> bool:
+        """Whether :meth:`stop` was called (the stop button, a client gone, the consumer left early)."""
+        return self._stopped
 
     def wait(self) -> ChatResponse:
         """The finished reply; an interrupt meanwhile stops it (the partial reply is returned)."""

@@ -11,9 +11,11 @@ STEP_LABELS = {
     "shard": "sharding layers",
     "read": "reading weights",
     "finalise": "finishing",
+    "warm-up": "warming up (gathering every layer)",
 }
-STEP_SHARES = {"config": 15, "skeleton": 10, "shard": 20, "read": 45, "finalise": 10}
-"""Each step's share of the bar, in percent and in the order the steps run (from measured load times)."""
+STEP_SHARES = {"config": 15, "skeleton": 10, "shard": 20, "read": 45, "finalise": 10, "warm-up": 0}
+"""Each step's share of the bar, in percent and in the order the steps run (from measured load times); the
+warm-up forward (gather only) is shown at 100%, as the load's last step."""
 
 
 class TextProgress:

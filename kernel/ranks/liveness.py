@@ -33,6 +33,8 @@ class RankState:
     silent_s: float = 0.0
     said_silent: bool = False
     memory: dict[str, int] = field(default_factory=dict)
+    running: list[str] = field(default_factory=list)
+    """The user functions the rank runs inside a command (heartbeats say), e.g. an intervention."""
     dead_reason: str | None = None
     local: bool = False
 

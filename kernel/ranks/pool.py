@@ -23,7 +23,7 @@ import zmq
 
 from shardbook.kernel.ranks.liveness import SILENT_S, RankState, judge, ranks_health
 from shardbook.rankd import commands  # noqa: F401  (fills the command table rank 0 dispatches from)
-from shardbook.rankd.control import protocol, text
+from shardbook.rankd.control import protocol, text, user_calls
 from shardbook.rankd.control.channel import Channel, MessageTooLarge, control_socket, log_to_process_stderr
 from shardbook.rankd.control.dispatch import STOPPED_BY_EVENT, RankContext, dispatch
 from shardbook.rankd.control.heartbeat import ECHO_KEY, PINGER_KEY, Echo, Pinger, heartbeat_socket
@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 INTERRUPT_GRACE_S = float(os.environ.get("SHARDBOOK_INTERRUPT_GRACE", "3"))
 STRAGGLER_NOTICE_S = 3.0
+STOPPED_FINISH_S = float(os.environ.get("SHARDBOOK_STOPPED_FINISH", "60"))
+"""How long followers of a stopped command may take to reply once rank 0's part ended well (`_after_interrupt`)."""
 
 OnOutput = Callable[[int, str, dict[str, Any]], None]
 OnNotice = Callable[[str], None]
@@ -156,6 +158,7 @@ class Pool:
                 self._on_hello(state, message.payload)
             elif message.type == protocol.HEARTBEAT:
                 state.memory = message.payload.get("memory", {})
+                state.running = message.payload.get("running", [])
             elif message.type == protocol.DONE:
                 self._record_reply(message.id, message.rank, message.payload)
                 return
@@ -332,8 +335,25 @@ class Pool:
     def _after_interrupt(self, command: Command, timed_out: bool) -> Outcome:
         """Give interrupted ranks a short grace to report, then report the ones still stuck."""
         command.done.wait(INTERRUPT_GRACE_S)
+        if not command.done.is_set() and command.kind in STOPPED_BY_EVENT and self._own_part_ok(command):
+            # rank 0 stopped with the others, past their last collective together: the followers only finish
+            # their step and reply, which with a slow step or a busy machine can take longer than the grace
+            deadline = time.monotonic() + STOPPED_FINISH_S
+            while not command.done.wait(0.05) and time.monotonic() < deadline:
+                if any(self.ranks[r].dead_reason for r in command.pending):
+                    break
         stuck = command.pending
-        if stuck:
+        running = {r: self.ranks[r].running if r else user_calls.running() for r in stuck}
+        if any(running.values()):
+            where = "; ".join(f"rank {r} runs {', '.join(what)}" for r, what in running.items() if what)
+            others = [r for r, what in running.items() if not what]
+            command.on_notice(
+                f"ranks {_ranks(stuck)} did not stop within {INTERRUPT_GRACE_S:.0f} s of the interrupt: {where}, "
+                "a user function that did not return to Python when interrupted (a blocking call in C); "
+                + (f"ranks {_ranks(others)} wait for it in a collective. " if others else "")
+                + "They stop when it returns; interrupt again, or restart the kernel if it never does."
+            )
+        elif stuck:
             command.on_notice(
                 f"ranks {_ranks(stuck)} did not stop within {INTERRUPT_GRACE_S:.0f} s of the interrupt: they are "
                 "probably blocked inside a collective (all_reduce, barrier, ...) that other ranks never joined. "
@@ -342,11 +362,17 @@ class Pool:
             )
         return Outcome(command, stuck=stuck, timed_out=timed_out)
 
+    def _own_part_ok(self, command: Command) -> bool:
+        with self._lock:
+            own = command.replies.get(0)
+        return 0 in command.targets and own is not None and own.get("status") == "ok"
+
     def interrupt(self, command: Command) -> None:
         """Interrupt ``command`` on every rank still running it (rank 0's part through its stop event)."""
         command.interrupted = True
         if 0 in command.pending:
             self.ctx0.stop_event.set()
+            user_calls.interrupt_calls(main_thread=False)  # one in the main thread gets the SIGINT (_SigintForwarder)
         for rank in command.pending:
             if rank != 0:
                 self._send(rank, protocol.INTERRUPT, {}, command.id)
@@ -419,8 +445,8 @@ class _SigintForwarder:
 
     def _handle(self, signum, frame):
         self.pool.interrupt(self.command)
-        if self.command.kind not in STOPPED_BY_EVENT:
-            raise KeyboardInterrupt
+        if self.command.kind not in STOPPED_BY_EVENT or user_calls.claim_main_interrupt():
+            raise KeyboardInterrupt  # the cell's code, or a user function inside the command (an intervention)
 
     def __exit__(self, *exc):
         self.command.sigint_forwarded = False

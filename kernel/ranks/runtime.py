@@ -20,6 +20,7 @@ from shardbook.kernel.ranks.generation_queue import GenerationQueue
 from shardbook.kernel.ranks.pool import Pool, PoolError
 from shardbook.rankd.control import protocol
 from shardbook.rankd.control.dispatch import RankContext
+from shardbook.rankd.control.startup_marks import mark
 from shardbook.rankd.control.world import JobShape, World, init_world
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ def start_runtime(shell: Any, key: bytes | None = None, world: World | None = No
     if shape.rank != 0:
         raise RuntimeError(f"the shardbook kernel must be rank 0, this process is rank {shape.rank}")
     world = world or init_world(shape=shape)
+    mark("process group up")
     ctx0 = RankContext(world=world, shell=shell)
     session = (
         protocol.make_session(*((key, "hmac-sha256") if key else kernel_key(shell))) if world.world_size > 1 else None

@@ -38,6 +38,8 @@ def summary_table(summary: dict[str, Any]) -> Table:
         ["decode", f"{summary['decode']} — {summary['decode_reason']}"],
         ["load time", f"{summary['load_seconds']:.2f} s"],
     ]
+    if "warm_up_s" in summary:  # gather: one forward inside the load gathered every layer
+        facts.append(["warm-up forward", f"{summary['warm_up_s']:.2f} s (every layer gathered, kept)"])
     if "replicated_param_bytes" in summary:  # the tp layout: what every rank keeps whole, and its cache per token
         facts.append(["kept whole on every rank", format_bytes(summary["replicated_param_bytes"]) + " per rank"])
         per_token = ", ".join(format_bytes(b) for b in summary["kv_cache_bytes_per_token"])

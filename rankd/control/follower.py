@@ -21,7 +21,7 @@ from typing import Any
 
 import zmq
 
-from shardbook.rankd.control import protocol
+from shardbook.rankd.control import protocol, user_calls
 from shardbook.rankd.control.capture import make_follower_shell
 from shardbook.rankd.control.channel import Channel, control_socket
 from shardbook.rankd.control.dispatch import STOPPED_BY_EVENT, RankContext, dispatch
@@ -92,12 +92,21 @@ class Follower:
             self.ctx.stop_event.set()
             if self.running_kind not in STOPPED_BY_EVENT:
                 signal.pthread_kill(self._main_thread, signal.SIGINT)
+            else:  # a user function inside the command (an intervention) may never reach the next step
+                user_calls.interrupt_calls()
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        """KeyboardInterrupt, except in a command stopped by its event outside a user function that was interrupted:
+        a late SIGINT there would make this rank leave collectives the others still run."""
+        if self.running_kind in STOPPED_BY_EVENT and not user_calls.main_call_interrupted():
+            return
+        raise KeyboardInterrupt
 
     def _on_tick(self, now: float) -> None:
         self.ctx.flush_if_due()
         if now - self._last_heartbeat >= HEARTBEAT_S:
             self._last_heartbeat = now
-            payload = {"memory": memory_in_use(self.world.device)}
+            payload = {"memory": memory_in_use(self.world.device), "running": user_calls.running()}
             self.send(protocol.HEARTBEAT, payload)
         self._pinger.tick(now, [None])
         silence = self._pinger.silence(None, now)
@@ -121,7 +130,7 @@ class Follower:
         self.channel.send(msg_type, protocol.envelope(payload, id=command_id, rank=self.world.rank))
 
     def run(self) -> None:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGINT, self._on_sigint)
         self.channel.start()
         self.send(protocol.HELLO, self.world.describe())
         while True:

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from shardbook.rankd.config.schema import InferenceConfig
+from shardbook.rankd.control import user_calls
 from shardbook.rankd.control.agreement import agree
 from shardbook.rankd.control.text import check_valid
 from shardbook.rankd.control.world import set_current_device
@@ -297,7 +298,8 @@ def generate(
     )
     with _eval_mode(model):
         worker.start()
-        output = _consume(events, on_text, stop_event, timeout_s)
+        with user_calls.serve_calls(lambda job: events.put(("call", job))):  # a follower's main thread runs them
+            output = _consume(events, on_text, stop_event, timeout_s)
     if isinstance(on_text, StopTextFilter):
         on_text.close()
     return _result(tokenizer, request, config, output, prompt_ids.shape[1], stop.fired, worker)
@@ -512,6 +514,8 @@ def _consume(
             except Exception as exc:
                 sink_error = exc
                 stop_event.set()
+        elif kind == "call":  # a user function from the forward, run here where an interrupt reaches it
+            value()
         elif kind == "error":
             raise GenerationError(f"rank {_rank()}: generation failed: {type(value).__name__}: {value}") from value
         elif kind == "done":

@@ -10,12 +10,14 @@ The function always sees the whole tensor, as under one process: under `tp`, a s
 all-gathered in the group before the call and each rank keeps its own piece of the result. The
 gather happens on every rank in every forward, whether or not the function then fails, so
 collectives stay in step, including the extra forwards `synced_gpus` runs on ranks that finished.
-A function that raises is skipped for the rest of that command on that rank, and the command
+A function that the stop button interrupts (KeyboardInterrupt raised inside it, see
+:mod:`..control.user_calls`) or that raises is skipped for the rest of that command on that rank, and the command
 then fails on that rank naming the function, the module and the cause.
 """
 
 from __future__ import annotations
 
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardbook.rankd.control import user_calls
 from shardbook.rankd.parallel.wholes import FeatureSplit, activation_split, all_gather_whole, local_part
 
 REGISTRY_ATTRIBUTE = "shardbook_interventions"
@@ -123,15 +126,23 @@ def _call(iv: Intervention, fn: Callable, module_name: str, whole: torch.Tensor)
     """`fn`'s result for `whole` (whole itself when it returns None or after a failure), never raising."""
     if iv.failure is not None:
         return whole
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    started = time.monotonic()
     try:
-        result = fn(whole, module_name)
+        result = user_calls.call(lambda: _run_user_function(iv, fn, module_name, whole))
         result = whole if result is None else result
         if not isinstance(result, torch.Tensor) or result.shape != whole.shape:
             got = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
             raise ValueError(f"it returned {got}; return a tensor of shape {tuple(whole.shape)}, or None")
         return result.to(whole.dtype)
+    except KeyboardInterrupt:  # the stop button reached the function (see user_calls): the forward goes on
+        iv.failure = (
+            f"intervention {iv.name!r} was interrupted on rank {rank} at {module_name} after "
+            f"{time.monotonic() - started:.1f} s in the function. It was skipped there for the rest of this "
+            f"command; fix it in %%all and register it again, or remove it (%intervene --remove {iv.name})."
+        )
+        return whole
     except Exception as e:
-        rank = dist.get_rank() if dist.is_initialized() else 0
         where = "".join(traceback.format_exception(e)[-3:])
         iv.failure = (
             f"intervention {iv.name!r} raised on rank {rank} at {module_name}: {type(e).__name__}: {e}. It was "
@@ -139,6 +150,11 @@ def _call(iv: Intervention, fn: Callable, module_name: str, whole: torch.Tensor)
             f"(%intervene --remove {iv.name}).\n{where}"
         )
         return whole
+
+
+def _run_user_function(iv: Intervention, fn: Callable, module_name: str, whole: torch.Tensor) -> Any:
+    with user_calls.user_call(f"intervention {iv.name!r} at {module_name}"):
+        return fn(whole, module_name)
 
 
 def _whole_then_back(

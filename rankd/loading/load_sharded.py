@@ -168,6 +168,11 @@ def _load(
     )
     if layout == "tp" and steps.ok:
         summary.update(tp_figures(model, ckpt.mesh_shape[-1]))
+    if layout == "gather" and steps.ok:  # every rank settled above: the warm-up's collectives line up
+        report("warm-up", 0, 1)
+        summary["warm_up_s"] = steps.run("warm-up", warm_up, model, ckpt, device)
+        steps.settle()
+        report("warm-up", 1, 1)
     return LoadedModel(model=model, tokenizer=ckpt.tokenizer, summary=summary)
 
 
@@ -373,6 +378,22 @@ def _finalise(model: nn.Module, ckpt: _Checkpoint, device: torch.device) -> None
         disable()
     model.config.use_cache = True
     model.generation_config = ckpt.generation_config
+
+
+def warm_up(model: nn.Module, ckpt: _Checkpoint, device: torch.device) -> float:
+    """One forward of a short input on every rank (a collective); its seconds.
+
+    Under `gather` the first forward all-gathers every layer and keeps them (reshard_after_forward
+    is off), and a first forward pays one-off costs (kernels chosen, allocator pools filled): done
+    here, inside the load, the first reply's first token comes as fast as the next reply's.
+    """
+    started = time.perf_counter()
+    token = ckpt.tokenizer.bos_token_id
+    token = ckpt.tokenizer.eos_token_id if token is None else token
+    ids = torch.full((1, 4), 0 if token is None else int(token), dtype=torch.long, device=device)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    return time.perf_counter() - started
 
 
 def _recreate_buffers(model: nn.Module, device: torch.device) -> None:

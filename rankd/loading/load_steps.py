@@ -40,6 +40,7 @@ STEP_WORDS = {
         ),
     ),
     "finalise": ("finish the model (buffers, tied weights)", "report this with the model's architecture"),
+    "warm-up": ("run one short forward (gathers every layer)", "report this with the model's architecture"),
 }
 
 

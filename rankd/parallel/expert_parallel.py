@@ -137,8 +137,39 @@ def experts_plan(name: str, experts: nn.Module, layout: ExpertLayout) -> dict[st
     }
 
 
+EXPECTED_FLAGS = {
+    "is_transposed": False,
+    "is_concatenated": True,
+    "has_bias": False,
+    "has_gate": True,
+    "has_post_expert_norm": False,
+}
+"""The expert-weight layout (transformers' ``use_experts_implementation`` flags) that :class:`ExpertParallel`'s
+forward and :func:`experts_plan`'s slices assume: gate_up_proj [experts, 2 x intermediate, hidden] as [gate; up],
+down_proj [experts, hidden, intermediate], no biases, no norm after each expert."""
+
+
+def expert_weights_problem(experts: nn.Module) -> str | None:
+    """Why ``experts`` stores its weights in a layout the expert-parallel forward does not handle, or None."""
+    odd = [
+        f"{flag}={getattr(experts, flag)}"
+        for flag, expected in EXPECTED_FLAGS.items()
+        if getattr(experts, flag, expected) != expected
+    ]
+    if not odd:
+        return None
+    return (
+        f"{type(experts).__name__} stores its expert weights with {', '.join(odd)} (transformers' flags); "
+        f"shardbook's expert parallelism assumes {', '.join(f'{k}={v}' for k, v in EXPECTED_FLAGS.items())}. "
+        "Load this model with parallel.ep_size 1 and parallel.decode gather or reshard"
+    )
+
+
 def apply_experts(experts: nn.Module, layout: ExpertLayout, rank: int, expert_group) -> None:
     """Give a fused experts module its expert-parallel forward (this rank's experts, summed over the expert set)."""
+    problem = expert_weights_problem(experts)
+    if problem is not None:  # the same on every rank: the load's settle raises it everywhere
+        raise ValueError(problem)
     ep_index, efsdp_index = layout.position(rank)
     mine = balanced_ranges(routed_experts(experts), layout.ep)[ep_index]
     cls = _expert_parallel_class(type(experts))
@@ -160,14 +191,26 @@ class ExpertParallel:
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        local = top_k_index - self.expert_start
+        """Only the experts that received tokens, with one host sync for the whole layer (the counts per expert).
+
+        The (token, k) pairs are sorted by expert (stably: token order kept, as ``torch.where`` gave it, so the
+        sums are added in the same order), and each visited expert takes its slice of them.
+        """
+        num_local, top_k = self.down_proj.shape[0], top_k_index.shape[-1]
+        flat = (top_k_index - self.expert_start).reshape(-1)
+        flat = torch.where((flat >= 0) & (flat < num_local), flat, num_local)  # other ranks' experts: one bin past
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(num_local + 1, dtype=torch.long, device=flat.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
         out = torch.zeros_like(hidden_states)
         if self.adds_identity:
             _add_identity_experts(self, out, hidden_states, top_k_index, top_k_weights)
-        for expert in range(self.down_proj.shape[0]):
-            token_idx, k_pos = torch.where(local == expert)
-            if token_idx.numel() == 0:
+        start = 0
+        for expert, n in enumerate(counts[:num_local].tolist()):  # the layer's one host sync
+            if n == 0:
                 continue
+            pairs, start = order[start : start + n], start + n
+            token_idx, k_pos = pairs // top_k, pairs % top_k
             gate_up = F.linear(hidden_states[token_idx], self.gate_up_proj[expert])
             expert_out = F.linear(_gated(self, gate_up), self.down_proj[expert])
             out.index_add_(0, token_idx, (expert_out * top_k_weights[token_idx, k_pos, None]).to(out.dtype))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import time
 
 import pytest
 
@@ -145,3 +146,49 @@ def test_share_sends_a_tensor_to_every_rank(kernel, uneven):
         "%%all\nimport torch.distributed as dist\nprint('SUM', dist.get_rank(), steer.sum().item(), steer.shape)"
     )
     assert ex.stdout().count("SUM") == 2 and "SUM 1 15.0 torch.Size([2, 3])" in ex.stdout(), ex.stdout()
+
+
+BLOCKING = """%%all
+import time, torch.distributed as dist
+def blocks_on_rank1(output, module_name):
+    if dist.get_rank() == 1:
+        time.sleep(30)
+def loops_on_rank0(output, module_name):
+    if dist.get_rank() == 0:
+        while True:
+            pass"""
+
+
+@pytest.mark.parametrize("name", ["blocks_on_rank1", "loops_on_rank0"])
+def test_the_stop_button_reaches_a_blocking_intervention(kernel, uneven, name):
+    """An intervention that sleeps (on a follower) or loops (on rank 0, in the generate thread) is interrupted
+    inside the function on its rank: the cell ends in seconds naming rank, function and module, and the next
+    cell runs at once (before, the cell said "blocked inside a collective" and the ranks stayed busy 28 s)."""
+    from tests.driver import interrupt_when
+
+    assert load(kernel, uneven, "--parallel.decode tp").status == "ok"
+    assert kernel.run(BLOCKING).status == "ok"
+    assert kernel.run(f"%intervene {name} model.layers.1.mlp").status == "ok"
+    try:
+        code = "%%chat --new --output text --max-new-tokens 50\nhello"
+
+        waited = []
+
+        def in_the_function(msg) -> bool:  # the cell is under way; 2 s later the function surely runs on its rank
+            if not waited:
+                waited.append(time.sleep(2.0))
+            return True
+
+        ex, seconds = interrupt_when(kernel, code, in_the_function, wait_s=20, timeout=60)
+        text = ex.error_text() + ex.stdout() + ex.stderr()
+        assert seconds < 8, (seconds, text)
+        rank = 1 if name == "blocks_on_rank1" else 0
+        assert f"intervention {name!r} was interrupted on rank {rank} at model.layers.1.mlp" in text, text
+        assert "blocked inside a collective" not in text, text
+    finally:
+        kernel.run("%intervene --clear", timeout=60)
+    t0 = time.monotonic()
+    after = kernel.run("%%all\nprint('ALIVE', dist.get_rank())", timeout=20)
+    assert after.status == "ok" and after.stdout().count("ALIVE") == 2, after.error_text()
+    assert time.monotonic() - t0 < 5
+    assert_usable(kernel)

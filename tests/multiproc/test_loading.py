@@ -17,7 +17,7 @@ from tests.tiny import make_tiny_llama, make_tiny_non_causal
 
 PROMPT = "What is the capital of France?"
 NUM_TOKENS = 20
-STEPS = ["config", "skeleton", "shard", "read", "finalise"]
+STEPS = ["config", "skeleton", "shard", "read", "finalise", "warm-up"]  # warm-up: under gather only
 
 
 def stand_in_config(path, *, fsdp_size=-1, dtype="float32", decode="auto", ep_size=1):
@@ -79,11 +79,18 @@ def load_and_run(rank, path, parallel: dict, dtype: str = "float32") -> dict:
         model=ModelConfig(model_name_or_path=str(path), dtype=dtype), parallel=ParallelConfig(**parallel)
     )
     steps = []
+    from torch.distributed.tensor import DTensor
+
+    from shardbook.rankd.parallel.layout import reshard_model
+
     loaded = load_sharded(config, device="cpu", progress=lambda step, done, total: steps.append((step, done, total)))
-    sharded = layout(loaded.model)  # before running: reshard_after_forward=False leaves the gathered weights registered
+    # under gather the load's warm-up forward leaves the gathered weights registered: plain tensors, whole
+    gathered = {name: not isinstance(p, DTensor) for name, p in loaded.model.named_parameters()}
+    reshard_model(loaded.model)  # back to the shards, to see the layout
+    sharded = layout(loaded.model)
     mapped = mapped_params(loaded.model, Path(path))
     outputs = run_model(loaded.model, loaded.tokenizer, synced=True)
-    return {**outputs, **sharded, "mapped": mapped, "steps": steps, "summary": loaded.summary}
+    return {**outputs, **sharded, "mapped": mapped, "steps": steps, "summary": loaded.summary, "gathered": gathered}
 
 
 def mapped_params(model, path: Path) -> dict[str, bool]:
@@ -127,6 +134,8 @@ def test_fsdp_matches_single_process(ranks, tiny, tiny_reference):
         assert summary["mesh_shape"] == [2] and summary["mesh_axes"] == ["shard"]
         assert sum(summary["local_param_bytes"]) == summary["full_param_bytes"]
         assert summary["decode"] == "gather" and "fits" in summary["decode_reason"]
+        # the first forward's all-gather of every layer happened inside the load, not in the first reply
+        assert all(result["gathered"].values()) and summary["warm_up_s"] > 0, result["gathered"]
 
 
 def test_world_of_one_rank(ranks, tiny, tiny_reference):

@@ -158,3 +158,82 @@ def test_a_missing_expert_tensor_is_named(tmp_path):
     with pytest.raises(ValueError, match=re.escape(missing)) as error:
         plan_reads(model, path)
     assert "shape" not in str(error.value)
+
+
+SYNC_OPS = ("aten::nonzero", "aten::item", "aten::_local_scalar_dense")
+"""The ops that wait for the device (the host needs a value computed there), as torch.profiler names them on CPU."""
+
+
+def count_syncs(model, step) -> tuple[int, int]:
+    """(host syncs inside the experts' forwards, MoE layers run) during ``step()``, from torch.profiler's events."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    experts = [m for name, m in model.named_modules() if name.endswith("mlp.experts")]
+    handles = []
+    for module in experts:
+
+        def enter(mod, args, kwargs=None):
+            mod._sync_probe = record_function("shardbook::experts")
+            mod._sync_probe.__enter__()
+
+        def leave(mod, args, output):
+            mod._sync_probe.__exit__(None, None, None)
+
+        handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    inside, layers = 0, 0
+    for event in prof.events():
+        if event.name == "shardbook::experts":
+            layers += 1
+        if event.name in SYNC_OPS:
+            parent = event.cpu_parent
+            while parent is not None and parent.name != "shardbook::experts":
+                parent = parent.cpu_parent
+            inside += parent is not None
+    return inside, layers
+
+
+def decode_step_syncs(rank: int, path, parallel: dict) -> tuple[int, int]:
+    from transformers import DynamicCache
+
+    from shardbook.rankd.config.schema import ModelConfig, ParallelConfig, ShardbookConfig
+    from shardbook.rankd.loading.load_sharded import load_sharded
+
+    config = ShardbookConfig(
+        model=ModelConfig(model_name_or_path=str(path), dtype="float32"), parallel=ParallelConfig(**parallel)
+    )
+    model = load_sharded(config, device="cpu").model
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)  # the prompt; then one decode step, profiled
+        return count_syncs(model, lambda: model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True))
+
+
+def test_experts_sync_with_the_host_once_per_layer(ranks, tmp_path):
+    """A decode step under expert parallelism: at most one host sync per MoE layer inside the experts' forward
+    (before: a ``torch.where`` per local expert per layer, whether it received tokens or not)."""
+    path = make_tiny_moe(tmp_path / "model", "qwen3_moe")
+    for inside, layers in ranks(decode_step_syncs, path, {"ep_size": 2}):
+        assert layers > 0 and inside <= layers, (inside, layers)
+
+
+def test_unexpected_expert_weight_layouts_are_refused():
+    """transformers' per-family flags (transposed, interleaved, bias, ...) that the expert-parallel forward does not
+    handle fail clearly instead of computing something else."""
+    from torch import nn
+
+    from shardbook.rankd.parallel.expert_parallel import expert_weights_problem
+
+    experts = nn.Module()
+    assert expert_weights_problem(experts) is None  # no flags: the layout every family had before transformers 5
+    experts.is_transposed, experts.has_bias, experts.has_gate = False, False, True
+    assert expert_weights_problem(experts) is None
+    experts.is_transposed, experts.has_bias = True, True
+    problem = expert_weights_problem(experts)
+    assert "is_transposed=True" in problem and "has_bias=True" in problem and "parallel.ep_size 1" in problem

@@ -1,0 +1,44 @@
+"""Wall-clock marks of a rank's start-up, for ``bench/bench_kernel.py``'s split of the start-up time.
+
+Only when ``SHARDBOOK_STARTUP_MARKS`` names a file: each mark appends ``rank name unix_time`` to it
+(every rank of the job appends to the same file; a line is one small write). Otherwise nothing.
+Nothing here imports more than the standard library: the marks must not cost what they measure.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+ENV = "SHARDBOOK_STARTUP_MARKS"
+
+
+def mark(name: str, at: float | None = None) -> None:
+    """Record that this rank reached ``name`` now (or at ``at``, a unix time)."""
+    path = os.environ.get(ENV)
+    if not path:
+        return
+    rank = os.environ.get("RANK", "0")
+    line = f"{rank} {name.replace(' ', '_')} {time.time() if at is None else at:.6f}\n"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def mark_process_start() -> None:
+    """Record when this process was created (from /proc), before the interpreter itself started."""
+    if not os.environ.get(ENV):
+        return
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        mark("process", boot + start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        pass
