@@ -377,6 +377,47 @@ class ChatModel:
             pass
         return stream.response
 
+    def generate_many(
+        self,
+        prompts: list[str | list[dict[str, str]]],
+        *,
+        stop: list[str] | None = None,
+        timeout_s: float | None = None,
+        **settings: Any,
+    ) -> list[Any]:
+        """Replies to many prompts (strings as user messages, or conversations), decoded together in the
+        continuous batch; each item is a :class:`~shardbook.rankd.generation.batching.SequenceResult`.
+
+        Settings are those of :meth:`chat` (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_p``,
+        ``top_k``, ``repetition_penalty``, ``seed``); a given seed seeds every prompt's own generator alike.
+        A KeyboardInterrupt stops them all (the replies so far are kept, marked interrupted).
+        """
+        from shardbook.kernel.api.batch import sequence_request, submit
+
+        requests = [sequence_request(self.runtime, p, chat=True, stop=stop, **settings) for p in prompts]
+        handles = [submit(self.runtime, r) for r in requests]
+        try:
+            return [h.wait(timeout_s) for h in handles]
+        except KeyboardInterrupt:
+            for h in handles:
+                h.stop()
+            return [h.wait(timeout_s) for h in handles]
+
+    def score(self, prompt: str, continuations: list[str], *, timeout_s: float | None = None) -> list[float]:
+        """Each continuation's log-likelihood after `prompt` (plain text, no chat template): the sum of its
+        tokens' log-probabilities, the numbers `/v1/completions` gives with `echo` and `logprobs`."""
+        from shardbook.kernel.api.batch import score_requests, submit
+
+        handles = [submit(self.runtime, r) for r in score_requests(self.runtime, prompt, continuations)]
+        scores = []
+        for handle, continuation in zip(handles, continuations):
+            result = handle.wait(timeout_s)
+            if result.error:
+                raise PoolError(f"scoring {continuation!r} failed: {result.error}")
+            n = len(self.runtime.ctx0.state["loaded"].tokenizer(continuation, add_special_tokens=False)["input_ids"])
+            scores.append(float(sum(result.prompt_logprobs[-n:])))
+        return scores
+
     async def astream_chat(self, messages: str | list[dict[str, str]], **settings: Any) -> AsyncIterator[str]:
         """Async iterator of text chunks; the reply's ``ChatResponse`` is not returned (use ``achat``)."""
         async for chunk in AsyncChatStream(self.runtime, self.build_request(messages, **settings)):

@@ -308,12 +308,19 @@ class BatchScheduler:
             self.running = True
         return handle
 
-    def run(self, model: Any, device: torch.device | str, group: Any = None) -> int:
-        """Rank 0's batch loop: plan, broadcast and run steps until nothing runs or waits; returns the steps."""
+    def run(
+        self, model: Any, device: torch.device | str, group: Any = None, stop_event: threading.Event | None = None
+    ) -> int:
+        """Rank 0's batch loop: plan, broadcast and run steps until nothing runs or waits; returns the steps.
+
+        Setting `stop_event` stops every sequence, running or waiting, at the next step.
+        """
         device = torch.device(device)
         state, rows, steps = BatchState(model, device), [], 0
         with torch.no_grad():
             while True:
+                if stop_event is not None and stop_event.is_set():
+                    self.stop_all(rows)
                 try:
                     plan, rows, joining = self._plan(rows)
                 except BaseException:
@@ -337,6 +344,13 @@ class BatchScheduler:
                     self._fail_all(rows + joining, f"{type(exc).__name__}: {exc}")
                     _broadcast(StepPlan(list(range(state.rows)), [], [], end=True), device, group)
                     raise
+
+    def stop_all(self, rows: list[_Running] = ()) -> None:
+        """Stop every running and waiting sequence."""
+        with self.lock:
+            waiting = list(self.waiting)
+        for handle in [seq.handle for seq in rows] + waiting:
+            handle.stop()
 
     # ------------------------------------------------------------------ rank 0 only
 
