@@ -42,10 +42,15 @@ def scheduler_for(runtime: Runtime) -> BatchScheduler:
     return scheduler
 
 
-def submit(runtime: Runtime, request: SequenceRequest, on_text: Callable[[str], None] | None = None) -> SequenceHandle:
+def submit(
+    runtime: Runtime,
+    request: SequenceRequest,
+    on_text: Callable[[str], None] | None = None,
+    on_done: Callable[[Any], None] | None = None,
+) -> SequenceHandle:
     """Queue one sequence in the continuous batch (starting the batch on the ranks if none runs)."""
     scheduler = scheduler_for(runtime)
-    handle = scheduler.submit(request, on_text)
+    handle = scheduler.submit(request, on_text, on_done)
     if handle.starts_loop:
         threading.Thread(target=_drive, args=(runtime, scheduler), name="shardbook-batch", daemon=True).start()
     return handle

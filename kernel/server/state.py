@@ -77,6 +77,9 @@ class ServerState:
     """A server's options, counters and replies in flight, and the model it serves (whatever is loaded now)."""
 
     def __init__(self, runtime: Runtime, options: ServeOptions):
+        from shardbook.kernel.server.metrics import Metrics
+
+        self.metrics = Metrics()
         options.check()
         self.runtime = runtime
         self.options = options

@@ -101,6 +101,8 @@ class SequenceResult:
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
     queue_s: float = 0.0
     time_to_first_token_s: float = 0.0
+    total_s: float = 0.0
+    """Seconds from submission to the end."""
     error: str | None = None
 
     @property
@@ -111,15 +113,31 @@ class SequenceResult:
 class SequenceHandle:
     """Rank 0's handle on a submitted sequence: stop it, wait for its result."""
 
-    def __init__(self, request: SequenceRequest, on_text: Callable[[str], None] | None):
+    def __init__(
+        self,
+        request: SequenceRequest,
+        on_text: Callable[[str], None] | None,
+        on_done: Callable[[SequenceResult], None] | None = None,
+    ):
         self.request = request
         self.on_text = on_text
+        self.on_done = on_done
         self.submitted_at = time.perf_counter()
         self.stop_requested = threading.Event()
         self.done = threading.Event()
         self.result: SequenceResult | None = None
         self.starts_loop = False
         """True when the submitter must start the batch loop (none was running)."""
+
+    def complete(self, result: SequenceResult) -> None:
+        """Set the result, wake the waiters and call `on_done` (whose errors are not the batch's)."""
+        self.result = result
+        self.done.set()
+        if self.on_done is not None:
+            try:
+                self.on_done(result)
+            except Exception:
+                pass
 
     def stop(self) -> None:
         """Stop this sequence: it leaves the batch at the next step; the others keep running."""
@@ -298,10 +316,15 @@ class BatchScheduler:
                 f"of {self.context} tokens"
             )
 
-    def submit(self, request: SequenceRequest, on_text: Callable[[str], None] | None = None) -> SequenceHandle:
+    def submit(
+        self,
+        request: SequenceRequest,
+        on_text: Callable[[str], None] | None = None,
+        on_done: Callable[[SequenceResult], None] | None = None,
+    ) -> SequenceHandle:
         """Queue `request`; when `handle.starts_loop`, no loop was running and the caller must start one."""
         self.check(request)
-        handle = SequenceHandle(request, on_text)
+        handle = SequenceHandle(request, on_text, on_done)
         with self.lock:
             self.waiting.append(handle)
             handle.starts_loop = not self.running
@@ -329,12 +352,14 @@ class BatchScheduler:
                     raise
                 _broadcast(plan, device, group)
                 if plan.end:
+                    self.stats["rows"] = 0
                     return steps
                 try:
                     decoded, joined = execute_step(state, plan)
                     steps += 1
                     self.stats["steps"] += 1
                     self.stats["largest_batch"] = max(self.stats["largest_batch"], state.rows)
+                    self.stats["rows"] = state.rows
                     for i, seq in enumerate(rows[: len(plan.decode)]):
                         self._advance(seq, decoded[i])
                     for seq, logits in zip(joining, joined):
@@ -367,8 +392,7 @@ class BatchScheduler:
                 handle = self.waiting[0]
                 if handle.stop_requested.is_set():  # left before it ran
                     self.waiting.pop(0)
-                    handle.result = SequenceResult([], "", "interrupted", len(handle.request.prompt_ids))
-                    handle.done.set()
+                    handle.complete(SequenceResult([], "", "interrupted", len(handle.request.prompt_ids)))
                     continue
                 if len(handle.request.prompt_ids) > budget:
                     break
@@ -475,20 +499,22 @@ class BatchScheduler:
         self._stream(seq, text, final=True)
         seq.finished = True
         now = time.perf_counter()
-        seq.handle.result = SequenceResult(
-            token_ids=list(tokens),
-            text=text,
-            finish_reason=reason,
-            prompt_tokens=len(request.prompt_ids),
-            token_logprobs=seq.token_logprobs if request.logprobs is not None else None,
-            top_logprobs=seq.top_logprobs if request.logprobs is not None else None,
-            prompt_logprobs=seq.prompt_logprobs,
-            prompt_top_logprobs=seq.prompt_top_logprobs,
-            queue_s=seq.admitted_at - seq.handle.submitted_at,
-            time_to_first_token_s=(seq.first_token_at or now) - seq.handle.submitted_at,
-            error=error,
+        seq.handle.complete(
+            SequenceResult(
+                token_ids=list(tokens),
+                text=text,
+                finish_reason=reason,
+                prompt_tokens=len(request.prompt_ids),
+                token_logprobs=seq.token_logprobs if request.logprobs is not None else None,
+                top_logprobs=seq.top_logprobs if request.logprobs is not None else None,
+                prompt_logprobs=seq.prompt_logprobs,
+                prompt_top_logprobs=seq.prompt_top_logprobs,
+                queue_s=seq.admitted_at - seq.handle.submitted_at,
+                time_to_first_token_s=(seq.first_token_at or now) - seq.handle.submitted_at,
+                total_s=now - seq.handle.submitted_at,
+                error=error,
+            )
         )
-        seq.handle.done.set()
 
     def _fail_all(self, rows: list[_Running], why: str) -> None:
         for seq in rows:
@@ -497,8 +523,7 @@ class BatchScheduler:
         with self.lock:
             waiting, self.waiting, self.running = self.waiting, [], False
         for handle in waiting:
-            handle.result = SequenceResult([], "", "error", len(handle.request.prompt_ids), error=why)
-            handle.done.set()
+            handle.complete(SequenceResult([], "", "error", len(handle.request.prompt_ids), error=why))
 
 
 def _new_running(handle: SequenceHandle) -> _Running:
