@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from shardbook.kernel.api.conversation import with_system_prompt
 from shardbook.kernel.ranks.pool import PoolError
 from shardbook.kernel.ranks.runtime import Runtime
 from shardbook.rankd.generation.batching import BatchScheduler, SequenceHandle, SequenceRequest
@@ -84,6 +85,8 @@ def sequence_request(
     tokenizer, inference = scheduler.tokenizer, state["config"].inference
     if isinstance(prompt, str) and chat:
         prompt = [{"role": "user", "content": prompt}]
+    if chat and prompt and isinstance(prompt[0], dict):  # as ChatModel.chat: the config's system prompt first
+        prompt = with_system_prompt(list(prompt), inference.system_prompt)
     if isinstance(prompt, str):
         ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
     elif prompt and isinstance(prompt[0], dict):

@@ -57,6 +57,33 @@ def main(model_dir: str) -> None:
         - sum(lp.token_logprobs[-len(tokenizer(" Paris.", add_special_tokens=False)["input_ids"]) :])
     )
 
+    chat = ChatModel(runtime)
+    many = chat.generate_many(["Hello", "What is the capital of France?"], max_new_tokens=6, do_sample=False)
+    single = [chat.chat(p, max_new_tokens=6, do_sample=False).text for p in ["Hello", "What is the capital of France?"]]
+    out["generate_many_equals_chat"] = [r.text for r in many] == single
+
+    import tempfile
+
+    from shardbook.kernel.api.batch import sequence_request
+    from shardbook.magics.generate import read_prompts, run_to_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        source, target = Path(tmp) / "in.jsonl", Path(tmp) / "out.jsonl"
+        lines = [
+            '"Hello"',
+            '{"prompt": "What is the capital of France?"}',
+            '{"messages": [{"role": "user", "content": "Hello"}]}',
+        ]
+        source.write_text("\n".join(lines) + "\n")
+        prompts = read_prompts(source)
+        run_to_file(
+            runtime,
+            [sequence_request(runtime, p, chat=True, max_new_tokens=6, do_sample=False) for p in prompts],
+            target,
+        )
+        rows = sorted((json.loads(x) for x in target.read_text().splitlines()), key=lambda r: r["index"])
+        out["generate_file"] = [r["text"] for r in rows] == [single[0], single[1], single[0]]
+
     greedy = dict(model=name, max_tokens=8, temperature=0)
     prompts = ["Hello", "What is", "Numbers: 0 1", "def add(a, b):"]
     alone = [client.completions.create(prompt=p, **greedy).choices[0].text for p in prompts]

@@ -37,6 +37,8 @@ def test_completions_over_the_batch(tmp_path: Path) -> None:
     assert found["echo_lengths"][:3] == [found["echo_lengths"][3]] * 3
     assert found["score_matches"] < 1e-4
     assert found["concurrent_equal_alone"]
+    assert found["generate_many_equals_chat"]
+    assert found["generate_file"]  # %generate's file loop
     assert found["list_prompt_n"]
     assert found["token_prompt"]
     assert found["seeded"]
