@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tornado.web
 
+from shardbook.kernel.server.batched_chat import BatchedChatCompletionsHandler
 from shardbook.kernel.server.completions import (
     ChatCompletionsHandler,
     HealthHandler,
@@ -19,7 +20,11 @@ def make_app(server: ServerState) -> tornado.web.Application:
     handlers = [
         (r"/health", HealthHandler, {"server": server}),
         (r"/v1/models", ModelsHandler, {"server": server}),
-        (r"/v1/chat/completions", ChatCompletionsHandler, {"server": server}),
+        (
+            r"/v1/chat/completions",
+            BatchedChatCompletionsHandler if server.options.batch else ChatCompletionsHandler,
+            {"server": server},
+        ),
         (r"/v1/completions", TextCompletionsHandler, {"server": server}),
         (r"/metrics", MetricsHandler, {"server": server}),
     ]

@@ -34,6 +34,9 @@ class ServeOptions:
     max_body_bytes: int = MAX_BODY_BYTES
     max_waiting: int | None = None
     """Requests that may wait for the model (429 beyond); None keeps the queue's own bound."""
+    batch: bool = False
+    """Chat completions decode together in the continuous batch (``n`` > 1 and ``logprobs`` allowed);
+    ``/v1/completions`` always does."""
 
     def check(self) -> None:
         """ValueError naming the fix when the server must not start with these options."""

@@ -124,6 +124,27 @@ def main(model_dir: str) -> None:
     )
     out["too_long"] = bad.status_code
     server.stop()
+
+    server = Server(runtime, ServeOptions(port=port, batch=True)).start()
+    messages = [[{"role": "user", "content": q}] for q in ("Hello", "What is the capital of France?", "Numbers")]
+    args = dict(model=name, max_tokens=8, temperature=0)
+    alone = [client.chat.completions.create(messages=m, **args).choices[0].message.content for m in messages]
+    with ThreadPoolExecutor(3) as pool:
+        together = list(
+            pool.map(lambda m: client.chat.completions.create(messages=m, **args).choices[0].message.content, messages)
+        )
+    out["chat_concurrent_equal_alone"] = together == alone
+    out["chat_equals_single_path"] = alone[0] == chat.chat("Hello", max_new_tokens=8, do_sample=False).text
+    two = client.chat.completions.create(messages=messages[0], n=2, logprobs=True, top_logprobs=2, **args)
+    content = two.choices[0].logprobs.content
+    out["chat_n_logprobs"] = (
+        len(two.choices) == 2
+        and two.choices[1].message.content == alone[0]
+        and all(abs(c.logprob - c.top_logprobs[0].logprob) < 1e-6 for c in content)
+    )
+    streamed = client.chat.completions.create(messages=messages[1], stream=True, **args)
+    out["chat_stream_equal"] = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == alone[1]
+    server.stop()
     print(json.dumps(out))
 
 

@@ -46,3 +46,5 @@ def test_completions_over_the_batch(tmp_path: Path) -> None:
     assert set(found["statuses"]) <= {200, 429} and found["answered"] >= 1
     assert found["metrics"]
     assert found["too_long"] == 400
+    assert found["chat_concurrent_equal_alone"] and found["chat_equals_single_path"]  # %serve --batch
+    assert found["chat_n_logprobs"] and found["chat_stream_equal"]
