@@ -1,7 +1,7 @@
 """Continuous batching on two gloo ranks: rank 0 plans every step, the follower executes the broadcast plans.
 
 Every reply decoded in a batch must equal the reply the same request gets alone (greedy, float32),
-under `gather`, `tp`, and `tp` with experts on a tiny MoE.
+under `gather`, `reshard`, `tp`, and `tp` with experts on a tiny MoE.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def moe_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_moe(tmp_path_factory.mktemp("moe") / "model", "qwen3_moe")
 
 
-@pytest.fixture(scope="module", params=["gather", "tp", "tp+ep"])
+@pytest.fixture(scope="module", params=["gather", "reshard", "tp", "tp+ep"])
 def batch_ranks(request: pytest.FixtureRequest, llama_path: Path, moe_path: Path, tmp_path_factory):
     path = moe_path if request.param == "tp+ep" else llama_path
     ranks = Ranks(
