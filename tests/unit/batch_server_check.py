@@ -125,6 +125,23 @@ def main(model_dir: str) -> None:
     out["too_long"] = bad.status_code
     server.stop()
 
+    server = Server(runtime, ServeOptions(port=port, max_waiting=2)).start()
+    with ThreadPoolExecutor(64) as pool:
+        codes = list(
+            pool.map(
+                lambda i: requests.post(
+                    f"http://127.0.0.1:{port}/v1/completions",
+                    json={"model": name, "prompt": f"Numbers {i}", "max_tokens": 12, "temperature": 0},
+                    timeout=240,
+                ).status_code,
+                range(200),
+            )
+        )
+    out["burst_statuses"] = sorted(set(codes))
+    out["burst_answered"] = codes.count(200)
+    out["burst_refused"] = codes.count(429)
+    server.stop()
+
     server = Server(runtime, ServeOptions(port=port, batch=True)).start()
     messages = [[{"role": "user", "content": q}] for q in ("Hello", "What is the capital of France?", "Numbers")]
     args = dict(model=name, max_tokens=8, temperature=0)
