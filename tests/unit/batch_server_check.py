@@ -61,6 +61,13 @@ def main(model_dir: str) -> None:
     many = chat.generate_many(["Hello", "What is the capital of France?"], max_new_tokens=6, do_sample=False)
     single = [chat.chat(p, max_new_tokens=6, do_sample=False).text for p in ["Hello", "What is the capital of France?"]]
     out["generate_many_equals_chat"] = [r.text for r in many] == single
+    joined = chat.chat("Hello", batch=True, max_new_tokens=6, do_sample=False, want_scores=True)
+    sampled_twice = [chat.chat("Hello", batch=True, max_new_tokens=6, do_sample=True, seed=3).text for _ in range(2)]
+    out["batch_chat"] = (
+        joined.text == single[0]
+        and joined.generated_tokens == len(joined.scores)
+        and sampled_twice[0] == sampled_twice[1]
+    )
 
     import tempfile
 
@@ -129,11 +136,13 @@ def main(model_dir: str) -> None:
     with ThreadPoolExecutor(64) as pool:
         codes = list(
             pool.map(
-                lambda i: requests.post(
-                    f"http://127.0.0.1:{port}/v1/completions",
-                    json={"model": name, "prompt": f"Numbers {i}", "max_tokens": 12, "temperature": 0},
-                    timeout=240,
-                ).status_code,
+                lambda i: (
+                    requests.post(
+                        f"http://127.0.0.1:{port}/v1/completions",
+                        json={"model": name, "prompt": f"Numbers {i}", "max_tokens": 12, "temperature": 0},
+                        timeout=240,
+                    ).status_code
+                ),
                 range(200),
             )
         )

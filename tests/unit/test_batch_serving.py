@@ -38,6 +38,7 @@ def test_completions_over_the_batch(tmp_path: Path) -> None:
     assert found["score_matches"] < 1e-4
     assert found["concurrent_equal_alone"]
     assert found["generate_many_equals_chat"]
+    assert found["batch_chat"]  # ChatModel.chat(batch=True), as %%chat --batch
     assert found["generate_file"]  # %generate's file loop
     assert found["list_prompt_n"]
     assert found["token_prompt"]
