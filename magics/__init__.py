@@ -18,6 +18,7 @@ def load_ipython_extension(shell) -> None:
     from shardbook.magics.cells import RankMagics
     from shardbook.magics.chat import ChatMagics
     from shardbook.magics.errors import RankError, show_rank_error
+    from shardbook.magics.generate import GenerateMagics
     from shardbook.magics.inspection import InspectionMagics
     from shardbook.magics.loading import LoadMagics
     from shardbook.magics.serve import ServeMagics
@@ -27,6 +28,7 @@ def load_ipython_extension(shell) -> None:
     shell.register_magics(RankMagics)
     shell.register_magics(LoadMagics)
     shell.register_magics(ChatMagics)
+    shell.register_magics(GenerateMagics)
     shell.register_magics(ServeMagics)
     shell.register_magics(InspectionMagics)
     shell.set_custom_exc((RankError,), show_rank_error)

@@ -55,6 +55,7 @@ class ChatMagics(Magics):
     )
     @argument_group("conversation")
     @argument("--new", action="store_true", help="start a new conversation with this message")
+    @argument("--batch", action="store_true", help="join the continuous batch (decode with other requests)")
     @argument("--system", metavar="TEXT", help="set the system prompt (kept for later turns)")
     @argument("--reset", action="store_true", help="(line magic) forget the conversation")
     @argument("--history", action="store_true", help="(line magic) show the conversation")
@@ -98,7 +99,14 @@ class ChatMagics(Magics):
 
     def _reply(self, text: str, args):
         # imported on first use: it brings in transformers, which the kernel's start need not wait for
-        from shardbook.kernel.api.chat import SETTINGS, ChatModel, ChatStream, GenerationFailed, sigint_calls
+        from shardbook.kernel.api.chat import (
+            SETTINGS,
+            BatchChatStream,
+            ChatModel,
+            ChatStream,
+            GenerationFailed,
+            sigint_calls,
+        )
 
         try:
             runtime = get_runtime(self.shell)
@@ -114,7 +122,10 @@ class ChatMagics(Magics):
         use_widget = args.output == "widget" or (args.output is None and widgets_available(self.shell))
         view = WidgetChatView() if use_widget else TextChatView()
         relay = RankRelay(frontend_for(self.shell), label_ranks=True)
-        stream = ChatStream(runtime, request, on_notice=relay.notice, start=False)
+        if getattr(args, "batch", False):
+            stream = BatchChatStream(runtime, request, on_notice=relay.notice, start=False)
+        else:
+            stream = ChatStream(runtime, request, on_notice=relay.notice, start=False)
         # from the start of the command until its reply is in the history, the stop button only stops
         # the reply: a KeyboardInterrupt elsewhere would end the cell with the ranks still generating
         with sigint_calls(stream.stop):

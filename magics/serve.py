@@ -21,6 +21,7 @@ class ServeMagics(Magics):
     @argument("--api-key", help="key clients must send as 'Authorization: Bearer KEY'")
     @argument("--api-key-file", help="file whose first line is the API key")
     @argument("--max-waiting", type=int, help="requests that may wait for the model before 429 (default 16)")
+    @argument("--batch", action="store_true", help="chat completions decode together (continuous batching)")
     @argument("--stop", action="store_true", help="stop the server")
     @argument("--status", action="store_true", help="show the URL, the queue, requests served and errors")
     @line_magic("serve")
@@ -60,7 +61,9 @@ class ServeMagics(Magics):
         try:
             key = read_api_key(args.api_key, args.api_key_file)
             port = DEFAULT_PORT if args.port is None else args.port
-            options = ServeOptions(host=args.host, port=port, api_key=key, max_waiting=args.max_waiting)
+            options = ServeOptions(
+                host=args.host, port=port, api_key=key, max_waiting=args.max_waiting, batch=args.batch
+            )
             server = Server(runtime, options).start()
         except ValueError as e:
             raise UsageError(str(e)) from e

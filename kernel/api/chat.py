@@ -327,6 +327,108 @@ class AsyncChatStream(ChatStream):
                 self.stop()
 
 
+class BatchChatStream:
+    """A chat reply that joins the continuous batch (``%%chat --batch``, ``ChatModel.stream_chat(batch=True)``):
+    iterate for text chunks; ``response`` is set once it is finished; :meth:`stop` stops it alone, the other
+    sequences of the batch keep running. Same interface as :class:`ChatStream` for the views."""
+
+    def __init__(self, runtime: Runtime, request: GenerationRequest, on_notice=None, *, start: bool = True):
+        self.runtime = runtime
+        self.request = request
+        self.response: ChatResponse | None = None
+        self.handle: Any = None
+        self._events: queue.Queue = queue.Queue()
+        self._stopped = False
+        if start:
+            self.start()
+
+    def start(self) -> BatchChatStream:
+        from shardbook.kernel.api.batch import scheduler_for, sequence_request, submit
+
+        if self.handle is not None:
+            return self
+        r = self.request
+        sequence = sequence_request(
+            self.runtime,
+            r.messages,
+            chat=False,
+            stop=r.stop,
+            max_new_tokens=r.max_new_tokens,
+            do_sample=r.do_sample,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            repetition_penalty=r.repetition_penalty,
+            seed=r.seed,
+        )
+        if r.want_scores:
+            sequence = type(sequence)(**{**sequence.__dict__, "logprobs": 5})
+        scheduler_for(self.runtime).check(sequence)
+        self.handle = submit(
+            self.runtime,
+            sequence,
+            on_text=lambda text: self._events.put(("text", text)),
+            on_done=lambda result: self._events.put(("done", result)),
+        )
+        if self._stopped:
+            self.handle.stop()
+        return self
+
+    def stop(self) -> None:
+        self._stopped = True
+        if self.handle is not None:
+            self.handle.stop()
+
+    def __iter__(self) -> Iterator[str]:
+        self.start()
+        while True:
+            kind, value = self._events.get()
+            if kind == "text":
+                yield value
+                continue
+            if value.finish_reason == "error":
+                raise PoolError(f"the batch failed: {value.error}")
+            self.response = self._response(value)
+            return
+
+    def wait(self) -> ChatResponse:
+        for _ in self:
+            pass
+        return self.response
+
+    def _response(self, result: Any) -> ChatResponse:
+        import math
+
+        tokenizer = self.runtime.ctx0.state["loaded"].tokenizer
+        decoding_s = result.total_s - result.time_to_first_token_s
+        scores = None
+        if self.request.want_scores and result.token_logprobs is not None:
+            scores = []
+            for token_id, logprob, top in zip(result.token_ids, result.token_logprobs, result.top_logprobs):
+                alternatives = [
+                    {"token_id": k, "text": tokenizer.decode([k]), "prob": math.exp(v)} for k, v in top.items()
+                ]
+                scores.append(
+                    {
+                        "token_id": token_id,
+                        "text": tokenizer.decode([token_id]),
+                        "prob": math.exp(logprob),
+                        "alternatives": alternatives,
+                    }
+                )
+        n = result.generated_tokens
+        return ChatResponse(
+            text=result.text,
+            prompt_tokens=result.prompt_tokens,
+            generated_tokens=n,
+            finish_reason=result.finish_reason,
+            time_to_first_token_s=result.time_to_first_token_s,
+            tokens_per_s=(n - 1) / decoding_s if n > 1 and decoding_s > 0 else 0.0,
+            seed=self.request.seed,
+            scores=scores,
+        )
+
+
 class ChatModel:
     """Chat with the model loaded by ``%load_sharded``, from notebook code or a server.
 
@@ -371,11 +473,16 @@ class ChatModel:
         given = {k: v for k, v in settings.items() if v is not None}
         return GenerationRequest(messages=list(messages), stop=list(stop or []), **{**defaults, **given}).with_seed()
 
-    def stream_chat(self, messages: str | list[dict[str, str]], *, on_notice=None, **settings: Any) -> ChatStream:
+    def stream_chat(
+        self, messages: str | list[dict[str, str]], *, on_notice=None, batch: bool = False, **settings: Any
+    ) -> ChatStream | BatchChatStream:
+        """A streamed reply; with ``batch=True`` it joins the continuous batch (decoded with other requests)."""
+        if batch:
+            return BatchChatStream(self.runtime, self.build_request(messages, **settings), on_notice)
         return ChatStream(self.runtime, self.build_request(messages, **settings), on_notice)
 
-    def chat(self, messages: str | list[dict[str, str]], **settings: Any) -> ChatResponse:
-        return self.stream_chat(messages, **settings).wait()
+    def chat(self, messages: str | list[dict[str, str]], *, batch: bool = False, **settings: Any) -> ChatResponse:
+        return self.stream_chat(messages, batch=batch, **settings).wait()
 
     async def achat(self, messages: str | list[dict[str, str]], **settings: Any) -> ChatResponse:
         """``chat`` without blocking the caller's event loop (the ranks are driven from a worker thread)."""
@@ -383,6 +490,47 @@ class ChatModel:
         async for _ in stream:
             pass
         return stream.response
+
+    def generate_many(
+        self,
+        prompts: list[str | list[dict[str, str]]],
+        *,
+        stop: list[str] | None = None,
+        timeout_s: float | None = None,
+        **settings: Any,
+    ) -> list[Any]:
+        """Replies to many prompts (strings as user messages, or conversations), decoded together in the
+        continuous batch; each item is a :class:`~shardbook.rankd.generation.batching.SequenceResult`.
+
+        Settings are those of :meth:`chat` (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_p``,
+        ``top_k``, ``repetition_penalty``, ``seed``); a given seed seeds every prompt's own generator alike.
+        A KeyboardInterrupt stops them all (the replies so far are kept, marked interrupted).
+        """
+        from shardbook.kernel.api.batch import sequence_request, submit
+
+        requests = [sequence_request(self.runtime, p, chat=True, stop=stop, **settings) for p in prompts]
+        handles = [submit(self.runtime, r) for r in requests]
+        try:
+            return [h.wait(timeout_s) for h in handles]
+        except KeyboardInterrupt:
+            for h in handles:
+                h.stop()
+            return [h.wait(timeout_s) for h in handles]
+
+    def score(self, prompt: str, continuations: list[str], *, timeout_s: float | None = None) -> list[float]:
+        """Each continuation's log-likelihood after `prompt` (plain text, no chat template): the sum of its
+        tokens' log-probabilities, the numbers `/v1/completions` gives with `echo` and `logprobs`."""
+        from shardbook.kernel.api.batch import score_requests, submit
+
+        handles = [submit(self.runtime, r) for r in score_requests(self.runtime, prompt, continuations)]
+        scores = []
+        for handle, continuation in zip(handles, continuations):
+            result = handle.wait(timeout_s)
+            if result.error:
+                raise PoolError(f"scoring {continuation!r} failed: {result.error}")
+            n = len(self.runtime.ctx0.state["loaded"].tokenizer(continuation, add_special_tokens=False)["input_ids"])
+            scores.append(float(sum(result.prompt_logprobs[-n:])))
+        return scores
 
     async def astream_chat(self, messages: str | list[dict[str, str]], **settings: Any) -> AsyncIterator[str]:
         """Async iterator of text chunks; the reply's ``ChatResponse`` is not returned (use ``achat``)."""

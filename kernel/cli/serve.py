@@ -46,6 +46,12 @@ def add_serve_flags(parser: argparse.ArgumentParser, default=None) -> None:
     parser.add_argument(
         "--max-waiting", type=int, default=default, help="requests that may wait before 429 (default 16)"
     )
+    parser.add_argument(
+        "--batch",
+        action="store_true",
+        default=default or False,
+        help="chat completions decode together (continuous batching)",
+    )
 
 
 def add_serve_parser(sub) -> None:
@@ -78,7 +84,9 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
     if args.api_key and args.api_key_file:
         raise ValueError("give either --api-key or --api-key-file, not both")
     key = read_api_key(args.api_key, args.api_key_file) or os.environ.get(API_KEY_ENV) or None
-    options = ServeOptions(host=args.host, port=args.port, api_key=key, max_waiting=args.max_waiting)
+    options = ServeOptions(
+        host=args.host, port=args.port, api_key=key, max_waiting=args.max_waiting, batch=bool(args.batch)
+    )
     options.check()
     return options
 
@@ -99,6 +107,7 @@ def run_serve(args: argparse.Namespace) -> int:
         os.environ[API_KEY_ENV] = options.api_key  # the ranks' environment, not their argv
     flags = ["--host", options.host, "--port", str(options.port)]
     flags += ["--max-waiting", str(args.max_waiting)] if args.max_waiting is not None else []
+    flags += ["--batch"] if args.batch else []
     return launch(args, ["serve", *flags, *config_argv(args), *args.overrides], graceful_term=True)
 
 
@@ -112,6 +121,7 @@ def run_serve_slurm(args: argparse.Namespace, options: ServeOptions) -> int:
         os.environ[API_KEY_ENV] = options.api_key  # the ranks' environment, not their argv
     flags = ["--host", options.host, "--port", str(options.port)]
     flags += ["--max-waiting", str(args.max_waiting)] if args.max_waiting is not None else []
+    flags += ["--batch"] if args.batch else []
     return run_in_allocation(slurm, ["-m", "shardbook", "serve", *flags, *config_argv(args), *args.overrides])
 
 

@@ -250,17 +250,3 @@ def prompt_length(tokenizer: Any, messages: list[dict[str, str]]) -> int:
     from shardbook.rankd.generation.engine import build_prompt_ids
 
     return int(build_prompt_ids(tokenizer, messages).shape[1])
-
-
-def make_app(server: ServerState) -> tornado.web.Application:
-    handlers = [
-        (r"/health", HealthHandler, {"server": server}),
-        (r"/v1/models", ModelsHandler, {"server": server}),
-        (r"/v1/chat/completions", ChatCompletionsHandler, {"server": server}),
-    ]
-    return tornado.web.Application(
-        handlers,
-        default_handler_class=NotFoundHandler,
-        default_handler_args={"server": server},
-        log_function=lambda handler: None,
-    )

@@ -67,7 +67,8 @@ class Server(ServerState):
         from tornado.httpserver import HTTPServer
         from tornado.netutil import bind_sockets
 
-        from shardbook.kernel.server.completions import BODY_READ_LIMIT, make_app
+        from shardbook.kernel.server.app import make_app
+        from shardbook.kernel.server.completions import BODY_READ_LIMIT
 
         self._loop, self._stopping = asyncio.get_running_loop(), asyncio.Event()
         try:

@@ -34,6 +34,9 @@ class ServeOptions:
     max_body_bytes: int = MAX_BODY_BYTES
     max_waiting: int | None = None
     """Requests that may wait for the model (429 beyond); None keeps the queue's own bound."""
+    batch: bool = False
+    """Chat completions decode together in the continuous batch (``n`` > 1 and ``logprobs`` allowed);
+    ``/v1/completions`` always does."""
 
     def check(self) -> None:
         """ValueError naming the fix when the server must not start with these options."""
@@ -77,6 +80,9 @@ class ServerState:
     """A server's options, counters and replies in flight, and the model it serves (whatever is loaded now)."""
 
     def __init__(self, runtime: Runtime, options: ServeOptions):
+        from shardbook.kernel.server.metrics import Metrics
+
+        self.metrics = Metrics()
         options.check()
         self.runtime = runtime
         self.options = options

@@ -46,3 +46,30 @@ def handle_generate(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[
     )
     raise_failures(loaded.model)  # an intervention that raised during this reply fails it on that rank
     return {"status": "ok", "value": result.to_dict()}
+
+
+@handler("batch", interrupt="event")
+def handle_batch(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[str, Any]:
+    """Run the continuous batch: rank 0 plans and broadcasts each step from its scheduler, followers execute.
+
+    Rank 0's scheduler (``ctx.state["batch_scheduler"]``) holds the submitted sequences; the command ends on
+    every rank when nothing runs or waits. An interrupt stops every sequence (rank 0 decides, at its next step).
+    """
+    from shardbook.rankd.generation.batching import follow_batch
+
+    loaded = ctx.state.get("loaded")
+    if loaded is None:
+        raise ValueError(f"rank {ctx.world.rank} has no model loaded: run %load_sharded first")
+    device = next(loaded.model.parameters()).device
+    if ctx.world.rank == 0:
+        steps = ctx.state["batch_scheduler"].run(loaded.model, device, stop_event=ctx.stop_event)
+    else:
+        steps = follow_batch(loaded.model, device)
+    raise_failures_lazily(loaded.model)
+    return {"status": "ok", "value": {"steps": steps}}
+
+
+def raise_failures_lazily(model: Any) -> None:
+    from shardbook.rankd.inspection.interventions import raise_failures
+
+    raise_failures(model)

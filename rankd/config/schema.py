@@ -148,6 +148,10 @@ class InferenceConfig:
     """Seed every rank samples with; null lets rank 0 pick a fresh one for each turn."""
     system_prompt: str | None = None
     """System message put before the conversation; null sends none."""
+    max_batch_sequences: int = 8
+    """Most sequences decoded together in one batch (continuous batching); more wait for a place."""
+    max_step_tokens: int = 2048
+    """Most tokens one batch step forwards (decoding rows plus joining prompts); a longer prompt is refused."""
 
     def __post_init__(self) -> None:
         coerce_fields(self, "inference")
@@ -164,6 +168,10 @@ class InferenceConfig:
             f"inference.repetition_penalty must be > 0 (1.0 means none); got {self.repetition_penalty}",
         )
         require(self.seed is None or self.seed >= 0, f"inference.seed must be >= 0 or null; got {self.seed}")
+        require(
+            self.max_batch_sequences >= 1, f"inference.max_batch_sequences must be >= 1; got {self.max_batch_sequences}"
+        )
+        require(self.max_step_tokens >= 1, f"inference.max_step_tokens must be >= 1; got {self.max_step_tokens}")
 
 
 @dataclass

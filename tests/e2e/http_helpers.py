@@ -115,7 +115,10 @@ def assert_demo_model_replies(url: str, api_key: str = "unused") -> None:
     from openai import OpenAI
     from transformers import AutoTokenizer
 
+    from shardbook.kernel.api.configs import resolve_config
     from shardbook.kernel.api.fetch import resolve_model_path
+    from shardbook.rankd.config.parsing import load_config
+    from shardbook.rankd.generation.engine import build_prompt_ids
 
     client, model = OpenAI(base_url=url, api_key=api_key), "smollm2-135m-instruct"
     question = [{"role": "user", "content": "What is the capital of France?"}]
@@ -128,9 +131,11 @@ def assert_demo_model_replies(url: str, api_key: str = "unused") -> None:
     assert "Paris" in text
     assert joined_text([c.model_dump() for c in ask(stream=True)]) == text
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model))
-    prompt = tokenizer.apply_chat_template(question, add_generation_prompt=True, tokenize=True, return_dict=True)
+    served_config = load_config(resolve_config("demo").path)  # its system prompt applies to HTTP requests too
+    system = served_config.inference.system_prompt
+    prompt_ids = build_prompt_ids(tokenizer, [{"role": "system", "content": system}, *question])
     ended = whole.choices[0].finish_reason == "stop"  # the end-of-text token counts as generated
-    assert whole.usage.prompt_tokens == len(prompt["input_ids"])
+    assert whole.usage.prompt_tokens == prompt_ids.shape[1]
     assert whole.usage.completion_tokens == len(tokenizer(text, add_special_tokens=False)["input_ids"]) + ended
     sampled = [ask(temperature=1.0, seed=1234).choices[0].message.content for _ in range(2)]
     assert sampled[0] == sampled[1]

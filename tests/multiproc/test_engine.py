@@ -201,7 +201,9 @@ SCENARIOS: dict[str, Callable[..., dict]] = {
 class Ranks:
     """Two spawned rank processes, driven through pipes; every exchange has a deadline."""
 
-    def __init__(self, model_path: Path, workdir: Path, *, pg_timeout_s: float, layout: str = "gather"):
+    def __init__(
+        self, model_path: Path, workdir: Path, *, pg_timeout_s: float, layout: str = "gather", target: Any = None
+    ):
         context = multiprocessing.get_context("spawn")
         self.conns = []
         self.procs = []
@@ -211,7 +213,7 @@ class Ranks:
             for rank in range(WORLD_SIZE):
                 parent, child = context.Pipe()
                 proc = context.Process(
-                    target=_rank_main,
+                    target=target or _rank_main,
                     args=(rank, str(workdir / "pg-init"), str(model_path), layout, pg_timeout_s, child),
                     daemon=True,
                 )

@@ -1,0 +1,126 @@
+"""Many sequences at once from rank 0: submit to the continuous batch, and drive the ``batch`` command.
+
+The scheduler (:class:`~shardbook.rankd.generation.batching.BatchScheduler`) lives in rank 0's
+``ctx0.state`` beside the loaded model, so the ``batch`` handler finds it. A submission that finds no
+batch loop running starts one: a thread takes a turn in the generation queue (so a ``%load_sharded``
+or a single-sequence reply never interleaves with it) and runs the ``batch`` command on every rank;
+the command ends by itself when nothing runs or waits.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from shardbook.kernel.api.conversation import with_system_prompt
+from shardbook.kernel.ranks.pool import PoolError
+from shardbook.kernel.ranks.runtime import Runtime
+from shardbook.rankd.generation.batching import BatchScheduler, SequenceHandle, SequenceRequest
+from shardbook.rankd.generation.engine import build_prompt_ids
+
+BATCH_SOURCE = "batch"
+
+
+def scheduler_for(runtime: Runtime) -> BatchScheduler:
+    """Rank 0's scheduler for the model loaded now (a new one after a reload)."""
+    state = runtime.ctx0.state
+    loaded, config = state.get("loaded"), state.get("config")
+    if loaded is None or config is None:
+        raise PoolError("no model is loaded: run `%load_sharded configs/smollm2-135m.yaml` (or your config) first")
+    scheduler = state.get("batch_scheduler")
+    if scheduler is None or getattr(scheduler, "loaded", None) is not loaded:
+        context = getattr(loaded.model.config.get_text_config(), "max_position_embeddings", None)
+        scheduler = BatchScheduler(
+            loaded.tokenizer,
+            max_sequences=config.inference.max_batch_sequences,
+            max_step_tokens=config.inference.max_step_tokens,
+            context=context,
+        )
+        scheduler.loaded = loaded
+        state["batch_scheduler"] = scheduler
+    return scheduler
+
+
+def submit(
+    runtime: Runtime,
+    request: SequenceRequest,
+    on_text: Callable[[str], None] | None = None,
+    on_done: Callable[[Any], None] | None = None,
+) -> SequenceHandle:
+    """Queue one sequence in the continuous batch (starting the batch on the ranks if none runs)."""
+    scheduler = scheduler_for(runtime)
+    handle = scheduler.submit(request, on_text, on_done)
+    if handle.starts_loop:
+        threading.Thread(target=_drive, args=(runtime, scheduler), name="shardbook-batch", daemon=True).start()
+    return handle
+
+
+def _drive(runtime: Runtime, scheduler: BatchScheduler) -> None:
+    pool = runtime.pool
+    try:
+        with runtime.generation_queue.take_turn(BATCH_SOURCE) as turn:
+            turn.on_stop = scheduler.stop_all
+            outcome = pool.run("batch", {}, list(range(pool.world.world_size)), lambda *a: None, lambda text: None)
+        if not outcome.ok:
+            errors = {r: reply.get("evalue", reply.get("status")) for r, reply in outcome.replies.items()}
+            scheduler._fail_all([], f"the batch failed on the ranks: {errors or outcome.stuck}")
+    except BaseException as exc:
+        scheduler._fail_all([], f"{type(exc).__name__}: {exc}")
+
+
+def sequence_request(
+    runtime: Runtime,
+    prompt: str | list[dict[str, str]] | list[int],
+    *,
+    chat: bool,
+    stop: list[str] | None = None,
+    **settings: Any,
+) -> SequenceRequest:
+    """A request with the loaded config's defaults: a conversation (or a string, as one user message, when
+    `chat`) goes through the chat template; a string with `chat=False` is tokenized as is; ids are kept."""
+    state = runtime.ctx0.state
+    scheduler = scheduler_for(runtime)
+    tokenizer, inference = scheduler.tokenizer, state["config"].inference
+    if isinstance(prompt, str) and chat:
+        prompt = [{"role": "user", "content": prompt}]
+    if chat and prompt and isinstance(prompt[0], dict):  # as ChatModel.chat: the config's system prompt first
+        prompt = with_system_prompt(list(prompt), inference.system_prompt)
+    if isinstance(prompt, str):
+        ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    elif prompt and isinstance(prompt[0], dict):
+        ids = build_prompt_ids(tokenizer, prompt)[0].tolist()
+    else:
+        ids = list(prompt)
+    defaults = {
+        "max_new_tokens": inference.max_new_tokens,
+        "do_sample": inference.do_sample,
+        "temperature": inference.temperature,
+        "top_p": inference.top_p,
+        "top_k": inference.top_k,
+        "repetition_penalty": inference.repetition_penalty,
+        "seed": inference.seed,
+    }
+    given = {k: v for k, v in settings.items() if v is not None}
+    merged = {**defaults, **given}
+    if merged["seed"] is None:
+        merged["seed"] = secrets.randbits(63)
+    eos = scheduler.loaded.model.generation_config.eos_token_id
+    eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
+        eos_ids.append(tokenizer.eos_token_id)
+    return SequenceRequest(prompt_ids=ids, stop=list(stop or []), eos_ids=eos_ids, **merged)
+
+
+def score_requests(runtime: Runtime, prompt: str, continuations: list[str]) -> list[SequenceRequest]:
+    """One scoring request per continuation: the prompt's ids then the continuation's, encoded apart (as lm-eval)."""
+    tokenizer = scheduler_for(runtime).tokenizer
+    context = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    requests = []
+    for continuation in continuations:
+        ids = tokenizer(continuation, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise ValueError(f"the continuation {continuation!r} has no tokens")
+        requests.append(SequenceRequest(prompt_ids=context + ids, max_new_tokens=0, prompt_logprobs=True, logprobs=0))
+    return requests

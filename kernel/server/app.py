@@ -1,0 +1,36 @@
+"""The tornado application: every endpoint of the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import tornado.web
+
+from shardbook.kernel.server.batched_chat import BatchedChatCompletionsHandler
+from shardbook.kernel.server.completions import (
+    ChatCompletionsHandler,
+    HealthHandler,
+    ModelsHandler,
+    NotFoundHandler,
+)
+from shardbook.kernel.server.metrics import MetricsHandler
+from shardbook.kernel.server.state import ServerState
+from shardbook.kernel.server.text_completions import TextCompletionsHandler
+
+
+def make_app(server: ServerState) -> tornado.web.Application:
+    handlers = [
+        (r"/health", HealthHandler, {"server": server}),
+        (r"/v1/models", ModelsHandler, {"server": server}),
+        (
+            r"/v1/chat/completions",
+            BatchedChatCompletionsHandler if server.options.batch else ChatCompletionsHandler,
+            {"server": server},
+        ),
+        (r"/v1/completions", TextCompletionsHandler, {"server": server}),
+        (r"/metrics", MetricsHandler, {"server": server}),
+    ]
+    return tornado.web.Application(
+        handlers,
+        default_handler_class=NotFoundHandler,
+        default_handler_args={"server": server},
+        log_function=lambda handler: None,
+    )

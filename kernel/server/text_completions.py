@@ -1,0 +1,391 @@
+"""``POST /v1/completions`` (OpenAI's legacy completions) over the continuous batch.
+
+Every prompt (times ``n``) becomes one sequence in rank 0's batch scheduler, so concurrent requests,
+and the prompts of one request, decode together. ``echo`` with ``logprobs`` and ``max_tokens: 0`` scores
+the prompt alone (what lm-eval's log-likelihood tasks send). Log-probabilities are those of the model's
+own distribution (log-softmax of the logits, before temperature or top-p).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import tornado.web
+from tornado.iostream import StreamClosedError
+
+from shardbook.kernel.api.batch import scheduler_for, submit
+from shardbook.kernel.ranks.pool import PoolError
+from shardbook.kernel.server.completions import ApiHandler
+from shardbook.kernel.server.openai_api import ApiError, parse_stop
+from shardbook.rankd.generation.batching import BatchLimitError, SequenceRequest, SequenceResult
+
+FIELDS = {
+    "model",
+    "prompt",
+    "max_tokens",
+    "echo",
+    "logprobs",
+    "n",
+    "stop",
+    "seed",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stream",
+    "stream_options",
+    "ignore_eos",
+    "min_tokens",
+    "user",
+    "frequency_penalty",
+    "presence_penalty",
+    "best_of",
+    "repetition_penalty",
+}
+MAX_N = 16
+FINISH = {"stop": "stop", "length": "length", "interrupted": "length", "error": "error"}
+
+
+@dataclass
+class TextCompletionRequest:
+    model: str
+    prompts: list[str | list[int]]
+    max_tokens: int
+    echo: bool
+    logprobs: int | None
+    n: int
+    stop: list[str]
+    seed: int | None
+    sampling: dict[str, Any]
+    ignore_eos: bool
+    min_tokens: int
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+
+
+def parse_text_request(raw: bytes) -> TextCompletionRequest:
+    """The checked body of a ``/v1/completions`` request, or ApiError(400) naming what is wrong."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object with 'model' and 'prompt'")
+    unknown = sorted(set(body) - FIELDS)
+    if unknown:
+        raise ApiError(400, f"unsupported field '{unknown[0]}': this server does not implement it", param=unknown[0])
+    for key, harmless in (("frequency_penalty", 0), ("presence_penalty", 0), ("best_of", 1)):
+        if body.get(key) not in (None, harmless):
+            raise ApiError(400, f"unsupported value for '{key}': only {harmless} is implemented", param=key)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "'model' is required: the id that GET /v1/models lists", param="model")
+    prompts = _prompts(body.get("prompt"))
+    echo = _get(body, "echo", bool, False)
+    max_tokens = _get(body, "max_tokens", int, 16)
+    logprobs = _get(body, "logprobs", int, None)
+    if logprobs is not None and not 0 <= logprobs <= 5:
+        raise ApiError(400, f"'logprobs' must be in 0..5, got {logprobs}", param="logprobs")
+    if max_tokens < 0 or (max_tokens == 0 and not echo):
+        raise ApiError(400, "'max_tokens' must be >= 1 (0 only with 'echo')", param="max_tokens")
+    n = _get(body, "n", int, 1)
+    if not 1 <= n <= MAX_N:
+        raise ApiError(400, f"'n' must be in 1..{MAX_N}, got {n}", param="n")
+    seed = _get(body, "seed", int, None)
+    if seed is not None and not 0 <= seed < 2**63:
+        raise ApiError(400, f"'seed' must be in [0, 2**63), got {seed}", param="seed")
+    temperature = _get(body, "temperature", (int, float), 1.0)
+    if not 0 <= temperature <= 2:
+        raise ApiError(400, f"'temperature' must be in [0, 2], got {temperature}", param="temperature")
+    top_p = _get(body, "top_p", (int, float), 1.0)
+    if not 0 < top_p <= 1:
+        raise ApiError(400, f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
+    top_k = _get(body, "top_k", int, -1)
+    repetition_penalty = _get(body, "repetition_penalty", (int, float), 1.0)
+    sampling: dict[str, Any] = {"do_sample": temperature > 0, "repetition_penalty": float(repetition_penalty)}
+    if temperature > 0:
+        sampling.update(temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0))
+    stream = _get(body, "stream", bool, False)
+    options = _get(body, "stream_options", dict, {})
+    if options and not stream:
+        raise ApiError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
+    if set(options) - {"include_usage", "continuous_usage_stats"}:
+        raise ApiError(400, f"unsupported stream_options {sorted(options)}", param="stream_options")
+    if stream and (logprobs is not None or echo):
+        raise ApiError(400, "'logprobs' and 'echo' are only supported without 'stream'", param="stream")
+    min_tokens = _get(body, "min_tokens", int, 0)
+    if min_tokens < 0:
+        raise ApiError(400, f"'min_tokens' must be >= 0, got {min_tokens}", param="min_tokens")
+    return TextCompletionRequest(
+        model=model,
+        prompts=prompts,
+        max_tokens=max_tokens,
+        echo=echo,
+        logprobs=logprobs,
+        n=n,
+        stop=parse_stop(body.get("stop")),
+        seed=seed,
+        sampling=sampling,
+        ignore_eos=_get(body, "ignore_eos", bool, False),
+        min_tokens=min_tokens,
+        stream=stream,
+        include_usage=bool(options.get("include_usage")),
+        continuous_usage=bool(options.get("continuous_usage_stats")),
+    )
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    def is_ids(value: Any) -> bool:
+        return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+    if isinstance(prompt, str):
+        prompts: list[Any] = [prompt]
+    elif is_ids(prompt) and prompt:
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise ApiError(
+            400, "'prompt' must be a string, a list of strings, a list of token ids, or a list of such lists", "prompt"
+        )
+    for p in prompts:
+        if len(p) == 0:
+            raise ApiError(400, "'prompt' must not be empty", param="prompt")
+    return prompts
+
+
+def _get(body: dict[str, Any], key: str, kind: Any, default: Any) -> Any:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+        raise ApiError(400, f"'{key}' has the wrong type: {json.dumps(value)}", param=key)
+    return value
+
+
+def logprobs_body(
+    tokenizer: Any, prompt_ids: list[int], result: SequenceResult, echo: bool, text_start: int = 0
+) -> dict[str, Any]:
+    """OpenAI's legacy shape: tokens, token_logprobs, top_logprobs, text_offset (prompt tokens first with echo)."""
+    ids: list[int] = []
+    token_lp: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    if echo:
+        ids += prompt_ids
+        token_lp += result.prompt_logprobs or [None] * len(prompt_ids)
+        tops += [None if t is None else _named(tokenizer, t) for t in (result.prompt_top_logprobs or [None] * len(ids))]
+    ids += result.token_ids
+    token_lp += result.token_logprobs or []
+    tops += [_named(tokenizer, t) for t in (result.top_logprobs or [])]
+    tokens = [tokenizer.decode([i]) for i in ids]
+    offsets, at = [], text_start
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    return {"tokens": tokens, "token_logprobs": token_lp, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _named(tokenizer: Any, top: dict[int, float]) -> dict[str, float]:
+    return {tokenizer.decode([i]): lp for i, lp in top.items()}
+
+
+@tornado.web.stream_request_body
+class TextCompletionsHandler(ApiHandler):
+    def prepare(self) -> None:
+        super().prepare()
+        self.body = bytearray()
+        self.too_large = False
+        self.handles: list[Any] = []
+
+    def data_received(self, chunk: bytes) -> None:
+        if len(self.body) + len(chunk) > self.server.options.max_body_bytes:
+            self.too_large = True
+        else:
+            self.body += chunk
+
+    async def post(self) -> None:
+        try:
+            request, planned = self.plan()
+            self.check_room(len(planned))
+        except ApiError as e:
+            self.send_api_error(e)
+            return
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        metrics = getattr(self.server, "metrics", None)
+        for index, (_, sequence) in enumerate(planned):
+
+            def on_text(text: str, index: int = index) -> None:
+                loop.call_soon_threadsafe(events.put_nowait, ("text", index, text))
+
+            def on_done(result: SequenceResult, index: int = index) -> None:
+                loop.call_soon_threadsafe(events.put_nowait, ("done", index, result))
+
+            try:
+                self.handles.append(submit(self.server.runtime, sequence, on_text if request.stream else None, on_done))
+            except (BatchLimitError, ValueError, PoolError) as e:
+                for handle in self.handles:
+                    handle.stop()
+                self.send_api_error(ApiError(400, str(e)))
+                return
+        if metrics is not None:
+            metrics.submitted(len(planned), sum(len(s.prompt_ids) for _, s in planned))
+        self.server.stats.in_flight += 1
+        try:
+            await self.reply(request, planned, events, metrics)
+        finally:
+            self.server.stats.in_flight -= 1
+
+    def plan(self) -> tuple[TextCompletionRequest, list[tuple[int, SequenceRequest]]]:
+        if self.too_large:
+            raise ApiError(413, "the request body is too large", code="request_too_large")
+        request = parse_text_request(bytes(self.body))
+        self.server.served_model(request.model)
+        tokenizer = scheduler_for(self.server.runtime).tokenizer
+        eos = _eos_ids(self.server.runtime, tokenizer)
+        seed = request.seed if request.seed is not None else secrets.randbits(62)
+        planned = []
+        for p, prompt in enumerate(request.prompts):
+            ids = tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
+            if any(i >= len(tokenizer) for i in ids):
+                raise ApiError(400, "'prompt' has a token id outside the vocabulary", param="prompt")
+            for c in range(request.n):
+                try:
+                    sequence = SequenceRequest(
+                        prompt_ids=ids,
+                        max_new_tokens=request.max_tokens,
+                        seed=(seed + p * request.n + c) % 2**63,
+                        stop=request.stop,
+                        eos_ids=eos,
+                        ignore_eos=request.ignore_eos,
+                        min_tokens=request.min_tokens,
+                        logprobs=request.logprobs,
+                        prompt_logprobs=request.echo and request.logprobs is not None or request.max_tokens == 0,
+                        **request.sampling,
+                    )
+                    scheduler_for(self.server.runtime).check(sequence)
+                except (ValueError, BatchLimitError) as e:
+                    raise ApiError(400, str(e), param="prompt") from None
+                planned.append((p, sequence))
+        return request, planned
+
+    def check_room(self, count: int) -> None:
+        scheduler = scheduler_for(self.server.runtime)
+        limit = self.server.runtime.generation_queue.max_waiting + scheduler.max_sequences
+        with scheduler.lock:
+            waiting = len(scheduler.waiting)
+        if waiting + count > limit:
+            if getattr(self.server, "metrics", None) is not None:
+                self.server.metrics.error("queue_full")
+            raise ApiError(
+                429,
+                f"{waiting} sequences already wait for the batch; retry shortly",
+                code="queue_full",
+                type="rate_limit_error",
+                headers={"Retry-After": "1"},
+            )
+
+    async def reply(self, request, planned, events: asyncio.Queue, metrics) -> None:
+        completion_id, created = "cmpl-" + secrets.token_hex(12), int(time.time())
+        results: dict[int, SequenceResult] = {}
+        generated = [0] * len(planned)
+        if request.stream:
+            self.set_header("Content-Type", "text/event-stream")
+            self.set_header("Cache-Control", "no-cache")
+        try:
+            while len(results) < len(planned):
+                kind, index, value = await events.get()
+                if kind == "done":
+                    results[index] = value
+                    if metrics is not None:
+                        metrics.finished(value)
+                    if request.stream:
+                        choice = {"index": index, "text": "", "logprobs": None}
+                        choice["finish_reason"] = FINISH[value.finish_reason]
+                        self.send_chunk(completion_id, created, request, [choice], self.usage(planned, results))
+                        await self.flush()
+                elif request.stream:
+                    generated[index] += 1
+                    choice = {"index": index, "text": value, "logprobs": None, "finish_reason": None}
+                    usage = None
+                    if request.continuous_usage:
+                        prompt = sum(len(s.prompt_ids) for _, s in planned)
+                        usage = {"prompt_tokens": prompt, "completion_tokens": sum(generated)}
+                        usage["total_tokens"] = prompt + usage["completion_tokens"]
+                    self.send_chunk(completion_id, created, request, [choice], usage)
+                    await self.flush()
+        except StreamClosedError:
+            for handle in self.handles:
+                handle.stop()
+            return
+        errors = [r.error for r in results.values() if r.finish_reason == "error"]
+        if request.stream:
+            if request.include_usage:
+                body = self.chunk(completion_id, created, request, [])
+                body["usage"] = self.usage(planned, results)
+                self.write(f"data: {json.dumps(body)}\n\n")
+            self.write("data: [DONE]\n\n")
+            self.finish()
+            return
+        if errors:
+            self.send_api_error(ApiError(500, f"generation failed: {errors[0]}", type="server_error"))
+            return
+        tokenizer = scheduler_for(self.server.runtime).tokenizer
+        choices = []
+        for index, (p, sequence) in enumerate(planned):
+            result = results[index]
+            prompt = request.prompts[p]
+            prompt_text = (prompt if isinstance(prompt, str) else tokenizer.decode(prompt)) if request.echo else ""
+            choice = {"index": index, "text": prompt_text + result.text, "logprobs": None}
+            if request.logprobs is not None:
+                choice["logprobs"] = logprobs_body(tokenizer, sequence.prompt_ids, result, request.echo)
+            choice["finish_reason"] = FINISH[result.finish_reason]
+            choices.append(choice)
+        self.server.stats.served += 1
+        self.write_json(
+            {
+                "id": completion_id,
+                "object": "text_completion",
+                "created": created,
+                "model": request.model,
+                "choices": choices,
+                "usage": self.usage(planned, results),
+            }
+        )
+
+    def usage(self, planned, results: dict[int, SequenceResult]) -> dict[str, int]:
+        prompt = sum(len(s.prompt_ids) for _, s in planned)
+        completion = sum(r.generated_tokens for r in results.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def chunk(self, completion_id: str, created: int, request, choices: list) -> dict[str, Any]:
+        return {
+            "id": completion_id,
+            "object": "text_completion",
+            "created": created,
+            "model": request.model,
+            "choices": choices,
+        }
+
+    def send_chunk(self, completion_id, created, request, choices, usage=None) -> None:
+        body = self.chunk(completion_id, created, request, choices)
+        if request.continuous_usage and usage is not None:
+            body["usage"] = usage
+        self.write(f"data: {json.dumps(body)}\n\n")
+
+    def on_connection_close(self) -> None:
+        for handle in self.handles:
+            handle.stop()
+
+
+def _eos_ids(runtime: Any, tokenizer: Any) -> list[int]:
+    eos = scheduler_for(runtime).loaded.model.generation_config.eos_token_id
+    ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids

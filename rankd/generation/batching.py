@@ -1,0 +1,581 @@
+"""Continuous batching: many sequences decoded together, every rank running the same forward steps.
+
+Rank 0 owns a :class:`BatchScheduler`. Requests are submitted to it from any thread; its loop
+(:meth:`BatchScheduler.run`) decides each step's composition (which sequences leave, the token
+each remaining one feeds, which waiting requests join with their prompts) and broadcasts that
+:class:`StepPlan` to every rank, then every rank executes it with :func:`execute_step` on its
+own :class:`BatchState` (the followers in :func:`follow_batch`). Only rank 0 looks at the
+logits: it samples every sequence's next token (each request with its own seeded
+`torch.Generator`, so a sampled reply does not depend on its batch-mates), checks stop strings,
+token limits and stop requests, and streams text. Nothing a follower does depends on time,
+memory or randomness, so every rank's forwards have the same shapes by construction.
+
+The KV cache is one transformers `DynamicCache` of the running batch, left-padded: a joining
+request is prefilled alone (batch of one, its own cache), then its cache is left-padded or the
+batch's is, to the longer length, and the two are concatenated along the batch; a leaving
+sequence's row is dropped (`index_select`) and columns that are padding in every row are cut.
+Each row carries its own attention mask (0 on padding) and position ids (its own count of real
+tokens), so a row's attention sees exactly its own tokens, at its own positions.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardbook.rankd.generation.streaming import find_stop
+
+DECODE_KWARGS = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
+MAX_LOGPROBS = 5
+"""Most alternatives per token a request may ask for (OpenAI's legacy completions limit)."""
+
+
+class BatchLimitError(ValueError):
+    """A request that can never run under the batch limits (or the model's context)."""
+
+
+@dataclass(frozen=True)
+class SequenceRequest:
+    """One sequence to decode: its prompt as token ids and its own settings."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int = 16
+    """Most tokens to generate; 0 only scores the prompt (with `prompt_logprobs`)."""
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+    """Seeds this request's own generator (only used when sampling)."""
+    stop: list[str] = field(default_factory=list)
+    eos_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    """Do not end on an end-of-text token (vLLM's extension)."""
+    min_tokens: int = 0
+    """End-of-text tokens are forbidden before this many tokens (vLLM's extension)."""
+    logprobs: int | None = None
+    """Record each generated token's log-probability and this many most likely alternatives (0-5)."""
+    prompt_logprobs: bool = False
+    """Also score every prompt token after the first (`echo` with `logprobs`)."""
+
+    def __post_init__(self) -> None:
+        _check(len(self.prompt_ids) >= 1, "the prompt must have at least one token")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.prompt_ids), "prompt token ids must be ints >= 0")
+        _check(self.max_new_tokens >= 0, f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        _check(
+            self.max_new_tokens >= 1 or self.prompt_logprobs,
+            "max_new_tokens=0 only scores the prompt: ask for prompt log-probabilities (echo with logprobs)",
+        )
+        _check(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
+        _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
+        _check(
+            self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+            f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}",
+        )
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings")
+
+
+@dataclass
+class SequenceResult:
+    """What one sequence produced (rank 0 only)."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    """"stop" (end-of-text or a stop string), "length", "interrupted" (stopped) or "error"."""
+    prompt_tokens: int
+    token_logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    """Log-probability of each prompt token given those before it (None for the first)."""
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
+    queue_s: float = 0.0
+    time_to_first_token_s: float = 0.0
+    total_s: float = 0.0
+    """Seconds from submission to the end."""
+    error: str | None = None
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class SequenceHandle:
+    """Rank 0's handle on a submitted sequence: stop it, wait for its result."""
+
+    def __init__(
+        self,
+        request: SequenceRequest,
+        on_text: Callable[[str], None] | None,
+        on_done: Callable[[SequenceResult], None] | None = None,
+    ):
+        self.request = request
+        self.on_text = on_text
+        self.on_done = on_done
+        self.submitted_at = time.perf_counter()
+        self.stop_requested = threading.Event()
+        self.done = threading.Event()
+        self.result: SequenceResult | None = None
+        self.starts_loop = False
+        """True when the submitter must start the batch loop (none was running)."""
+
+    def complete(self, result: SequenceResult) -> None:
+        """Set the result, wake the waiters and call `on_done` (whose errors are not the batch's)."""
+        self.result = result
+        self.done.set()
+        if self.on_done is not None:
+            try:
+                self.on_done(result)
+            except Exception:
+                pass
+
+    def stop(self) -> None:
+        """Stop this sequence: it leaves the batch at the next step; the others keep running."""
+        self.stop_requested.set()
+
+    def wait(self, timeout: float | None = None) -> SequenceResult:
+        if not self.done.wait(timeout):
+            raise TimeoutError("the sequence did not finish in time")
+        assert self.result is not None
+        return self.result
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step as rank 0 broadcasts it: every rank executes exactly this."""
+
+    leave: list[int]
+    """Rows (of the batch before this step) that leave, dropped first."""
+    decode: list[int]
+    """The token each remaining row feeds, in row order."""
+    join: list[tuple[list[int], bool]]
+    """Prompts prefilled alone then appended as new rows, each with whether all its logits are wanted."""
+    end: bool = False
+    """The batch is empty and nothing waits: every rank leaves its loop."""
+
+
+class BatchState:
+    """One rank's view of the running batch: the cache, each row's attention mask and next position."""
+
+    def __init__(self, model: Any, device: torch.device):
+        self.model, self.device = model, torch.device(device)
+        self.cache: Any = None
+        self.mask: torch.Tensor | None = None  # (rows, columns), 1 on real tokens
+        self.next_pos: torch.Tensor | None = None  # (rows,)
+
+    @property
+    def rows(self) -> int:
+        return 0 if self.mask is None else self.mask.shape[0]
+
+    def drop(self, leave: list[int]) -> None:
+        if not leave:
+            return
+        keep = [i for i in range(self.rows) if i not in set(leave)]
+        if not keep:
+            self.cache = self.mask = self.next_pos = None
+            return
+        index = torch.tensor(keep, device=self.device)
+        self.mask, self.next_pos = self.mask[index], self.next_pos[index]
+        first = int(torch.nonzero(self.mask.sum(0))[0])  # columns that are padding in every row are cut
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(0, index)[:, :, first:]
+            layer.values = layer.values.index_select(0, index)[:, :, first:]
+        self.mask = self.mask[:, first:]
+
+    def append(self, cache: Any, length: int) -> None:
+        if self.cache is None:
+            self.cache = cache
+            self.mask = torch.ones(1, length, dtype=torch.long, device=self.device)
+            self.next_pos = torch.tensor([length], device=self.device)
+            return
+        columns = max(self.mask.shape[1], length)
+        pad_batch, pad_new = columns - self.mask.shape[1], columns - length
+        for mine, theirs in zip(self.cache.layers, cache.layers):
+            mine.keys = torch.cat([_pad_left(mine.keys, pad_batch), _pad_left(theirs.keys, pad_new)])
+            mine.values = torch.cat([_pad_left(mine.values, pad_batch), _pad_left(theirs.values, pad_new)])
+        new_mask = torch.ones(1, length, dtype=torch.long, device=self.device)
+        self.mask = torch.cat(
+            [
+                torch.nn.functional.pad(self.mask, (pad_batch, 0)),
+                torch.nn.functional.pad(new_mask, (pad_new, 0)),
+            ]
+        )
+        self.next_pos = torch.cat([self.next_pos, torch.tensor([length], device=self.device)])
+
+
+def execute_step(state: BatchState, plan: StepPlan) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """Run one step on this rank: drop the leaving rows, decode the others, prefill the joining prompts.
+
+    Returns the decode rows' next-token logits (rows, vocab) and, per join, its logits (all positions
+    when wanted, else the last one). Every rank runs this with the same plan, so the forwards match.
+    """
+    from transformers import DynamicCache
+
+    model, device = state.model, state.device
+    state.drop(plan.leave)
+    decoded = None
+    if plan.decode:
+        assert state.cache is not None and len(plan.decode) == state.rows, "the plan does not match the batch"
+        columns = state.mask.shape[1]
+        state.mask = torch.cat([state.mask, torch.ones(state.rows, 1, dtype=torch.long, device=device)], dim=1)
+        out = model(
+            input_ids=torch.tensor(plan.decode, device=device).view(-1, 1),
+            attention_mask=state.mask,
+            position_ids=state.next_pos.view(-1, 1),
+            past_key_values=state.cache,
+            use_cache=True,
+            cache_position=torch.arange(columns, columns + 1, device=device),
+        )
+        state.next_pos = state.next_pos + 1
+        decoded = out.logits[:, -1].float()
+    joined = []
+    for prompt, all_logits in plan.join:
+        ids = torch.tensor(prompt, device=device).view(1, -1)
+        cache = DynamicCache(config=model.config)
+        out = model(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            position_ids=torch.arange(ids.shape[1], device=device).view(1, -1),
+            past_key_values=cache,
+            use_cache=True,
+            cache_position=torch.arange(ids.shape[1], device=device),
+            logits_to_keep=0 if all_logits else 1,
+        )
+        _check_full_attention(cache)
+        state.append(cache, ids.shape[1])
+        joined.append(out.logits[0].float())
+    return decoded, joined
+
+
+def follow_batch(model: Any, device: torch.device | str, group: Any = None) -> int:
+    """A follower's batch loop: execute the plans rank 0 broadcasts until it says the batch ended; returns the steps."""
+    device = torch.device(device)
+    state, steps = BatchState(model, device), 0
+    with torch.no_grad():
+        while True:
+            plan = _broadcast(None, device, group)
+            if plan.end:
+                return steps
+            execute_step(state, plan)
+            steps += 1
+
+
+@dataclass
+class _Running:
+    handle: SequenceHandle
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+    next_token: int = -1
+    emitted: int = 0
+    """Characters of the reply already handed to `on_text`."""
+    finished: bool = False
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
+    first_token_at: float = 0.0
+    admitted_at: float = 0.0
+
+
+class BatchScheduler:
+    """Rank 0's side of continuous batching: the waiting requests, the running batch and its loop."""
+
+    def __init__(
+        self, tokenizer: Any, *, max_sequences: int = 8, max_step_tokens: int = 2048, context: int | None = None
+    ):
+        if max_sequences < 1 or max_step_tokens < 1:
+            raise ValueError("max_sequences and max_step_tokens must be >= 1")
+        self.tokenizer = tokenizer
+        self.max_sequences, self.max_step_tokens, self.context = max_sequences, max_step_tokens, context
+        self.lock = threading.Lock()
+        self.waiting: list[SequenceHandle] = []
+        self.running = False
+        self.stats = {"steps": 0, "largest_batch": 0}
+
+    def check(self, request: SequenceRequest) -> None:
+        """Raise :class:`BatchLimitError` if `request` could never run."""
+        n = len(request.prompt_ids)
+        if n > self.max_step_tokens:
+            raise BatchLimitError(
+                f"the prompt has {n} tokens but a step may take at most {self.max_step_tokens} "
+                "(inference.max_step_tokens): shorten the prompt or raise the limit"
+            )
+        if self.context is not None and n + max(request.max_new_tokens, 1) > self.context + 1:
+            raise BatchLimitError(
+                f"the prompt ({n} tokens) plus max_tokens ({request.max_new_tokens}) exceeds the model's context "
+                f"of {self.context} tokens"
+            )
+
+    def submit(
+        self,
+        request: SequenceRequest,
+        on_text: Callable[[str], None] | None = None,
+        on_done: Callable[[SequenceResult], None] | None = None,
+    ) -> SequenceHandle:
+        """Queue `request`; when `handle.starts_loop`, no loop was running and the caller must start one."""
+        self.check(request)
+        handle = SequenceHandle(request, on_text, on_done)
+        with self.lock:
+            self.waiting.append(handle)
+            handle.starts_loop = not self.running
+            self.running = True
+        return handle
+
+    def run(
+        self, model: Any, device: torch.device | str, group: Any = None, stop_event: threading.Event | None = None
+    ) -> int:
+        """Rank 0's batch loop: plan, broadcast and run steps until nothing runs or waits; returns the steps.
+
+        Setting `stop_event` stops every sequence, running or waiting, at the next step.
+        """
+        device = torch.device(device)
+        state, rows, steps = BatchState(model, device), [], 0
+        with torch.no_grad():
+            while True:
+                if stop_event is not None and stop_event.is_set():
+                    self.stop_all(rows)
+                try:
+                    plan, rows, joining = self._plan(rows)
+                except BaseException:
+                    _broadcast(StepPlan([], [], [], end=True), device, group)
+                    self._fail_all(rows, "the batch loop failed")
+                    raise
+                _broadcast(plan, device, group)
+                if plan.end:
+                    self.stats["rows"] = 0
+                    return steps
+                try:
+                    decoded, joined = execute_step(state, plan)
+                    steps += 1
+                    self.stats["steps"] += 1
+                    self.stats["largest_batch"] = max(self.stats["largest_batch"], state.rows)
+                    self.stats["rows"] = state.rows
+                    for i, seq in enumerate(rows[: len(plan.decode)]):
+                        self._advance(seq, decoded[i])
+                    for seq, logits in zip(joining, joined):
+                        self._prefilled(seq, logits)
+                    rows = rows + joining
+                except BaseException as exc:
+                    self._fail_all(rows + joining, f"{type(exc).__name__}: {exc}")
+                    _broadcast(StepPlan(list(range(state.rows)), [], [], end=True), device, group)
+                    raise
+
+    def stop_all(self, rows: list[_Running] = ()) -> None:
+        """Stop every running and waiting sequence."""
+        with self.lock:
+            waiting = list(self.waiting)
+        for handle in [seq.handle for seq in rows] + waiting:
+            handle.stop()
+
+    # ------------------------------------------------------------------ rank 0 only
+
+    def _plan(self, rows: list[_Running]) -> tuple[StepPlan, list[_Running], list[_Running]]:
+        leave = [i for i, seq in enumerate(rows) if seq.finished or seq.handle.stop_requested.is_set()]
+        for i in leave:
+            if not rows[i].finished:
+                self._finish(rows[i], "interrupted")
+        kept = [seq for i, seq in enumerate(rows) if i not in set(leave)]
+        joining: list[_Running] = []
+        with self.lock:
+            budget = self.max_step_tokens - len(kept)
+            while self.waiting and len(kept) + len(joining) < self.max_sequences:
+                handle = self.waiting[0]
+                if handle.stop_requested.is_set():  # left before it ran
+                    self.waiting.pop(0)
+                    handle.complete(SequenceResult([], "", "interrupted", len(handle.request.prompt_ids)))
+                    continue
+                if len(handle.request.prompt_ids) > budget:
+                    break
+                self.waiting.pop(0)
+                budget -= len(handle.request.prompt_ids)
+                joining.append(_new_running(handle))
+            end = not kept and not joining and not self.waiting
+            if end:
+                self.running = False
+        plan = StepPlan(
+            leave=leave,
+            decode=[seq.next_token for seq in kept],
+            join=[(list(s.handle.request.prompt_ids), s.handle.request.prompt_logprobs) for s in joining],
+            end=end,
+        )
+        return plan, kept, joining
+
+    def _prefilled(self, seq: _Running, logits: torch.Tensor) -> None:
+        request = seq.handle.request
+        if request.prompt_logprobs:
+            logp = torch.log_softmax(logits, dim=-1)
+            ids = torch.tensor(request.prompt_ids[1:])
+            token_lp = logp[:-1].gather(1, ids.view(-1, 1)).view(-1).tolist() if len(ids) else []
+            seq.prompt_logprobs = [None] + token_lp
+            k = request.logprobs or 0
+            tops: list[dict[int, float] | None] = [None]
+            if k and len(ids):
+                values, indices = torch.topk(logp[:-1], k, dim=-1)
+                tops += [dict(zip(i.tolist(), v.tolist())) for i, v in zip(indices, values)]
+            else:
+                tops += [{} for _ in range(len(ids))]
+            seq.prompt_top_logprobs = tops
+        if request.max_new_tokens == 0:
+            self._finish(seq, "length")
+            return
+        self._advance(seq, logits[-1])
+
+    def _advance(self, seq: _Running, logits: torch.Tensor) -> None:
+        """Pick `seq`'s next token from its logits; finish it if it is done."""
+        request = seq.handle.request
+        seq.first_token_at = seq.first_token_at or time.perf_counter()
+        scores = logits.clone()
+        if request.repetition_penalty != 1.0:
+            seen = torch.tensor(list(request.prompt_ids) + seq.tokens)
+            picked = scores[seen]
+            scores[seen] = torch.where(
+                picked < 0, picked * request.repetition_penalty, picked / request.repetition_penalty
+            )
+        if not request.ignore_eos and len(seq.tokens) < request.min_tokens and request.eos_ids:
+            scores[torch.tensor(request.eos_ids)] = float("-inf")
+        if request.do_sample:
+            token = _sample(scores, request, seq.generator)
+        else:
+            token = int(torch.argmax(scores))
+        if request.logprobs is not None:
+            logp = torch.log_softmax(logits, dim=-1)
+            seq.token_logprobs.append(float(logp[token]))
+            if request.logprobs:
+                values, indices = torch.topk(logp, request.logprobs)
+                seq.top_logprobs.append(dict(zip(indices.tolist(), values.tolist())))
+            else:
+                seq.top_logprobs.append({})
+        seq.tokens.append(token)
+        seq.next_token = token
+        if not request.ignore_eos and token in request.eos_ids:
+            self._finish(seq, "stop")
+            return
+        text = self.tokenizer.decode(seq.tokens, **DECODE_KWARGS)
+        if request.stop and find_stop(text, request.stop) is not None:
+            self._finish(seq, "stop", text)
+            return
+        if len(seq.tokens) >= request.max_new_tokens:
+            self._finish(seq, "length", text)
+            return
+        self._stream(seq, text, final=False)
+
+    def _stream(self, seq: _Running, text: str, *, final: bool) -> None:
+        if seq.handle.on_text is None:
+            return
+        end = len(text)
+        if not final:
+            while end and text[end - 1] == "\ufffd":  # an incomplete character
+                end -= 1
+            if seq.handle.request.stop:  # hold back what could start a stop string
+                end = min(end, len(text) - max(map(len, seq.handle.request.stop)) + 1)
+        if end > seq.emitted:
+            chunk, seq.emitted = text[seq.emitted : end], end
+            try:
+                seq.handle.on_text(chunk)
+            except Exception:  # a consumer that fails stops its own sequence only
+                seq.handle.stop()
+
+    def _finish(self, seq: _Running, reason: str, text: str | None = None, error: str | None = None) -> None:
+        del text  # decoded again below, without a final end-of-text token
+        request = seq.handle.request
+        tokens = seq.tokens
+        if reason == "stop" and tokens and tokens[-1] in request.eos_ids:
+            shown = tokens[:-1]
+        else:
+            shown = tokens
+        text = self.tokenizer.decode(shown, **DECODE_KWARGS)
+        cut = find_stop(text, request.stop) if request.stop else None
+        text = text[:cut]
+        self._stream(seq, text, final=True)
+        seq.finished = True
+        now = time.perf_counter()
+        seq.handle.complete(
+            SequenceResult(
+                token_ids=list(tokens),
+                text=text,
+                finish_reason=reason,
+                prompt_tokens=len(request.prompt_ids),
+                token_logprobs=seq.token_logprobs if request.logprobs is not None else None,
+                top_logprobs=seq.top_logprobs if request.logprobs is not None else None,
+                prompt_logprobs=seq.prompt_logprobs,
+                prompt_top_logprobs=seq.prompt_top_logprobs,
+                queue_s=seq.admitted_at - seq.handle.submitted_at,
+                time_to_first_token_s=(seq.first_token_at or now) - seq.handle.submitted_at,
+                total_s=now - seq.handle.submitted_at,
+                error=error,
+            )
+        )
+
+    def _fail_all(self, rows: list[_Running], why: str) -> None:
+        for seq in rows:
+            if not seq.finished:
+                self._finish(seq, "error", error=why)
+        with self.lock:
+            waiting, self.waiting, self.running = self.waiting, [], False
+        for handle in waiting:
+            handle.complete(SequenceResult([], "", "error", len(handle.request.prompt_ids), error=why))
+
+
+def _new_running(handle: SequenceHandle) -> _Running:
+    request = handle.request
+    generator = None
+    if request.do_sample:
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed(request.seed)
+    return _Running(handle=handle, generator=generator, admitted_at=time.perf_counter())
+
+
+def _sample(scores: torch.Tensor, request: SequenceRequest, generator: torch.Generator | None) -> int:
+    """Temperature, top-k, top-p (in transformers' order), then one draw from this request's own generator."""
+    scores = scores / request.temperature
+    if request.top_k:
+        kth = torch.topk(scores, min(request.top_k, scores.numel())).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if request.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=False)
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        remove = cumulative <= (1 - request.top_p)
+        remove[-1] = False
+        scores = scores.masked_fill(remove.scatter(0, order, remove), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).cpu()
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _pad_left(tensor: torch.Tensor, columns: int) -> torch.Tensor:
+    """`tensor` (batch, heads, seq, dim) with `columns` zero positions before its sequence."""
+    return torch.nn.functional.pad(tensor, (0, 0, columns, 0)) if columns else tensor
+
+
+def _check_full_attention(cache: Any) -> None:
+    from transformers.cache_utils import DynamicLayer
+
+    for layer in cache.layers:
+        if type(layer) is not DynamicLayer:
+            raise NotImplementedError(
+                f"continuous batching needs a full-attention cache on every layer; this model has "
+                f"{type(layer).__name__} layers"
+            )
+
+
+def _broadcast(plan: StepPlan | None, device: torch.device, group: Any) -> StepPlan:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        assert plan is not None
+        return plan
+    box = [plan]
+    dist.broadcast_object_list(box, src=0, group=group, device=device if device.type != "cpu" else None)
+    return box[0]
+
+
+def _check(condition: Any, message: str) -> None:
+    if not condition:
+        raise ValueError(message)

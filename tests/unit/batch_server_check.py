@@ -1,0 +1,178 @@
+"""Run by test_batch_serving.py in a process of its own (a world of one rank with a process-wide runtime):
+the HTTP server over the continuous batch, driven with the openai client. Prints one JSON line of findings."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import types
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main(model_dir: str) -> None:
+    import openai
+    import requests
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import shardbook.rankd.commands.generate  # noqa: F401  (registers the batch handler)
+    from shardbook.kernel.api.chat import ChatModel
+    from shardbook.kernel.ranks.runtime import get_runtime
+    from shardbook.kernel.server.server import Server
+    from shardbook.kernel.server.state import ServeOptions
+    from shardbook.rankd.config.schema import ModelConfig, ShardbookConfig
+
+    torch.set_num_threads(1)
+    runtime = get_runtime(shell=object())
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    runtime.ctx0.state["loaded"] = types.SimpleNamespace(model=model, tokenizer=tokenizer)
+    runtime.ctx0.state["config"] = ShardbookConfig(model=ModelConfig(model_name_or_path=model_dir, dtype="float32"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = Server(runtime, ServeOptions(port=port, max_waiting=4)).start()
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    name = Path(model_dir).name
+    out: dict = {}
+
+    prompt = "The capital of France is Paris."
+    scored = client.completions.create(model=name, prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+    lp = scored.choices[0].logprobs
+    ids = tokenizer(prompt)["input_ids"]
+    with torch.no_grad():
+        reference = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    expected = [None] + [reference[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    out["echo_text"] = scored.choices[0].text == prompt
+    out["echo_max_diff"] = max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], expected[1:]))
+    out["echo_first_none"] = lp.token_logprobs[0] is None
+    out["echo_lengths"] = [len(lp.tokens), len(lp.top_logprobs), len(lp.text_offset), len(ids)]
+    out["score_matches"] = abs(
+        ChatModel(runtime).score("The capital of France is", [" Paris."])[0]
+        - sum(lp.token_logprobs[-len(tokenizer(" Paris.", add_special_tokens=False)["input_ids"]) :])
+    )
+
+    chat = ChatModel(runtime)
+    many = chat.generate_many(["Hello", "What is the capital of France?"], max_new_tokens=6, do_sample=False)
+    single = [chat.chat(p, max_new_tokens=6, do_sample=False).text for p in ["Hello", "What is the capital of France?"]]
+    out["generate_many_equals_chat"] = [r.text for r in many] == single
+    joined = chat.chat("Hello", batch=True, max_new_tokens=6, do_sample=False, want_scores=True)
+    sampled_twice = [chat.chat("Hello", batch=True, max_new_tokens=6, do_sample=True, seed=3).text for _ in range(2)]
+    out["batch_chat"] = (
+        joined.text == single[0]
+        and joined.generated_tokens == len(joined.scores)
+        and sampled_twice[0] == sampled_twice[1]
+    )
+
+    import tempfile
+
+    from shardbook.kernel.api.batch import sequence_request
+    from shardbook.magics.generate import read_prompts, run_to_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        source, target = Path(tmp) / "in.jsonl", Path(tmp) / "out.jsonl"
+        lines = [
+            '"Hello"',
+            '{"prompt": "What is the capital of France?"}',
+            '{"messages": [{"role": "user", "content": "Hello"}]}',
+        ]
+        source.write_text("\n".join(lines) + "\n")
+        prompts = read_prompts(source)
+        run_to_file(
+            runtime,
+            [sequence_request(runtime, p, chat=True, max_new_tokens=6, do_sample=False) for p in prompts],
+            target,
+        )
+        rows = sorted((json.loads(x) for x in target.read_text().splitlines()), key=lambda r: r["index"])
+        out["generate_file"] = [r["text"] for r in rows] == [single[0], single[1], single[0]]
+
+    greedy = dict(model=name, max_tokens=8, temperature=0)
+    prompts = ["Hello", "What is", "Numbers: 0 1", "def add(a, b):"]
+    alone = [client.completions.create(prompt=p, **greedy).choices[0].text for p in prompts]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda p: client.completions.create(prompt=p, **greedy).choices[0].text, prompts))
+    out["concurrent_equal_alone"] = together == alone
+    many = client.completions.create(prompt=prompts, n=2, **greedy)
+    out["list_prompt_n"] = [c.text for c in many.choices] == [t for t in alone for _ in range(2)]
+    ids_prompt = client.completions.create(prompt=tokenizer("Hello")["input_ids"], **greedy).choices[0].text
+    out["token_prompt"] = ids_prompt == alone[0]
+    sampled = dict(model=name, prompt="Hello", max_tokens=8, temperature=1.0, seed=5)
+    first, second = (client.completions.create(**sampled).choices[0].text for _ in range(2))
+    out["seeded"] = first == second
+    stream = client.completions.create(prompt="Hello", stream=True, **greedy)
+    out["stream_equal"] = "".join(c.choices[0].text for c in stream if c.choices) == alone[0]
+
+    with ThreadPoolExecutor(16) as pool:
+        statuses = list(
+            pool.map(
+                lambda i: (
+                    requests.post(
+                        f"http://127.0.0.1:{port}/v1/completions",
+                        json={"model": name, "prompt": f"Hello {i}", "max_tokens": 4, "temperature": 0},
+                        timeout=120,
+                    ).status_code
+                ),
+                range(40),
+            )
+        )
+    out["statuses"] = sorted(set(statuses))
+    out["answered"] = statuses.count(200)
+    metrics = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    out["metrics"] = all(
+        k in metrics for k in ("shardbook_time_to_first_token_seconds_bucket", "shardbook_generation_tokens_total")
+    )
+    bad = requests.post(
+        f"http://127.0.0.1:{port}/v1/completions", json={"model": name, "prompt": "x" * 3000, "max_tokens": 1}
+    )
+    out["too_long"] = bad.status_code
+    server.stop()
+
+    server = Server(runtime, ServeOptions(port=port, max_waiting=2)).start()
+    with ThreadPoolExecutor(64) as pool:
+        codes = list(
+            pool.map(
+                lambda i: (
+                    requests.post(
+                        f"http://127.0.0.1:{port}/v1/completions",
+                        json={"model": name, "prompt": f"Numbers {i}", "max_tokens": 12, "temperature": 0},
+                        timeout=240,
+                    ).status_code
+                ),
+                range(200),
+            )
+        )
+    out["burst_statuses"] = sorted(set(codes))
+    out["burst_answered"] = codes.count(200)
+    out["burst_refused"] = codes.count(429)
+    server.stop()
+
+    server = Server(runtime, ServeOptions(port=port, batch=True)).start()
+    messages = [[{"role": "user", "content": q}] for q in ("Hello", "What is the capital of France?", "Numbers")]
+    args = dict(model=name, max_tokens=8, temperature=0)
+    alone = [client.chat.completions.create(messages=m, **args).choices[0].message.content for m in messages]
+    with ThreadPoolExecutor(3) as pool:
+        together = list(
+            pool.map(lambda m: client.chat.completions.create(messages=m, **args).choices[0].message.content, messages)
+        )
+    out["chat_concurrent_equal_alone"] = together == alone
+    out["chat_equals_single_path"] = alone[0] == chat.chat("Hello", max_new_tokens=8, do_sample=False).text
+    two = client.chat.completions.create(messages=messages[0], n=2, logprobs=True, top_logprobs=2, **args)
+    content = two.choices[0].logprobs.content
+    out["chat_n_logprobs"] = (
+        len(two.choices) == 2
+        and two.choices[1].message.content == alone[0]
+        and all(abs(c.logprob - c.top_logprobs[0].logprob) < 1e-6 for c in content)
+    )
+    streamed = client.chat.completions.create(messages=messages[1], stream=True, **args)
+    out["chat_stream_equal"] = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == alone[1]
+    server.stop()
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

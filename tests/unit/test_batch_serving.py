@@ -1,0 +1,53 @@
+"""`/v1/completions`, `/metrics` and `ChatModel.score` over the continuous batch, in a world of one rank.
+
+The server runs in a process of its own (`batch_server_check.py`), since the runtime is process-wide.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny import make_tiny_llama
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_completions_over_the_batch(tmp_path: Path) -> None:
+    pytest.importorskip("openai")
+    model = make_tiny_llama(tmp_path / "tiny", hidden_size=72, num_heads=9, num_kv_heads=3)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("batch_server_check.py")), str(model)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["echo_text"] and found["echo_first_none"]
+    assert found["echo_max_diff"] < 1e-4
+    assert found["echo_lengths"][:3] == [found["echo_lengths"][3]] * 3
+    assert found["score_matches"] < 1e-4
+    assert found["concurrent_equal_alone"]
+    assert found["generate_many_equals_chat"]
+    assert found["batch_chat"]  # ChatModel.chat(batch=True), as %%chat --batch
+    assert found["generate_file"]  # %generate's file loop
+    assert found["list_prompt_n"]
+    assert found["token_prompt"]
+    assert found["seeded"]
+    assert found["stream_equal"]
+    assert set(found["statuses"]) <= {200, 429} and found["answered"] >= 1
+    assert found["metrics"]
+    # 200 requests at once (64 in flight): each answered or refused with 429, never lost or failed
+    assert set(found["burst_statuses"]) <= {200, 429} and found["burst_answered"] + found["burst_refused"] == 200
+    assert found["too_long"] == 400
+    assert found["chat_concurrent_equal_alone"] and found["chat_equals_single_path"]  # %serve --batch
+    assert found["chat_n_logprobs"] and found["chat_stream_equal"]

@@ -1,0 +1,58 @@
+"""lm-eval's `local-completions` (log-likelihood, multiple choice) against `/v1/completions`, offline."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny import make_tiny_llama
+
+pytestmark = pytest.mark.timeout(300)
+
+TASK = """task: capitals_local
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+DOCS = [
+    {"question": "The capital of France is", "choices": ["Paris.", "Rome.", "the dog"], "answer": 0},
+    {"question": "The quick brown fox jumps over the", "choices": ["lazy dog", "capital", "42"], "answer": 0},
+    {"question": "Numbers: 0 1 2", "choices": ["3 4", "fox", "Paris"], "answer": 0},
+]
+
+
+def test_lm_eval_multiple_choice_scores_equal_chat_model_score(tmp_path: Path) -> None:
+    pytest.importorskip("lm_eval")
+    pytest.importorskip("tenacity")
+    model = make_tiny_llama(tmp_path / "tiny", hidden_size=72, num_heads=9, num_kv_heads=3)
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
+    (tasks / "capitals_local.yaml").write_text(TASK.format(data=data))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    env["HF_DATASETS_CACHE"] = str(tmp_path / "datasets")
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("lm_eval_check.py")), str(model), str(tasks)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["n"] == 3 and found["agree"]  # lm-eval's numbers are ChatModel.score's, request by request
