@@ -35,7 +35,7 @@ def handle_trace(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[str
     from shardbook.rankd.inspection.tracing import trace
 
     loaded = loaded_model(ctx)
-    return {"status": "ok", "value": trace(loaded.model, loaded.tokenizer, args)}
+    return {"status": "ok", "value": trace(loaded.model, loaded.tokenizer, args, ctx.shell.user_ns)}
 
 
 @handler("full_parameter", interrupt="event")

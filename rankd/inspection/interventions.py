@@ -94,12 +94,21 @@ def raise_failures(model: nn.Module) -> None:
         raise InterventionError(text)
 
 
-def _why_not(namespace: dict[str, Any], name: str) -> str | None:
+def agreed_function(model: nn.Module, namespace: dict[str, Any], name: str, example: str) -> Callable:
+    """The function `name` from this rank's namespace, once every rank has found one (else every rank raises)."""
+    problem = _why_not(namespace, name, example)
+    _agree(problem, model)
+    return namespace[name]
+
+
+def _why_not(
+    namespace: dict[str, Any], name: str, example: str = "(output, module_name):\n    return output * 0"
+) -> str | None:
     fn = namespace.get(name)
     if fn is None:
         return (
             f"no function named {name!r} in this rank's namespace: define it in an %%all cell first, so that every "
-            f"rank has it, e.g.\n%%all\ndef {name}(output, module_name):\n    return output * 0"
+            f"rank has it, e.g.\n%%all\ndef {name}{example}"
         )
     if not callable(fn):
         return f"{name!r} is a {type(fn).__name__}, not a function: give the name of a function defined in %%all"

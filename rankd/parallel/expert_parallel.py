@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardbook.rankd.parallel.head_split import balanced_ranges
-from shardbook.rankd.parallel.tp_modules import TPShard, all_reduce, become
+from shardbook.rankd.parallel.tp_modules import TPShard, become, copy_to_group, sum_over_group
 
 
 @dataclass(frozen=True)
@@ -151,6 +151,11 @@ class ExpertParallel:
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         local = top_k_index - self.expert_start
+        # replicated inputs to this rank's share of the experts: their gradients are summed over the set
+        hidden_states, top_k_weights = (
+            copy_to_group(hidden_states, self.tp_group),
+            copy_to_group(top_k_weights, self.tp_group),
+        )
         out = torch.zeros_like(hidden_states)
         for expert in range(self.gate_up_proj.shape[0]):
             token_idx, k_pos = torch.where(local == expert)
@@ -159,7 +164,7 @@ class ExpertParallel:
             gate, up = F.linear(hidden_states[token_idx], self.gate_up_proj[expert]).chunk(2, dim=-1)
             expert_out = F.linear(self.act_fn(gate) * up, self.down_proj[expert])
             out.index_add_(0, token_idx, (expert_out * top_k_weights[token_idx, k_pos, None]).to(out.dtype))
-        return all_reduce(out, self.tp_group)
+        return sum_over_group(out, self.tp_group)
 
 
 @cache

@@ -41,6 +41,7 @@ from shardbook.rankd.parallel.declared_plans import (
 from shardbook.rankd.parallel.expert_parallel import ExpertLayout, apply_experts, experts_plan
 from shardbook.rankd.parallel.head_split import balanced_ranges, split_mlp_rows
 from shardbook.rankd.parallel.tp_modules import (
+    ColumnParallelLinear,
     RowParallelLinear,
     TPShard,
     VocabGatheredLinear,
@@ -241,6 +242,8 @@ def _apply_tp(model: nn.Module, group: dist.ProcessGroup, rank: int, experts, ex
         module = model.get_submodule(name)
         if kind == ROW:
             become(module, RowParallelLinear, group)
+        elif kind == COLUMN and type(module) is nn.Linear:  # its input gradient is summed over the group
+            become(module, ColumnParallelLinear, group)
         elif kind == EXPERTS:
             apply = apply_biased_experts if has_expert_biases(module) else apply_experts
             apply(module, experts, rank, expert_group)
