@@ -83,6 +83,11 @@ class InspectionMagics(Magics):
     @argument("--inputs", action="store_true", help="capture each module's first input instead of its output")
     @argument("--chat", action="store_true", help="format the prompt as one user message with the chat template")
     @argument("--as", dest="name", default="_trace", metavar="NAME", help="variable for the result (default _trace)")
+    @argument(
+        "--grad",
+        metavar="METRIC",
+        help="a function fn(logits) -> scalar defined in %%%%all: each capture's gradient of it goes in .grads",
+    )
     @max_mb_option
     @line_cell_magic("trace")
     def trace(self, line: str, cell: str | None = None):
@@ -105,7 +110,9 @@ class InspectionMagics(Magics):
         prompt = text.rstrip("\n") if args.chat else text.strip()
         if not prompt:
             raise UsageError("%%trace needs a prompt in the cell body, e.g.\n%%trace\nThe capital of France is")
-        result = self._call("trace", prompt, args.modules, inputs=args.inputs, chat=args.chat, max_mb=args.max_mb)
+        result = self._call(
+            "trace", prompt, args.modules, inputs=args.inputs, chat=args.chat, max_mb=args.max_mb, grad=args.grad
+        )
         if cell is None:
             return result
         self.shell.user_ns[args.name] = result

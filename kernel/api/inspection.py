@@ -58,10 +58,13 @@ class Inspector:
         chat: bool = False,
         lens_top: int | None = None,
         max_mb: float = DEFAULT_MAX_MB,
+        grad: str | None = None,
     ):
         """One forward of ``prompt``; the outputs (or inputs) of the modules matching ``modules``
-        (default: every decoder layer)."""
+        (default: every decoder layer). ``grad`` names a function ``fn(logits) -> scalar`` defined on every
+        rank (``%%all``): each capture's gradient of it is then in ``trace.grads``, its value in ``trace.metric``."""
         args = {
+            "grad": grad,
             "prompt": prompt,
             "modules": modules or [],
             "inputs": inputs,

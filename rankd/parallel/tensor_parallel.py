@@ -47,6 +47,7 @@ from shardbook.rankd.parallel.tp_modules import (
     VocabGatheredLinear,
     VocabParallelEmbedding,
     become,
+    become_split_input,
 )
 
 SUPPORTED_MODEL_TYPES = (
@@ -238,6 +239,9 @@ def _apply_tp(model: nn.Module, group: dist.ProcessGroup, rank: int, experts, ex
     for layer, heads in zip(model.model.layers, attention_splits(model, parts)):
         if heads is not None:
             layer.self_attn.num_key_value_groups = heads.local_groups(rank)
+            for norm in (getattr(layer.self_attn, n, None) for n in ("q_norm", "k_norm")):
+                if norm is not None and next(norm.parameters(), None) is not None:  # per-head norms on split heads
+                    become_split_input(norm, group)
     for name, kind in modules.items():
         module = model.get_submodule(name)
         if kind == ROW:

@@ -161,6 +161,38 @@ def _overlapping(shard: TPShard) -> bool:
     return len(rows) != len(set(rows))
 
 
+class SplitInputModule:
+    """Mixed into a module with whole parameters that runs on a split tensor (Qwen3's per-head q/k norms under
+    `tp`): each rank's parameter gradient covers only its heads, so the parameters go through `copy_to_group`."""
+
+    tp_group: dist.ProcessGroup
+
+    def forward(self, *args, **kwargs):
+        base = super().forward  # the family's own forward, reading its parameters by attribute
+        params = {n: p for n, p in self._parameters.items() if p is not None and tp_shard_of(p) is None}
+        if not any(_grad_wanted(p) for p in params.values()):
+            return base(*args, **kwargs)
+        for name, param in params.items():
+            del self._parameters[name]
+            object.__setattr__(self, name, copy_to_group(param, self.tp_group))
+        try:
+            return base(*args, **kwargs)
+        finally:
+            for name, param in params.items():
+                object.__delattr__(self, name)
+                self._parameters[name] = param
+
+
+def become_split_input(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """Give `module` (whole parameters, split input) gradients summed over the group."""
+    become(module, _split_input_class(type(module)), group)
+
+
+@cache
+def _split_input_class(base: type) -> type:
+    return type(f"SplitInput{base.__name__}", (SplitInputModule, base), {})
+
+
 class RowParallelLinear(nn.Linear):
     """A linear layer holding a range of input columns: partial outputs are summed over the group."""
 

@@ -145,7 +145,31 @@ def test_trace_grad_records_each_capture_gradient(ranks, tiny, decode):
         hook.remove()
     got = ranks(traced_grads, path, decode, deadline=180)[0]
     assert got["frozen"]
-    assert abs(got["metric"] - float(value)) <= 1e-4 * (1 + abs(float(value)))
+    value = float(value.detach())
+    assert abs(got["metric"] - value) <= 1e-4 * (1 + abs(value))
     assert set(got["grads"]) == set(names)
     for name in names:
         assert_close(got["grads"][name], want[name], name)
+
+
+def shared_heads_backward(rank: int, path: Path) -> str:
+    from shardbook.rankd.config.schema import ModelConfig, ParallelConfig, ShardbookConfig
+    from shardbook.rankd.loading.load_sharded import load_sharded
+
+    config = ShardbookConfig(
+        model=ModelConfig(model_name_or_path=str(path), dtype="float32"), parallel=ParallelConfig(decode="tp")
+    )
+    loaded = load_sharded(config, device="cpu")
+    loaded.model.requires_grad_(True)
+    ids = loaded.tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    try:
+        metric(loaded.model(ids).logits).backward()
+    except NotImplementedError as e:
+        return str(e)
+    return "no error"
+
+
+def test_tp_with_kv_heads_shared_by_ranks_refuses_gradients_on_every_rank(ranks, tmp_path):
+    path = make_tiny_lm(tmp_path / "shared", family="llama", num_heads=5, num_kv_heads=1, hidden_size=80)
+    for message in ranks(shared_heads_backward, path):
+        assert "key/value heads are shared by several ranks" in message, message
