@@ -35,6 +35,11 @@ def handle_trace(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[str
     from shardbook.rankd.inspection.tracing import trace
 
     loaded = loaded_model(ctx)
+    if args.get("prompts") is not None:
+        from shardbook.rankd.inspection.batched import trace_many
+
+        value = trace_many(loaded.model, loaded.tokenizer, args, ctx.shell.user_ns, ctx.stop_event)
+        return {"status": "ok", "value": value}
     return {"status": "ok", "value": trace(loaded.model, loaded.tokenizer, args, ctx.shell.user_ns)}
 
 

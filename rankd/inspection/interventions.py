@@ -58,7 +58,7 @@ def registry(model: nn.Module) -> dict[str, Intervention]:
 def add(model: nn.Module, namespace: dict[str, Any], name: str, modules: list[str], on_input: bool) -> Intervention:
     """Register `namespace[name]` on `modules` on every rank, or on none (a collective)."""
     problem = _why_not(namespace, name)
-    _agree(problem, model)
+    agree(problem, model)
     remove(model, name)
     fn = namespace[name]
     iv = Intervention(name, modules, on_input)
@@ -97,7 +97,7 @@ def raise_failures(model: nn.Module) -> None:
 def agreed_function(model: nn.Module, namespace: dict[str, Any], name: str, example: str) -> Callable:
     """The function `name` from this rank's namespace, once every rank has found one (else every rank raises)."""
     problem = _why_not(namespace, name, example)
-    _agree(problem, model)
+    agree(problem, model)
     return namespace[name]
 
 
@@ -115,7 +115,7 @@ def _why_not(
     return None
 
 
-def _agree(problem: str | None, model: nn.Module) -> None:
+def agree(problem: str | None, model: nn.Module) -> None:
     """Every rank learns whether all of them can register; each raises its own reason, or the others' absence."""
     failed = torch.tensor([0 if problem is None else 1], device=next(model.parameters()).device)
     if dist.is_initialized() and dist.get_world_size() > 1:
