@@ -88,6 +88,17 @@ class InspectionMagics(Magics):
         metavar="METRIC",
         help="a function fn(logits) -> scalar defined in %%%%all: each capture's gradient of it goes in .grads",
     )
+    @argument("--prompts", metavar="NAME", help="trace every prompt of this list (a variable of rank 0)")
+    @argument("--in", dest="infile", metavar="FILE", help='trace every prompt of a JSON-lines file ({"prompt": ...})')
+    @argument("--batch-size", type=int, default=8, metavar="N", help="prompts per forward with --prompts/--in")
+    @argument(
+        "--reduce",
+        choices=["mean", "sum", "max", "var"],
+        help="reduce each capture over every token of every prompt on the ranks; only the result reaches rank 0",
+    )
+    @argument("--per-prompt", action="store_true", help="with --reduce: one row per prompt")
+    @argument("--project", metavar="NAME", help="with --reduce: multiply by this matrix [features, k] (%%share it)")
+    @argument("--to", metavar="DIR", help="write unreduced captures to safetensors files in DIR instead")
     @max_mb_option
     @line_cell_magic("trace")
     def trace(self, line: str, cell: str | None = None):
@@ -102,6 +113,8 @@ class InspectionMagics(Magics):
         (the prompt first, then the flags).
         """
         args = parse_line(self.trace, line)
+        if args.prompts or args.infile:
+            return self._trace_many(args, cell)
         if cell is not None and args.prompt:
             raise UsageError(
                 "%%trace reads its prompt from the cell: leave it off the first line (or use the line magic %trace)"
@@ -112,6 +125,45 @@ class InspectionMagics(Magics):
             raise UsageError("%%trace needs a prompt in the cell body, e.g.\n%%trace\nThe capital of France is")
         result = self._call(
             "trace", prompt, args.modules, inputs=args.inputs, chat=args.chat, max_mb=args.max_mb, grad=args.grad
+        )
+        if cell is None:
+            return result
+        self.shell.user_ns[args.name] = result
+        print(f"{args.name}: {result!r}")
+
+    def _trace_many(self, args, cell: str | None):
+        """``--prompts NAME`` / ``--in FILE``: a batched trace; the cell (if any) must be empty."""
+        from shardbook.rankd.inspection.batched import read_prompts_file
+
+        if (cell or "").strip() or args.prompt:
+            raise UsageError("with --prompts or --in the prompts come from there: leave the cell and the line empty")
+        if args.prompts and args.infile:
+            raise UsageError("give --prompts NAME or --in FILE, not both")
+        if args.grad:
+            raise UsageError("--grad takes one prompt: leave out --prompts / --in")
+        if args.infile:
+            try:
+                prompts = read_prompts_file(args.infile)
+            except (OSError, ValueError) as e:
+                raise UsageError(str(e)) from e
+        else:
+            prompts = self.shell.user_ns.get(args.prompts)
+            if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) for p in prompts):
+                raise UsageError(f"--prompts {args.prompts}: rank 0 has no non-empty list of strings of that name")
+        if (args.per_prompt or args.project) and not args.reduce:
+            raise UsageError("--per-prompt and --project go with --reduce")
+        result = self._call(
+            "trace_many",
+            list(prompts),
+            args.modules,
+            batch_size=args.batch_size,
+            reduce=args.reduce,
+            per_prompt=args.per_prompt,
+            project=args.project,
+            to=args.to,
+            inputs=args.inputs,
+            chat=args.chat,
+            max_mb=args.max_mb,
         )
         if cell is None:
             return result

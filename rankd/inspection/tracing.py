@@ -64,7 +64,9 @@ class Trace(Mapping):
         what = "inputs" if self.inputs else "outputs"
         shapes = ", ".join(f"{name}: {tuple(t.shape)}" for name, t in list(self.items())[:4])
         more = f", … ({len(self)} modules)" if len(self) > 4 else ""
-        return f"Trace of {len(self.tokens)} tokens, {what} of {{{shapes}{more}}}, logits {tuple(self.logits.shape)}"
+        grads = "" if self.grads is None else f", with gradients of a metric = {self.metric:.4g}"
+        logits = tuple(self.logits.shape)
+        return f"Trace of {len(self.tokens)} tokens, {what} of {{{shapes}{more}}}, logits {logits}{grads}"
 
 
 @dataclass

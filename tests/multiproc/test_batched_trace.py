@@ -119,3 +119,33 @@ def test_a_bad_prompts_line_is_named(tmp_path):
         read_prompts_file(path)
     path.write_text('{"prompt": "a"}\n\n{"prompt": "b"}\n', encoding="utf-8")
     assert read_prompts_file(path) == ["a", "b"]
+
+
+def test_trace_magic_takes_a_list_or_a_file_of_prompts(tmp_path):
+    from IPython.core.error import UsageError
+    from IPython.testing.globalipapp import get_ipython
+
+    from shardbook.magics.inspection import InspectionMagics
+
+    shell = get_ipython()
+    magics, calls = InspectionMagics(shell), []
+    magics._call = lambda *args, **kwargs: calls.append((args, kwargs)) or {}
+    shell.user_ns["qs"] = ["a b", "c"]
+    magics.trace("--prompts qs --reduce mean --per-prompt --batch-size 4 --as r", "")
+    (method, prompts, modules), kwargs = calls[-1]
+    assert (method, prompts, kwargs["reduce"], kwargs["per_prompt"], kwargs["batch_size"]) == (
+        "trace_many",
+        ["a b", "c"],
+        "mean",
+        True,
+        4,
+    )
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "x"}\n{"prompt": "y z"}\n', encoding="utf-8")
+    magics.trace(f"--in {path} --to {tmp_path / 'out'}")
+    assert calls[-1][0][1] == ["x", "y z"] and calls[-1][1]["to"] == str(tmp_path / "out")
+    path.write_text('{"prompt": "x"}\n[1]\n', encoding="utf-8")
+    with pytest.raises(UsageError, match="line 2"):
+        magics.trace(f"--in {path}")
+    with pytest.raises(UsageError, match="no non-empty list"):
+        magics.trace("--prompts missing")
