@@ -15,6 +15,7 @@ from shardbook.magics.errors import raise_for_outcome
 from shardbook.magics.loading import loaded_model
 from shardbook.magics.relay import RankRelay, frontend_for
 from shardbook.magics.views.lens_view import heatmap_png, lens_table
+from shardbook.magics.views.patch_view import patch_heatmap_png, patch_table
 
 
 def max_mb_option(fn):
@@ -197,6 +198,42 @@ class InspectionMagics(Magics):
         table = lens_table(result.lens, result.tokens)
         self.shell.user_ns["_lens"] = table
         display(Image(heatmap_png(result.lens, result.tokens, title=f"logit lens: {prompt[:60]}")))
+
+    @magic_arguments()
+    @argument("--clean", required=True, metavar="NAME", help="a prompt (a string variable of rank 0)")
+    @argument("--corrupt", required=True, metavar="NAME", help="a prompt of the same length (a string variable)")
+    @argument("--modules", nargs="+", required=True, metavar="GLOB", help="modules to patch, e.g. model.layers.*")
+    @argument("--metric", required=True, metavar="FN", help="a function fn(logits) -> scalar defined in %%all")
+    @argument("--method", choices=["activation", "attribution"], default="activation", help="exact or first-order")
+    @argument("--chat", action="store_true", help="format both prompts with the chat template")
+    @argument("--as", dest="name", default="_patch", metavar="NAME", help="variable for the table (default _patch)")
+    @line_magic("patch")
+    def patch(self, line: str):
+        """Activation patching: for each module and position, the metric on the corrupt prompt with that output
+        taken from the clean prompt. Example::
+
+            %%all
+            def paris_vs_rome(logits):
+                return logits[0, -1, 7042] - logits[0, -1, 9552]
+
+            clean, corrupt = "The capital of France is", "The capital of Italy is"
+            %patch --clean clean --corrupt corrupt --modules model.layers.* --metric paris_vs_rome
+
+        Shows a heatmap and leaves the table in ``_patch`` (``_patch.rows``, ``_patch.result["effect"]``).
+        ``--method attribution`` estimates the same table from one forward and backward.
+        """
+        args = parse_line(self.patch, line)
+        prompts = []
+        for flag, name in (("--clean", args.clean), ("--corrupt", args.corrupt)):
+            value = self.shell.user_ns.get(name)
+            if not isinstance(value, str):
+                raise UsageError(f"{flag} {name}: rank 0 has no string variable of that name")
+            prompts.append(value)
+        result = self._call("patch", *prompts, args.modules, args.metric, method=args.method, chat=args.chat)
+        table = patch_table(result)
+        self.shell.user_ns[args.name] = table
+        display(Image(patch_heatmap_png(result, f"{args.method} patching: {args.metric}")))
+        print(table)
 
     def full_parameter(self, name: str, max_mb: float = DEFAULT_MAX_MB):
         """The whole parameter ``name`` on rank 0 (a CPU tensor) under every layout,

@@ -109,6 +109,16 @@ class Inspector:
         }
         return self.run("trace", args)
 
+    def patch(
+        self, clean: str, corrupt: str, modules: list[str], metric: str, *, method: str = "activation", chat=False
+    ) -> dict[str, Any]:
+        """Activation patching: for each module and position, the metric (a function ``fn(logits) -> scalar`` every
+        rank defined in ``%%all``) on the corrupt prompt with that output taken from the clean prompt.
+        ``method="attribution"`` gives its first-order estimate from one backward. A dict with ``modules``,
+        ``tokens``, ``effect`` [modules, positions], ``clean_metric`` and ``corrupt_metric``."""
+        args = {"clean": clean, "corrupt": corrupt, "modules": modules, "metric": metric, "method": method}
+        return self.run("patch", {**args, "chat": chat})
+
     def logit_lens(self, prompt: str, layers: list[str] | None = None, *, top: int = 5, chat: bool = False):
         """The trace of ``layers`` (default: every decoder layer) with its ``Lens``:
         top tokens per layer and position."""

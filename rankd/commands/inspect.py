@@ -43,6 +43,15 @@ def handle_trace(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[str
     return {"status": "ok", "value": trace(loaded.model, loaded.tokenizer, args, ctx.shell.user_ns)}
 
 
+@handler("patch", interrupt="event")
+def handle_patch(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[str, Any]:
+    """An activation-patching sweep (or attribution patching); every rank computes the same table."""
+    from shardbook.rankd.inspection.patching import patch_sweep
+
+    loaded = loaded_model(ctx)
+    return {"status": "ok", "value": patch_sweep(loaded.model, loaded.tokenizer, args, ctx.shell.user_ns)}
+
+
 @handler("full_parameter", interrupt="event")
 def handle_full_parameter(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[str, Any]:
     """The whole parameter `args["name"]` on rank 0 (on CPU), within `args["max_bytes"]`."""
