@@ -149,3 +149,30 @@ def test_trace_magic_takes_a_list_or_a_file_of_prompts(tmp_path):
         magics.trace(f"--in {path}")
     with pytest.raises(UsageError, match="no non-empty list"):
         magics.trace("--prompts missing")
+
+
+def interrupted_on_rank1(rank: int, path: Path) -> dict:
+    import threading
+
+    from shardbook.rankd.config.schema import ModelConfig, ParallelConfig, ShardbookConfig
+    from shardbook.rankd.inspection.batched import trace_many
+    from shardbook.rankd.loading.load_sharded import load_sharded
+
+    config = ShardbookConfig(
+        model=ModelConfig(model_name_or_path=str(path), dtype="float32"), parallel=ParallelConfig(decode="tp")
+    )
+    loaded = load_sharded(config, device="cpu")
+    stop = threading.Event()
+    if rank == 1:  # only one rank was interrupted: every rank still stops after the same batch
+        stop.set()
+    args = {"prompts": PROMPTS[:20], "modules": ["model.layers.1"], "batch_size": 4}
+    many = trace_many(loaded.model, loaded.tokenizer, args, None, stop)
+    reduced = trace_many(loaded.model, loaded.tokenizer, {**args, "reduce": "sum"}, None, stop)
+    if rank != 0:
+        return {}
+    return {"len": len(many), "interrupted": many.interrupted, "reduced": (reduced.prompts, reduced.interrupted)}
+
+
+def test_an_interrupt_on_any_rank_keeps_the_batches_that_finished(ranks, tiny):
+    got = ranks(interrupted_on_rank1, tiny)[0]
+    assert got == {"len": 4, "interrupted": True, "reduced": (4, True)}
