@@ -63,10 +63,10 @@ class InspectionMagics(Magics):
         relay = RankRelay(frontend_for(self.shell), label_ranks=True)
         return Inspector(runtime, relay, relay.notice), relay
 
-    def _call(self, method: str, *args, **kwargs):
+    def _call(self, command: str, /, *args, **kwargs):
         inspector, _ = self._inspector()
         try:
-            return getattr(inspector, method)(*args, **kwargs)
+            return getattr(inspector, command)(*args, **kwargs)
         except InspectionFailed as e:
             raise_for_outcome(e.outcome)
         except (PoolError, ValueError) as e:

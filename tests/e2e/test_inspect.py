@@ -145,3 +145,45 @@ def test_share_sends_a_tensor_to_every_rank(kernel, uneven):
         "%%all\nimport torch.distributed as dist\nprint('SUM', dist.get_rank(), steer.sum().item(), steer.shape)"
     )
     assert ex.stdout().count("SUM") == 2 and "SUM 1 15.0 torch.Size([2, 3])" in ex.stdout(), ex.stdout()
+
+
+DATASET_CHECK = """
+import torch
+from transformers import AutoModelForCausalLM
+single = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.float32).eval()
+ids = [tokenizer(p, return_tensors="pt")["input_ids"] for p in prompts]
+with torch.no_grad():
+    outs = [single(i, output_hidden_states=True).hidden_states[1][0] for i in ids]
+want = torch.cat(outs).mean(0)
+same_mean = (mean["model.layers.0"] - want).abs().max().item() < 1e-4
+same_each = all((t["model.layers.0"][0] - o).abs().max().item() < 1e-4 for t, o in zip(many, outs))
+x = single(ids[0]).logits
+g = torch.autograd.grad(x[0, -1, 5] - x[0, -1, 17], single.model.embed_tokens.weight)[0]
+same_grad = (embed_grad - g).abs().max().item() < 1e-4
+print("CHECK", len(many), same_each, same_mean, same_grad, round(_patch.result["effect"].shape[0]))
+"""
+
+
+def test_batches_reductions_gradients_and_patching_through_the_kernel(kernel, uneven):
+    assert load(kernel, uneven, "--parallel.decode tp").status == "ok"
+    kernel.run('prompts = ["The capital of France is", "Hello", "The quick brown fox jumps over the lazy dog", "a b"]')
+    many = kernel.run("%%trace --prompts prompts --modules model.layers.0 --batch-size 3 --as many\n")
+    assert many.status == "ok" and "many: Traces of 4 of 4 prompts" in many.stdout(), many.error_text() + many.stdout()
+    mean = kernel.run("mean = %trace --prompts prompts --modules model.layers.0 --reduce mean")
+    assert mean.status == "ok", mean.error_text()
+    setup = kernel.run(
+        "%%all\nimport torch\nfrom shardbook.rankd.parallel.wholes import full_gradient_on_rank0\n"
+        "def diff(logits):\n    return logits[0, -1, 5] - logits[0, -1, 17]\n"
+        "model.requires_grad_(True)\n"
+        "diff(model(tokenizer(prompts[0], return_tensors='pt')['input_ids']).logits).backward()\n"
+        "embed_grad = full_gradient_on_rank0(model, model.model.embed_tokens.weight)\n"
+        "model.requires_grad_(False)\nmodel.zero_grad()"
+    )
+    assert setup.status == "ok", setup.error_text()
+    grad = kernel.run("%%trace --grad diff --as g\nThe capital of France is")
+    assert grad.status == "ok" and "with gradients of a metric" in grad.stdout(), grad.error_text()
+    kernel.run('clean, corrupt = "The capital of France is", "The capital is France of"')
+    patch = kernel.run("%patch --clean clean --corrupt corrupt --modules model.layers.* --metric diff")
+    assert patch.status == "ok" and "activation patching: metric clean" in patch.stdout(), patch.error_text()
+    check = kernel.run(DATASET_CHECK.format(path=str(uneven)), timeout=120)
+    assert "CHECK 4 True True True 2" in check.stdout(), check.stdout() + check.error_text()

@@ -176,3 +176,26 @@ def interrupted_on_rank1(rank: int, path: Path) -> dict:
 def test_an_interrupt_on_any_rank_keeps_the_batches_that_finished(ranks, tiny):
     got = ranks(interrupted_on_rank1, tiny)[0]
     assert got == {"len": 4, "interrupted": True, "reduced": (4, True)}
+
+
+def test_patch_magic_passes_the_method():
+    """`%patch --method` reaches `Inspector.patch` (the magic's own dispatch must not take `method` itself)."""
+    from IPython.testing.globalipapp import get_ipython
+
+    from shardbook.magics.inspection import InspectionMagics
+
+    class Stop(Exception):
+        pass
+
+    class FakeInspector:
+        def patch(self, *args, **kwargs):
+            calls.append((args, kwargs))
+            raise Stop
+
+    shell = get_ipython()
+    magics, calls = InspectionMagics(shell), []
+    magics._inspector = lambda: (FakeInspector(), None)
+    shell.user_ns.update(c="a b", d="a c")
+    with pytest.raises(Stop):
+        magics.patch("--clean c --corrupt d --modules model.layers.* --metric m --method attribution")
+    assert calls == [(("a b", "a c", ["model.layers.*"], "m"), {"method": "attribution", "chat": False})]
