@@ -37,7 +37,8 @@ from shardbook.rankd.parallel.wholes import activation_split
 
 
 def patch_sweep(model: nn.Module, tokenizer: Any, args: dict[str, Any], namespace: dict[str, Any]) -> dict[str, Any]:
-    """The patching table on every rank alike: modules, tokens, the effect [modules, positions], the two baselines."""
+    """The patching table (every rank computes it alike; rank 0 returns it): modules, tokens, the effect
+    [modules, positions], the two baselines."""
     names = match_modules(model, args["modules"])
     metric = agreed_function(model, namespace, args["metric"], GRAD_EXAMPLE)
     chat = args.get("chat", False)
@@ -60,6 +61,8 @@ def patch_sweep(model: nn.Module, tokenizer: Any, args: dict[str, Any], namespac
     else:
         effect = torch.stack([_patched(model, name, clean_out[name], corrupt, metric) for name in names])
     raise_failures(model)
+    if dist.get_rank() != 0:  # only rank 0's reply carries tensors (it never leaves its process)
+        return {"modules": len(names)}
     tokens = [tokenizer.decode([i]) for i in corrupt[0].tolist()]
     return {
         "modules": names,
