@@ -167,8 +167,8 @@ print("CHECK", len(many), same_each, same_mean, same_grad, round(_patch.result["
 def test_batches_reductions_gradients_and_patching_through_the_kernel(kernel, uneven):
     assert load(kernel, uneven, "--parallel.decode tp").status == "ok"
     kernel.run('prompts = ["The capital of France is", "Hello", "The quick brown fox jumps over the lazy dog", "a b"]')
-    many = kernel.run("%%trace --prompts prompts --modules model.layers.0 --batch-size 3 --as many\n")
-    assert many.status == "ok" and "many: Traces of 4 of 4 prompts" in many.stdout(), many.error_text() + many.stdout()
+    many = kernel.run("many = %trace --prompts prompts --modules model.layers.0 --batch-size 3\nprint(repr(many))")
+    assert many.status == "ok" and "Traces of 4 of 4 prompts" in many.stdout(), many.error_text() + many.stdout()
     mean = kernel.run("mean = %trace --prompts prompts --modules model.layers.0 --reduce mean")
     assert mean.status == "ok", mean.error_text()
     setup = kernel.run(
