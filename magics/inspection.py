@@ -112,6 +112,11 @@ class InspectionMagics(Magics):
         ``clean.tokens``, ``clean.token_ids`` and ``clean.logits`` hold the rest. The line magic
         returns the trace instead, for loops: ``t = %trace The capital of France is --modules model.layers.{i}``
         (the prompt first, then the flags).
+
+        Many prompts, in batches (line form): ``many = %trace --prompts prompts --batch-size 16`` (or
+        ``--in prompts.jsonl``) gives one trace per prompt; add ``--reduce mean`` (sum, max, var; ``--per-prompt``,
+        ``--project NAME``) to reduce on the ranks, or ``--to DIR`` to write the captures to safetensors files.
+        ``--grad FN`` (one prompt) adds each capture's gradient of ``FN(logits)``, a function defined in ``%%all``.
         """
         args = parse_line(self.trace, line)
         if args.prompts or args.infile:
