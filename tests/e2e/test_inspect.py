@@ -184,7 +184,7 @@ def test_batches_reductions_gradients_and_patching_through_the_kernel(kernel, un
     assert "CHECK 4 True True True 2" in check.stdout(), check.stdout() + check.error_text()
 
 
-@pytest.mark.xfail(reason="timed out (60 s, no reply) through a kernel on a loaded machine; not diagnosed yet", strict=False)
+@pytest.mark.xfail(reason="timed out (60 s, no reply) through a kernel on a loaded machine; not diagnosed")
 def test_backward_in_all_under_tp_through_the_kernel(kernel, uneven):
     assert load(kernel, uneven, "--parallel.decode tp").status == "ok"
     ex = kernel.run(
