@@ -1,6 +1,7 @@
 """Inspection benchmark (issue 12): `trace` of every layer against a plain forward, per layout; nnsight against hooks.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_inspect.py            # demo model, 2 gloo ranks, 10 runs each
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_inspect.py --dataset 256   # issue 19: batched+reduced vs a loop
 
 Part 1, for each layout on 2 ranks (spawned processes, gloo, one thread each): the median time
 of a plain forward of the prompt, of `trace` of every decoder layer (what `%%trace` runs on each
@@ -133,6 +134,65 @@ def nnsight_under_tp(rank: int, path: str) -> dict:
     }
 
 
+def dataset_prompts(count: int) -> list[str]:
+    subjects = ["France", "Japan", "the river", "my friend", "this book", "the old city", "a small cat", "the team"]
+    verbs = ["is", "was known as", "looked like", "seemed to be", "became"]
+    return [
+        f"Sentence {i}: {subjects[i % len(subjects)]} {verbs[i % len(verbs)]} " + "very " * (i % 7) + "interesting"
+        for i in range(count)
+    ]
+
+
+def batch_run(rank: int, path: str, decode: str, count: int, batch_size: int) -> dict:
+    """Issue 19: the mean of layer 12's output over `count` prompts, batched and reduced on the ranks against
+    a loop of one-prompt traces averaged on rank 0; then a forward with backward against a plain forward."""
+    import torch
+
+    from shardbook.rankd.inspection.batched import trace_many
+    from shardbook.rankd.inspection.tracing import trace
+
+    loaded = load(path, decode)
+    model, tok = loaded.model, loaded.tokenizer
+    prompts, module = dataset_prompts(count), "model.layers.12"
+    started = time.perf_counter()
+    total, tokens = None, 0
+    for prompt in prompts:
+        t = trace(model, tok, {"prompt": prompt, "modules": [module]})
+        if rank == 0:
+            x = t[module][0].double()
+            total, tokens = (x.sum(0) if total is None else total + x.sum(0)), tokens + x.shape[0]
+    loop_s = time.perf_counter() - started
+    started = time.perf_counter()
+    reduced = trace_many(
+        model, tok, {"prompts": prompts, "modules": [module], "reduce": "mean", "batch_size": batch_size}
+    )
+    batched_s = time.perf_counter() - started
+    ids = tok(PROMPT, return_tensors="pt")["input_ids"]
+
+    def forward():
+        with torch.no_grad():
+            model(ids)
+
+    def backward():
+        logits = model(ids, inputs_embeds=None).logits
+        (logits[0, -1, 0] - logits[0, -1, 1]).backward()
+
+    model.requires_grad_(True)
+    times = interleaved_medians({"forward": forward, "backward": backward}, 5)
+    model.requires_grad_(False)
+    if rank != 0:
+        return {}
+    diff = (reduced[module].double() - total / tokens).abs().max().item()
+    return {
+        "loop_s": loop_s,
+        "batched_s": batched_s,
+        "max_diff": diff,
+        "bytes": reduced.stats["bytes_to_rank0"],
+        "forward_s": times["forward"],
+        "backward_s": times["backward"],
+    }
+
+
 def main() -> None:
     from shardbook.kernel.api.fetch import demo_model_dir
     from tests.ranks import run_ranks
@@ -140,7 +200,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(demo_model_dir("smollm2-135m-instruct")))
     parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--dataset", type=int, metavar="N", help="issue 19 only: N prompts batched+reduced vs a loop")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--layouts", nargs="+", default=["gather", "reshard", "tp"])
     args = parser.parse_args()
+    if args.dataset:
+        print(f"model {args.model}; {args.dataset} prompts, mean of model.layers.12 over every token; 2 gloo ranks\n")
+        print(
+            f"{'layout':<8} {'loop of traces s':>16} {'batched+reduced s':>17} {'speed-up':>8} {'max |diff|':>10} "
+            f"{'forward ms':>10} {'fwd+bwd ms':>10} {'x forward':>9}"
+        )
+        for decode in args.layouts:
+            r = run_ranks(batch_run, args.model, decode, args.dataset, args.batch_size, deadline=3000)[0]
+            print(
+                f"{decode:<8} {r['loop_s']:>16.1f} {r['batched_s']:>17.1f} {r['loop_s'] / r['batched_s']:>8.1f} "
+                f"{r['max_diff']:>10.1e} {r['forward_s'] * 1e3:>10.1f} {r['backward_s'] * 1e3:>10.1f} "
+                f"{r['backward_s'] / r['forward_s']:>9.2f}"
+            )
+        return
     print(f"model {args.model}; prompt {PROMPT!r}; median of {args.runs} interleaved rounds after a warm-up round\n")
     print(
         f"{'layout':<8} {'forward ms':>10} {'trace layers ms':>16} {'x forward':>9} {'bytes to rank 0':>15} "

@@ -15,6 +15,7 @@ from shardbook.magics.errors import raise_for_outcome
 from shardbook.magics.loading import loaded_model
 from shardbook.magics.relay import RankRelay, frontend_for
 from shardbook.magics.views.lens_view import heatmap_png, lens_table
+from shardbook.magics.views.patch_view import patch_heatmap_png, patch_table
 
 
 def max_mb_option(fn):
@@ -62,10 +63,10 @@ class InspectionMagics(Magics):
         relay = RankRelay(frontend_for(self.shell), label_ranks=True)
         return Inspector(runtime, relay, relay.notice), relay
 
-    def _call(self, method: str, *args, **kwargs):
+    def _call(self, command: str, /, *args, **kwargs):
         inspector, _ = self._inspector()
         try:
-            return getattr(inspector, method)(*args, **kwargs)
+            return getattr(inspector, command)(*args, **kwargs)
         except InspectionFailed as e:
             raise_for_outcome(e.outcome)
         except (PoolError, ValueError) as e:
@@ -83,6 +84,22 @@ class InspectionMagics(Magics):
     @argument("--inputs", action="store_true", help="capture each module's first input instead of its output")
     @argument("--chat", action="store_true", help="format the prompt as one user message with the chat template")
     @argument("--as", dest="name", default="_trace", metavar="NAME", help="variable for the result (default _trace)")
+    @argument(
+        "--grad",
+        metavar="METRIC",
+        help="a function fn(logits) -> scalar defined in %%%%all: each capture's gradient of it goes in .grads",
+    )
+    @argument("--prompts", metavar="NAME", help="trace every prompt of this list (a variable of rank 0)")
+    @argument("--in", dest="infile", metavar="FILE", help='trace every prompt of a JSON-lines file ({"prompt": ...})')
+    @argument("--batch-size", type=int, default=8, metavar="N", help="prompts per forward with --prompts/--in")
+    @argument(
+        "--reduce",
+        choices=["mean", "sum", "max", "var"],
+        help="reduce each capture over every token of every prompt on the ranks; only the result reaches rank 0",
+    )
+    @argument("--per-prompt", action="store_true", help="with --reduce: one row per prompt")
+    @argument("--project", metavar="NAME", help="with --reduce: multiply by this matrix [features, k] (%%share it)")
+    @argument("--to", metavar="DIR", help="write unreduced captures to safetensors files in DIR instead")
     @max_mb_option
     @line_cell_magic("trace")
     def trace(self, line: str, cell: str | None = None):
@@ -95,8 +112,15 @@ class InspectionMagics(Magics):
         ``clean.tokens``, ``clean.token_ids`` and ``clean.logits`` hold the rest. The line magic
         returns the trace instead, for loops: ``t = %trace The capital of France is --modules model.layers.{i}``
         (the prompt first, then the flags).
+
+        Many prompts, in batches (line form): ``many = %trace --prompts prompts --batch-size 16`` (or
+        ``--in prompts.jsonl``) gives one trace per prompt; add ``--reduce mean`` (sum, max, var; ``--per-prompt``,
+        ``--project NAME``) to reduce on the ranks, or ``--to DIR`` to write the captures to safetensors files.
+        ``--grad FN`` (one prompt) adds each capture's gradient of ``FN(logits)``, a function defined in ``%%all``.
         """
         args = parse_line(self.trace, line)
+        if args.prompts or args.infile:
+            return self._trace_many(args, cell)
         if cell is not None and args.prompt:
             raise UsageError(
                 "%%trace reads its prompt from the cell: leave it off the first line (or use the line magic %trace)"
@@ -105,7 +129,48 @@ class InspectionMagics(Magics):
         prompt = text.rstrip("\n") if args.chat else text.strip()
         if not prompt:
             raise UsageError("%%trace needs a prompt in the cell body, e.g.\n%%trace\nThe capital of France is")
-        result = self._call("trace", prompt, args.modules, inputs=args.inputs, chat=args.chat, max_mb=args.max_mb)
+        result = self._call(
+            "trace", prompt, args.modules, inputs=args.inputs, chat=args.chat, max_mb=args.max_mb, grad=args.grad
+        )
+        if cell is None:
+            return result
+        self.shell.user_ns[args.name] = result
+        print(f"{args.name}: {result!r}")
+
+    def _trace_many(self, args, cell: str | None):
+        """``--prompts NAME`` / ``--in FILE``: a batched trace; the cell (if any) must be empty."""
+        from shardbook.rankd.inspection.batched import read_prompts_file
+
+        if (cell or "").strip() or args.prompt:
+            raise UsageError("with --prompts or --in the prompts come from there: leave the cell and the line empty")
+        if args.prompts and args.infile:
+            raise UsageError("give --prompts NAME or --in FILE, not both")
+        if args.grad:
+            raise UsageError("--grad takes one prompt: leave out --prompts / --in")
+        if args.infile:
+            try:
+                prompts = read_prompts_file(args.infile)
+            except (OSError, ValueError) as e:
+                raise UsageError(str(e)) from e
+        else:
+            prompts = self.shell.user_ns.get(args.prompts)
+            if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) for p in prompts):
+                raise UsageError(f"--prompts {args.prompts}: rank 0 has no non-empty list of strings of that name")
+        if (args.per_prompt or args.project) and not args.reduce:
+            raise UsageError("--per-prompt and --project go with --reduce")
+        result = self._call(
+            "trace_many",
+            list(prompts),
+            args.modules,
+            batch_size=args.batch_size,
+            reduce=args.reduce,
+            per_prompt=args.per_prompt,
+            project=args.project,
+            to=args.to,
+            inputs=args.inputs,
+            chat=args.chat,
+            max_mb=args.max_mb,
+        )
         if cell is None:
             return result
         self.shell.user_ns[args.name] = result
@@ -138,6 +203,42 @@ class InspectionMagics(Magics):
         table = lens_table(result.lens, result.tokens)
         self.shell.user_ns["_lens"] = table
         display(Image(heatmap_png(result.lens, result.tokens, title=f"logit lens: {prompt[:60]}")))
+
+    @magic_arguments()
+    @argument("--clean", required=True, metavar="NAME", help="a prompt (a string variable of rank 0)")
+    @argument("--corrupt", required=True, metavar="NAME", help="a prompt of the same length (a string variable)")
+    @argument("--modules", nargs="+", required=True, metavar="GLOB", help="modules to patch, e.g. model.layers.*")
+    @argument("--metric", required=True, metavar="FN", help="a function fn(logits) -> scalar defined in %%all")
+    @argument("--method", choices=["activation", "attribution"], default="activation", help="exact or first-order")
+    @argument("--chat", action="store_true", help="format both prompts with the chat template")
+    @argument("--as", dest="name", default="_patch", metavar="NAME", help="variable for the table (default _patch)")
+    @line_magic("patch")
+    def patch(self, line: str):
+        """Activation patching: for each module and position, the metric on the corrupt prompt with that output
+        taken from the clean prompt. Example::
+
+            %%all
+            def paris_vs_rome(logits):
+                return logits[0, -1, 7042] - logits[0, -1, 9552]
+
+            clean, corrupt = "The capital of France is", "The capital of Italy is"
+            %patch --clean clean --corrupt corrupt --modules model.layers.* --metric paris_vs_rome
+
+        Shows a heatmap and leaves the table in ``_patch`` (``_patch.rows``, ``_patch.result["effect"]``).
+        ``--method attribution`` estimates the same table from one forward and backward.
+        """
+        args = parse_line(self.patch, line)
+        prompts = []
+        for flag, name in (("--clean", args.clean), ("--corrupt", args.corrupt)):
+            value = self.shell.user_ns.get(name)
+            if not isinstance(value, str):
+                raise UsageError(f"{flag} {name}: rank 0 has no string variable of that name")
+            prompts.append(value)
+        result = self._call("patch", *prompts, args.modules, args.metric, method=args.method, chat=args.chat)
+        table = patch_table(result)
+        self.shell.user_ns[args.name] = table
+        display(Image(patch_heatmap_png(result, f"{args.method} patching: {args.metric}")))
+        print(table)
 
     def full_parameter(self, name: str, max_mb: float = DEFAULT_MAX_MB):
         """The whole parameter ``name`` on rank 0 (a CPU tensor) under every layout,

@@ -211,24 +211,57 @@ plt.show()
 Patching the country's position brings the answer back when done early, and stops helping
 after a certain layer (about layer 22 for SmolLM2): by then the later positions have already
 read the country from there, so the corrupt reading has moved on with them.
+
+`%patch` does the whole sweep in one command, for every layer *and* every position: the metric
+is a function of the logits defined on every rank, and the table comes back with a heatmap.
+`--method attribution` estimates the same table from one forward and one backward (gradients
+flow through the sharded model under every layout).
+"""),
+    code("""
+%%all
+paris_id, rome_id = tokenizer(" Paris")["input_ids"][0], tokenizer(" Rome")["input_ids"][0]
+
+
+def paris_vs_rome(logits):
+    return logits[0, -1, paris_id] - logits[0, -1, rome_id]
+"""),
+    code("""
+clean_prompt, corrupt_prompt = "The capital of France is", "The capital of Italy is"
+%patch --clean clean_prompt --corrupt corrupt_prompt --modules model.layers.* --metric paris_vs_rome
+"""),
+    code("""
+%patch --method attribution --clean clean_prompt --corrupt corrupt_prompt --modules model.layers.* --metric\
+ paris_vs_rome
 """),
     md("""
 ## A steering vector
 
-The difference between the residual streams of two prompts at a middle layer is a direction
-in the model's space; adding it during generation pushes the reply that way. First the reply
-without it:
+The difference between the residual streams of two kinds of prompts at a middle layer is a
+direction in the model's space; adding it during generation pushes the reply that way. First the
+reply without it:
 """),
     code("""
 %%chat --new --max-new-tokens 32
 Describe your ideal weekend in one sentence.
 """),
+    md("""
+The direction comes from 32 pairs of prompts, traced in batches with `--reduce mean`: each rank
+averages layer 12's output over every token of every prompt as the batches go, and only the
+averaged vector reaches rank 0.
+"""),
     code("""
+topics = ["this", "my job", "the weather", "the food", "my friends", "this city", "the music", "my home",
+          "the weekend", "this book", "the news", "my school", "the garden", "this game", "the trip", "my car",
+          "the movie", "the beach", "my neighbours", "this song", "the coffee", "the park", "my family", "the show",
+          "the winter", "this phone", "the team", "my bike", "the market", "this café", "the river", "my week"]
+happy_prompts = [f"I love {t}, it is wonderful and I am so happy" for t in topics]
+sad_prompts = [f"I hate {t}, it is terrible and I am so sad" for t in topics]
 layer = "model.layers.12"
-happy = %trace I love this, it is wonderful and I am so happy --modules {layer}
-sad = %trace I hate this, it is terrible and I am so sad --modules {layer}
-steer = 2 * (happy[layer][0].mean(0) - sad[layer][0].mean(0))
-print(f"steering vector of norm {steer.norm():.1f} at {layer}")
+happy = %trace --prompts happy_prompts --modules {layer} --reduce mean --batch-size 16
+sad = %trace --prompts sad_prompts --modules {layer} --reduce mean --batch-size 16
+steer = 2 * (happy[layer] - sad[layer])
+print(f"steering vector of norm {steer.norm():.1f} at {layer}, from {happy.prompts} + {sad.prompts} prompts "
+      f"({happy.tokens} + {sad.tokens} tokens)")
 """),
     code("%share steer"),
     code("""

@@ -58,10 +58,13 @@ class Inspector:
         chat: bool = False,
         lens_top: int | None = None,
         max_mb: float = DEFAULT_MAX_MB,
+        grad: str | None = None,
     ):
         """One forward of ``prompt``; the outputs (or inputs) of the modules matching ``modules``
-        (default: every decoder layer)."""
+        (default: every decoder layer). ``grad`` names a function ``fn(logits) -> scalar`` defined on every
+        rank (``%%all``): each capture's gradient of it is then in ``trace.grads``, its value in ``trace.metric``."""
         args = {
+            "grad": grad,
             "prompt": prompt,
             "modules": modules or [],
             "inputs": inputs,
@@ -70,6 +73,51 @@ class Inspector:
             "max_bytes": int(max_mb * 2**20),
         }
         return self.run("trace", args)
+
+    def trace_many(
+        self,
+        prompts: list[str],
+        modules: list[str] | None = None,
+        *,
+        batch_size: int = 8,
+        reduce: str | None = None,
+        per_prompt: bool = False,
+        project: str | None = None,
+        to: str | None = None,
+        inputs: bool = False,
+        chat: bool = False,
+        max_mb: float = DEFAULT_MAX_MB,
+    ):
+        """Trace many prompts in batches of ``batch_size``: a ``Traces`` (one ``Trace`` per prompt, each of its own
+        length), or with ``reduce`` (mean, sum, max, var over every real token; ``per_prompt`` for one row per
+        prompt) a ``Reduced``, computed on the ranks so only the reduced tensors reach rank 0. ``project`` names a
+        matrix [features, k] every rank has (``%share``) applied before reducing; ``to`` is a directory where rank 0
+        writes the unreduced captures, one safetensors file per batch (``load_captures`` reads them back)."""
+        if isinstance(prompts, str) or not prompts or not all(isinstance(p, str) for p in prompts):
+            raise ValueError("prompts must be a non-empty list of strings")
+        args = {
+            "prompts": list(prompts),
+            "modules": modules or [],
+            "batch_size": batch_size,
+            "reduce": reduce,
+            "per_prompt": per_prompt,
+            "project": project,
+            "to": to,
+            "inputs": inputs,
+            "chat": chat,
+            "max_bytes": int(max_mb * 2**20),
+        }
+        return self.run("trace", args)
+
+    def patch(
+        self, clean: str, corrupt: str, modules: list[str], metric: str, *, method: str = "activation", chat=False
+    ) -> dict[str, Any]:
+        """Activation patching: for each module and position, the metric (a function ``fn(logits) -> scalar`` every
+        rank defined in ``%%all``) on the corrupt prompt with that output taken from the clean prompt.
+        ``method="attribution"`` gives its first-order estimate from one backward. A dict with ``modules``,
+        ``tokens``, ``effect`` [modules, positions], ``clean_metric`` and ``corrupt_metric``."""
+        args = {"clean": clean, "corrupt": corrupt, "modules": modules, "metric": metric, "method": method}
+        return self.run("patch", {**args, "chat": chat})
 
     def logit_lens(self, prompt: str, layers: list[str] | None = None, *, top: int = 5, chat: bool = False):
         """The trace of ``layers`` (default: every decoder layer) with its ``Lens``:

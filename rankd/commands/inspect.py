@@ -35,7 +35,21 @@ def handle_trace(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[str
     from shardbook.rankd.inspection.tracing import trace
 
     loaded = loaded_model(ctx)
-    return {"status": "ok", "value": trace(loaded.model, loaded.tokenizer, args)}
+    if args.get("prompts") is not None:
+        from shardbook.rankd.inspection.batched import trace_many
+
+        value = trace_many(loaded.model, loaded.tokenizer, args, ctx.shell.user_ns, ctx.stop_event)
+        return {"status": "ok", "value": value}
+    return {"status": "ok", "value": trace(loaded.model, loaded.tokenizer, args, ctx.shell.user_ns)}
+
+
+@handler("patch", interrupt="event")
+def handle_patch(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[str, Any]:
+    """An activation-patching sweep (or attribution patching); every rank computes the same table."""
+    from shardbook.rankd.inspection.patching import patch_sweep
+
+    loaded = loaded_model(ctx)
+    return {"status": "ok", "value": patch_sweep(loaded.model, loaded.tokenizer, args, ctx.shell.user_ns)}
 
 
 @handler("full_parameter", interrupt="event")

@@ -61,7 +61,7 @@ def registry(model: nn.Module) -> dict[str, Intervention]:
 def add(model: nn.Module, namespace: dict[str, Any], name: str, modules: list[str], on_input: bool) -> Intervention:
     """Register `namespace[name]` on `modules` on every rank, or on none (a collective)."""
     problem = _why_not(namespace, name)
-    _agree(problem, model)
+    agree(problem, model)
     remove(model, name)
     fn = namespace[name]
     iv = Intervention(name, modules, on_input)
@@ -97,19 +97,28 @@ def raise_failures(model: nn.Module) -> None:
         raise InterventionError(text)
 
 
-def _why_not(namespace: dict[str, Any], name: str) -> str | None:
+def agreed_function(model: nn.Module, namespace: dict[str, Any], name: str, example: str) -> Callable:
+    """The function `name` from this rank's namespace, once every rank has found one (else every rank raises)."""
+    problem = _why_not(namespace, name, example)
+    agree(problem, model)
+    return namespace[name]
+
+
+def _why_not(
+    namespace: dict[str, Any], name: str, example: str = "(output, module_name):\n    return output * 0"
+) -> str | None:
     fn = namespace.get(name)
     if fn is None:
         return (
             f"no function named {name!r} in this rank's namespace: define it in an %%all cell first, so that every "
-            f"rank has it, e.g.\n%%all\ndef {name}(output, module_name):\n    return output * 0"
+            f"rank has it, e.g.\n%%all\ndef {name}{example}"
         )
     if not callable(fn):
         return f"{name!r} is a {type(fn).__name__}, not a function: give the name of a function defined in %%all"
     return None
 
 
-def _agree(problem: str | None, model: nn.Module) -> None:
+def agree(problem: str | None, model: nn.Module) -> None:
     """Every rank learns whether all of them can register; each raises its own reason, or the others' absence."""
     failed = torch.tensor([0 if problem is None else 1], device=next(model.parameters()).device)
     if dist.is_initialized() and dist.get_world_size() > 1:

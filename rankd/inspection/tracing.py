@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardbook.rankd.inspection.interventions import raise_failures
+from shardbook.rankd.inspection.interventions import agreed_function, raise_failures
 from shardbook.rankd.parallel.layout import decoder_layers
 from shardbook.rankd.parallel.wholes import activation_split, gather_whole_to_rank0, whole_shape
 
@@ -42,8 +42,12 @@ class Trace(Mapping):
         inputs: bool,
         lens: Lens | None = None,
         stats: dict[str, Any] | None = None,
+        grads: dict[str, torch.Tensor] | None = None,
+        metric: float | None = None,
     ):
         self.captures = captures
+        self.grads, self.metric = grads, metric
+        """With `--grad`: each capture's gradient of the metric (whole, like the captures), and the metric's value."""
         self.token_ids, self.tokens, self.logits, self.inputs = token_ids, tokens, logits, inputs
         self.lens, self.stats = lens, stats or {}
 
@@ -60,7 +64,9 @@ class Trace(Mapping):
         what = "inputs" if self.inputs else "outputs"
         shapes = ", ".join(f"{name}: {tuple(t.shape)}" for name, t in list(self.items())[:4])
         more = f", … ({len(self)} modules)" if len(self) > 4 else ""
-        return f"Trace of {len(self.tokens)} tokens, {what} of {{{shapes}{more}}}, logits {tuple(self.logits.shape)}"
+        grads = "" if self.grads is None else f", with gradients of a metric = {self.metric:.4g}"
+        logits = tuple(self.logits.shape)
+        return f"Trace of {len(self.tokens)} tokens, {what} of {{{shapes}{more}}}, logits {logits}{grads}"
 
 
 @dataclass
@@ -124,20 +130,33 @@ def first_tensor(value: Any) -> Any:
             return value
 
 
-def trace(model: nn.Module, tokenizer: Any, args: dict[str, Any]) -> Trace | dict[str, Any]:
-    """Run `args`' trace on this rank; rank 0 returns the `Trace`, the others a small summary."""
+GRAD_EXAMPLE = "(logits):\n    return logits[0, -1, 1000] - logits[0, -1, 2000]"
+
+
+def trace(
+    model: nn.Module, tokenizer: Any, args: dict[str, Any], namespace: dict[str, Any] | None = None
+) -> Trace | dict[str, Any]:
+    """Run `args`' trace on this rank; rank 0 returns the `Trace`, the others a small summary.
+
+    With `args["grad"]` (the name of a function of the logits defined on every rank, returning a scalar), the
+    forward keeps a graph and every capture's gradient of that metric is gathered whole too; parameters'
+    `.grad` are left as they were.
+    """
     names = match_modules(model, args.get("modules") or layer_names(model))
+    metric_fn = agreed_function(model, namespace or {}, args["grad"], GRAD_EXAMPLE) if args.get("grad") else None
     ids = prompt_ids(tokenizer, args["prompt"], args.get("chat", False)).to(next(model.parameters()).device)
     inputs = bool(args.get("inputs"))
     lens_top = args.get("lens_top")
     local: dict[str, torch.Tensor] = {}
     lens_out: dict[str, tuple] = {}
-    hooks = [_capture_hook(model.get_submodule(n), n, inputs, local) for n in names]
+    graph: dict[str, torch.Tensor] = {}
+    hooks = [_grad_from_embeddings(model)] if metric_fn else []  # first: the embedding's own capture sees its result
+    hooks += [_capture_hook(model.get_submodule(n), n, inputs, local, graph if metric_fn else None) for n in names]
     if lens_top:
         hooks.append(_lens_hook(model, names, lens_top, local, lens_out))
     started = time.perf_counter()
     try:
-        with torch.no_grad():
+        with torch.enable_grad() if metric_fn else torch.no_grad():
             logits = model(ids).logits
     finally:
         for hook in hooks:
@@ -146,11 +165,17 @@ def trace(model: nn.Module, tokenizer: Any, args: dict[str, Any]) -> Trace | dic
     _refuse_non_tensors(local)
     names = [n for n in names if n in local]  # containers such as model.layers never run forward themselves
     splits = {n: activation_split(model, n, inputs) for n in names}
-    check_size(local, splits, logits, args.get("max_bytes", DEFAULT_MAX_BYTES))
+    check_size(local, splits, logits, args.get("max_bytes", DEFAULT_MAX_BYTES) // (2 if metric_fn else 1))
+    grads, metric = _gradients(metric_fn, logits, names, graph) if metric_fn else (None, None)
+    logits = logits.detach()
     wholes, sent = {}, 0
     for name in names:
         whole, nbytes = _to_rank0(local[name], splits[name])
         wholes[name], sent = whole, sent + nbytes
+    whole_grads = {}
+    for name in grads or {}:
+        whole_grads[name], nbytes = _to_rank0(grads[name], splits[name])
+        sent += nbytes
     raise_failures(model)
     if torch.distributed.get_rank() != 0:
         return {"modules": len(names)}
@@ -164,7 +189,35 @@ def trace(model: nn.Module, tokenizer: Any, args: dict[str, Any]) -> Trace | dic
         inputs=inputs,
         lens=_lens(tokenizer, names, lens_out),
         stats=stats,
+        grads={n: t.cpu() for n, t in whole_grads.items()} if metric_fn else None,
+        metric=metric,
     )
+
+
+def _grad_from_embeddings(model: nn.Module):
+    """Make the input embedding's output require grad, so captures have gradients even with frozen parameters."""
+
+    def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
+        if not out.requires_grad:
+            return out.detach().requires_grad_(True)
+        return None
+
+    return model.get_input_embeddings().register_forward_hook(hook)
+
+
+def _gradients(metric_fn, logits: torch.Tensor, names: list[str], graph: dict[str, torch.Tensor]):
+    """Each captured tensor's gradient of `metric_fn(logits)` (a scalar); the same backward on every rank."""
+    value = metric_fn(logits)
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"the --grad metric must return a scalar tensor computed from the logits; it returned {got}")
+    value = value.reshape(())
+    wanted = [n for n in names if n in graph and graph[n].requires_grad]
+    found = torch.autograd.grad(value, [graph[n] for n in wanted], allow_unused=True) if wanted else []
+    grads = {n: (torch.zeros_like(graph[n]) if g is None else g).detach() for n, g in zip(wanted, found)}
+    for n in names:  # a capture the metric does not depend on (after the logits, or cut off): zero gradient
+        grads.setdefault(n, torch.zeros_like(graph[n]) if n in graph else torch.zeros(()))
+    return grads, float(value.detach())
 
 
 def prompt_ids(tokenizer: Any, prompt: str, chat: bool) -> torch.Tensor:
@@ -187,12 +240,17 @@ def _refuse_non_tensors(local: dict[str, Any]) -> None:
         )
 
 
-def _capture_hook(module: nn.Module, name: str, inputs: bool, into: dict[str, torch.Tensor]):
+def _capture_hook(module: nn.Module, name: str, inputs: bool, into: dict[str, torch.Tensor], graph=None):
+    """Keep the module's output (or first input), detached; with `graph`, also the tensor itself for its gradient."""
+
+    def keep(value: Any) -> None:
+        into[name] = _detached(value)
+        if graph is not None and isinstance(value, torch.Tensor):
+            graph[name] = value
+
     if inputs:
-        return module.register_forward_pre_hook(
-            lambda m, a, kw: into.__setitem__(name, _detached(_input_of(a, kw))), with_kwargs=True
-        )
-    return module.register_forward_hook(lambda m, a, out: into.__setitem__(name, _detached(first_tensor(out))))
+        return module.register_forward_pre_hook(lambda m, a, kw: keep(_input_of(a, kw)), with_kwargs=True)
+    return module.register_forward_hook(lambda m, a, out: keep(first_tensor(out)))
 
 
 def _detached(value: Any) -> Any:

@@ -18,7 +18,7 @@ from torch import nn
 
 from shardbook.rankd.parallel.expert_parallel import ExpertLayout
 from shardbook.rankd.parallel.head_split import balanced_ranges
-from shardbook.rankd.parallel.tp_modules import TPShard, all_reduce, become
+from shardbook.rankd.parallel.tp_modules import TPShard, become, copy_to_group, sum_over_group
 
 
 def has_expert_biases(experts: nn.Module) -> bool:
@@ -50,7 +50,14 @@ def apply_biased_experts(experts: nn.Module, layout: ExpertLayout, rank: int, ex
     ep_index, efsdp_index = layout.position(rank)
     mine = balanced_ranges(experts.gate_up_proj.shape[0], layout.ep)[ep_index]
     cls = _biased_parallel_class(type(experts))
-    become(experts, cls, expert_group, expert_start=mine.start, adds_down_bias=efsdp_index == 0)
+    become(
+        experts,
+        cls,
+        expert_group,
+        expert_start=mine.start,
+        adds_down_bias=efsdp_index == 0,
+        bias_split=layout.efsdp > 1,
+    )
 
 
 class BiasedExpertParallel:
@@ -59,9 +66,21 @@ class BiasedExpertParallel:
     tp_group: object
     expert_start: int
     adds_down_bias: bool
+    bias_split: bool
+    """Expert rows are split (ep_fsdp > 1), so one rank alone adds the down-projection bias."""
 
     def forward(self, hidden_states: torch.Tensor, router_indices=None, routing_weights=None) -> torch.Tensor:
         local = router_indices - self.expert_start
+        wanted = hidden_states.requires_grad or any(p.requires_grad for p in self.parameters())
+        if torch.is_grad_enabled() and wanted and getattr(self, "bias_split", False):
+            # the bias added by one rank of each expert set has no gradient on the others: refuse, on every rank alike
+            raise NotImplementedError(
+                "gradients through GPT-OSS-style experts whose rows are split (ep_fsdp_size > 1, or the default "
+                "expert split) are not supported under tp: the down-projection bias would get a wrong gradient. "
+                "Load with parallel.decode gather or reshard, or parallel.ep_size equal to the tensor-parallel size"
+            )
+        hidden_states = copy_to_group(hidden_states, self.tp_group)
+        routing_weights = copy_to_group(routing_weights, self.tp_group)
         out = torch.zeros_like(hidden_states)
         for expert in range(self.gate_up_proj.shape[0]):
             token_idx, k_pos = torch.where(local == expert)
@@ -72,7 +91,7 @@ class BiasedExpertParallel:
             if self.adds_down_bias:
                 expert_out = expert_out + self.down_proj_bias[expert]
             out.index_add_(0, token_idx, (expert_out * routing_weights[token_idx, k_pos, None]).to(out.dtype))
-        return all_reduce(out, self.tp_group)
+        return sum_over_group(out, self.tp_group)
 
 
 @cache

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardbook.rankd.parallel.head_split import balanced_ranges
-from shardbook.rankd.parallel.tp_modules import TPShard, all_reduce, become
+from shardbook.rankd.parallel.tp_modules import TPShard, become, copy_to_group, sum_over_group
 
 
 @dataclass(frozen=True)
@@ -202,6 +202,11 @@ class ExpertParallel:
         order = torch.argsort(flat, stable=True)
         counts = torch.zeros(num_local + 1, dtype=torch.long, device=flat.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat))
+        # replicated inputs to this rank's share of the experts: their gradients are summed over the set
+        hidden_states, top_k_weights = (
+            copy_to_group(hidden_states, self.tp_group),
+            copy_to_group(top_k_weights, self.tp_group),
+        )
         out = torch.zeros_like(hidden_states)
         if self.adds_identity:
             _add_identity_experts(self, out, hidden_states, top_k_index, top_k_weights)
@@ -214,7 +219,7 @@ class ExpertParallel:
             gate_up = F.linear(hidden_states[token_idx], self.gate_up_proj[expert])
             expert_out = F.linear(_gated(self, gate_up), self.down_proj[expert])
             out.index_add_(0, token_idx, (expert_out * top_k_weights[token_idx, k_pos, None]).to(out.dtype))
-        return all_reduce(out, self.tp_group)
+        return sum_over_group(out, self.tp_group)
 
 
 def _gated(experts, gate_up: torch.Tensor) -> torch.Tensor:

@@ -41,11 +41,13 @@ from shardbook.rankd.parallel.declared_plans import (
 from shardbook.rankd.parallel.expert_parallel import ExpertLayout, apply_experts, experts_plan
 from shardbook.rankd.parallel.head_split import balanced_ranges, split_mlp_rows
 from shardbook.rankd.parallel.tp_modules import (
+    ColumnParallelLinear,
     RowParallelLinear,
     TPShard,
     VocabGatheredLinear,
     VocabParallelEmbedding,
     become,
+    become_split_input,
 )
 
 SUPPORTED_MODEL_TYPES = (
@@ -238,10 +240,15 @@ def _apply_tp(model: nn.Module, group: dist.ProcessGroup, rank: int, experts, ex
     for layer, heads in zip(model.model.layers, attention_splits(model, parts)):
         for attn in attention_modules(layer.self_attn) if heads is not None else []:
             attn.num_key_value_groups = heads.local_groups(rank)
+            for norm in (getattr(attn, n, None) for n in ("q_norm", "k_norm")):
+                if norm is not None and next(norm.parameters(), None) is not None:  # per-head norms on split heads
+                    become_split_input(norm, group)
     for name, kind in modules.items():
         module = model.get_submodule(name)
         if kind == ROW:
             become(module, RowParallelLinear, group)
+        elif kind == COLUMN and type(module) is nn.Linear:  # its input gradient is summed over the group
+            become(module, ColumnParallelLinear, group)
         elif kind == EXPERTS:
             apply = apply_biased_experts if has_expert_biases(module) else apply_experts
             apply(module, experts, rank, expert_group)

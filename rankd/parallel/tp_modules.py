@@ -1,6 +1,11 @@
 """The pieces every tensor-parallel module is made of: `TPShard` (which part of a tensor each rank holds) and the
 parallel linear and embedding modules that join their pieces with one collective.
 
+The collectives take part in autograd (Megatron's conjugate "f" and "g" operators), so `loss.backward()` gives
+every rank what one process would: the sum of partial outputs (`sum_over_group`) passes its gradient through
+unchanged, a replicated input to split work (`copy_to_group`) sums its partial input gradients, and the gathered
+logits (`gather_vocab`) give each rank its own columns of the gradient. Without grad they are the plain collectives.
+
 A module becomes parallel in place (`become`): its class is swapped for a subclass with a forward of its own,
 so its name, parameters and hooks stay those of the transformers model.
 """
@@ -8,6 +13,7 @@ so its name, parameters and hooks stay those of the transformers model.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.distributed as dist
@@ -85,13 +91,115 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return tensor
 
 
+def _grad_wanted(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """g: forward sums partial tensors over the group; backward passes the (replicated) gradient through."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        return all_reduce(partial.contiguous().clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """f: forward is the identity on a replicated tensor; backward sums every rank's partial gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_reduce(grad.contiguous().clone(), ctx.group), None
+
+
+def sum_over_group(partial: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Partial results summed over `group` (in place without grad); its gradient is passed through unchanged."""
+    if dist.get_world_size(group) == 1:
+        return partial
+    if _grad_wanted(partial):
+        return _SumOverGroup.apply(partial, group)
+    return all_reduce(partial, group)
+
+
+def copy_to_group(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """A replicated tensor about to feed split work: the same tensor, whose gradient is summed over `group`."""
+    if dist.get_world_size(group) == 1 or not _grad_wanted(x):
+        return x
+    return _CopyToGroup.apply(x, group)
+
+
+class ColumnParallelLinear(nn.Linear):
+    """A linear layer holding a range of output rows: its input is replicated, so its input gradient is summed."""
+
+    tp_group: dist.ProcessGroup
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shard = tp_shard_of(self.weight)
+        if shard is not None and _grad_wanted(x, self.weight):  # a whole weight's gradient is whole on every rank
+            if _overlapping(shard):
+                raise NotImplementedError(
+                    "gradients under tp are not supported for a model whose key/value heads are shared by several "
+                    "ranks (more ranks than KV heads, or heads split unevenly across them): each rank would hold "
+                    "only its part of the shared rows' gradient. Load with parallel.decode gather or reshard"
+                )
+            x = copy_to_group(x, self.tp_group)
+        return F.linear(x, self.weight, self.bias)
+
+
+@cache
+def _overlapping(shard: TPShard) -> bool:
+    """Some rows are held by more than one rank (a KV head shared by ranks)."""
+    rows = [i for pieces in shard.pieces for piece in pieces for i in piece]
+    return len(rows) != len(set(rows))
+
+
+class SplitInputModule:
+    """Mixed into a module with whole parameters that runs on a split tensor (Qwen3's per-head q/k norms under
+    `tp`): each rank's parameter gradient covers only its heads, so the parameters go through `copy_to_group`."""
+
+    tp_group: dist.ProcessGroup
+
+    def forward(self, *args, **kwargs):
+        base = super().forward  # the family's own forward, reading its parameters by attribute
+        params = {n: p for n, p in self._parameters.items() if p is not None and tp_shard_of(p) is None}
+        if not any(_grad_wanted(p) for p in params.values()):
+            return base(*args, **kwargs)
+        for name, param in params.items():
+            del self._parameters[name]
+            object.__setattr__(self, name, copy_to_group(param, self.tp_group))
+        try:
+            return base(*args, **kwargs)
+        finally:
+            for name, param in params.items():
+                object.__delattr__(self, name)
+                self._parameters[name] = param
+
+
+def become_split_input(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """Give `module` (whole parameters, split input) gradients summed over the group."""
+    become(module, _split_input_class(type(module)), group)
+
+
+@cache
+def _split_input_class(base: type) -> type:
+    return type(f"SplitInput{base.__name__}", (SplitInputModule, base), {})
+
+
 class RowParallelLinear(nn.Linear):
     """A linear layer holding a range of input columns: partial outputs are summed over the group."""
 
     tp_group: dist.ProcessGroup
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = all_reduce(F.linear(x, self.weight), self.tp_group)
+        out = sum_over_group(F.linear(x, self.weight), self.tp_group)
         return out if self.bias is None else out + self.bias
 
 
@@ -105,8 +213,8 @@ class VocabParallelEmbedding(nn.Embedding):
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        out.masked_fill_(outside.unsqueeze(-1), 0)
-        return all_reduce(out, self.tp_group)
+        out = out.masked_fill(outside.unsqueeze(-1), 0)
+        return sum_over_group(out, self.tp_group)
 
 
 class VocabGatheredLinear(nn.Linear):
@@ -116,11 +224,32 @@ class VocabGatheredLinear(nn.Linear):
     vocab_sizes: list[int]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local = F.linear(x, self.weight, self.bias)
         if len(self.vocab_sizes) == 1:
-            return local
-        width = max(self.vocab_sizes)
-        padded = F.pad(local, (0, width - local.shape[-1])).contiguous()
-        parts = [torch.empty_like(padded) for _ in self.vocab_sizes]
-        dist.all_gather(parts, padded, group=self.tp_group)
-        return torch.cat([part[..., :size] for part, size in zip(parts, self.vocab_sizes)], dim=-1)
+            return F.linear(x, self.weight, self.bias)
+        local = F.linear(copy_to_group(x, self.tp_group), self.weight, self.bias)
+        if _grad_wanted(local):
+            return _GatherVocab.apply(local, self.tp_group, self.vocab_sizes)
+        return gather_vocab(local, self.tp_group, self.vocab_sizes)
+
+
+def gather_vocab(local: torch.Tensor, group: dist.ProcessGroup, sizes: list[int]) -> torch.Tensor:
+    """Every rank's columns (`sizes[r]` of them, in rank order) joined along the last dim."""
+    padded = F.pad(local, (0, max(sizes) - local.shape[-1])).contiguous()
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([part[..., :size] for part, size in zip(parts, sizes)], dim=-1)
+
+
+class _GatherVocab(torch.autograd.Function):
+    """The all-gather of logits; backward takes this rank's columns of the (replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group: dist.ProcessGroup, sizes: list[int]) -> torch.Tensor:
+        rank = dist.get_rank(group)
+        ctx.columns = (sum(sizes[:rank]), sum(sizes[: rank + 1]))
+        return gather_vocab(local, group, sizes)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        start, stop = ctx.columns
+        return grad[..., start:stop].contiguous(), None, None

@@ -95,7 +95,30 @@ def join(parts: list[torch.Tensor], split: FeatureSplit, whole: tuple[int, ...])
 
 
 def all_gather_whole(local: torch.Tensor, split: FeatureSplit) -> torch.Tensor:
-    """Every rank of the group gets the whole tensor (a collective of the group)."""
+    """Every rank of the group gets the whole tensor (a collective of the group).
+
+    With grad, the gradient of the whole tensor (each rank's partial one) is summed over the group and each rank
+    takes its own piece, so an intervention on a split tensor keeps the gradients one process would get.
+    """
+    if torch.is_grad_enabled() and local.requires_grad:
+        return _AllGatherWhole.apply(local, split)
+    return _all_gather_whole(local, split)
+
+
+class _AllGatherWhole(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, split: FeatureSplit) -> torch.Tensor:
+        ctx.split = split
+        return _all_gather_whole(local, split)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.split.group)
+        return local_part(grad, ctx.split).contiguous(), None
+
+
+def _all_gather_whole(local: torch.Tensor, split: FeatureSplit) -> torch.Tensor:
     whole = whole_shape(local.shape, split)
     flat = _padded_features(local, split)
     parts = [torch.empty_like(flat) for _ in split.shard.pieces]
@@ -148,6 +171,24 @@ def full_parameter_on_rank0(model: nn.Module, param: torch.Tensor) -> torch.Tens
     if shard is None:
         return param.detach() if dist.get_rank() == 0 else None
     return _gather_selections(param.detach(), shard, tp_group(model))
+
+
+def full_gradient_on_rank0(model: nn.Module, param: torch.Tensor) -> torch.Tensor | None:
+    """The whole gradient of a parameter on rank 0 (None elsewhere, and None when it has none on any rank alike).
+
+    Each rank holds the gradient of its own slice (a DTensor under FSDP2, a plain slice under `tp`), joined like
+    the parameter itself (`full_parameter_on_rank0`). A collective under every sharded layout.
+    """
+    grad = param.grad
+    if grad is None:
+        return None
+    if isinstance(grad, DTensor):
+        whole = grad.full_tensor()
+        return whole if dist.get_rank() == 0 else None
+    shard = tp_shard_of(param)
+    if shard is None:
+        return grad.detach() if dist.get_rank() == 0 else None
+    return _gather_selections(grad.detach(), shard, tp_group(model))
 
 
 def _gather_selections(local: torch.Tensor, shard: TPShard, group: dist.ProcessGroup) -> torch.Tensor | None:

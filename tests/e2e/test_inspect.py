@@ -192,3 +192,55 @@ def test_the_stop_button_reaches_a_blocking_intervention(kernel, uneven, name):
     assert after.status == "ok" and after.stdout().count("ALIVE") == 2, after.error_text()
     assert time.monotonic() - t0 < 5
     assert_usable(kernel)
+
+
+DATASET_CHECK = """
+import torch
+from transformers import AutoModelForCausalLM
+single = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.float32).eval()
+ids = [tokenizer(p, return_tensors="pt")["input_ids"] for p in prompts]
+with torch.no_grad():
+    outs = [single(i, output_hidden_states=True).hidden_states[1][0] for i in ids]
+want = torch.cat(outs).mean(0)
+same_mean = (mean["model.layers.0"] - want).abs().max().item() < 1e-4
+same_each = all((t["model.layers.0"][0] - o).abs().max().item() < 1e-4 for t, o in zip(many, outs))
+h = {{}}
+single.model.layers[0].register_forward_hook(lambda m, a, o: h.setdefault("out", o[0] if isinstance(o, tuple) else o))
+x = single(ids[0]).logits
+want_grad = torch.autograd.grad(x[0, -1, 5] - x[0, -1, 17], h["out"])[0]
+same_grad = (g.grads["model.layers.0"] - want_grad).abs().max().item() < 1e-4
+print("CHECK", len(many), same_each, same_mean, same_grad, round(_patch.result["effect"].shape[0]))
+"""
+
+
+def test_batches_reductions_gradients_and_patching_through_the_kernel(kernel, uneven):
+    assert load(kernel, uneven, "--parallel.decode tp").status == "ok"
+    kernel.run('prompts = ["The capital of France is", "Hello", "The quick brown fox jumps over the lazy dog", "a b"]')
+    many = kernel.run("many = %trace --prompts prompts --modules model.layers.0 --batch-size 3\nprint(repr(many))")
+    assert many.status == "ok" and "Traces of 4 of 4 prompts" in many.stdout(), many.error_text() + many.stdout()
+    mean = kernel.run("mean = %trace --prompts prompts --modules model.layers.0 --reduce mean")
+    assert mean.status == "ok", mean.error_text()
+    setup = kernel.run("%%all\ndef diff(logits):\n    return logits[0, -1, 5] - logits[0, -1, 17]\n")
+    assert setup.status == "ok", setup.error_text()
+    grad = kernel.run("%%trace --grad diff --modules model.layers.* --as g\nThe capital of France is")
+    assert grad.status == "ok" and "with gradients of a metric" in grad.stdout(), grad.error_text()
+    kernel.run('clean, corrupt = "The capital of France is", "The capital is France of"')
+    patch = kernel.run("%patch --clean clean --corrupt corrupt --modules model.layers.* --metric diff")
+    assert patch.status == "ok" and "activation patching: metric clean" in patch.stdout(), patch.error_text()
+    check = kernel.run(DATASET_CHECK.format(path=str(uneven)), timeout=120)
+    assert "CHECK 4 True True True 2" in check.stdout(), check.stdout() + check.error_text()
+
+
+def test_backward_in_all_under_tp_through_the_kernel(kernel, uneven):
+    """A backward in %%all and the whole input-embedding gradient (a 60 s wait once timed out on a loaded machine)."""
+    assert load(kernel, uneven, "--parallel.decode tp").status == "ok"
+    ex = kernel.run(
+        "%%all\nfrom shardbook.rankd.parallel.wholes import full_gradient_on_rank0\n"
+        "model.requires_grad_(True)\n"
+        "x = model(tokenizer('The capital of France is', return_tensors='pt')['input_ids']).logits\n"
+        "(x[0, -1, 5] - x[0, -1, 17]).backward()\n"
+        "embed_grad = full_gradient_on_rank0(model, model.model.embed_tokens.weight)\n"
+        "model.requires_grad_(False)\nmodel.zero_grad()\nprint('GRAD', embed_grad is not None)",
+        timeout=180,
+    )
+    assert ex.status == "ok" and "GRAD True" in ex.stdout(), ex.error_text()

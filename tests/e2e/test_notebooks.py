@@ -173,7 +173,9 @@ def test_inspect_lens_patching_steering_and_histogram(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     nb = nbformat.read(output, as_version=4)
     images = [png for cell in nb.cells for png in outputs_of(cell, "image/png")]
-    assert len(images) == 3, "expected the logit lens, the patching curve and the histogram"
+    assert len(images) == 5, "expected the logit lens, the patching curve, two %patch heatmaps and the histogram"
+    assert "activation patching: metric clean" in result.stdout and "attribution patching:" in result.stdout
+    assert "from 32 + 32 prompts" in result.stdout, result.stdout
     assert "model.layers.29:   ' Paris'" in result.stdout, result.stdout  # the lens's last layer says Paris
     clean, corrupt = map(float, re.search(r"P\(' Paris'\): clean ([\d.]+), corrupt ([\d.]+)", result.stdout).groups())
     assert clean > corrupt
