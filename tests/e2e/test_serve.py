@@ -191,13 +191,14 @@ def test_loading_another_model_switches_what_is_served_and_says_so(loaded, serve
 
 
 @pytest.mark.slow
-def test_the_demo_model_answers_through_the_openai_client(kernel):
-    assert kernel.run("%load_sharded configs/smollm2-135m.yaml", timeout=240).status == "ok"
-    url = server_url(kernel.run("%serve --port 0").stdout())
+def test_the_demo_model_answers_through_the_openai_client(loaded, talker):
+    assert loaded.run("%load_sharded configs/smollm2-135m.yaml", timeout=240).status == "ok"
+    url = server_url(loaded.run("%serve --port 0").stdout())
     try:
         assert_demo_model_replies(url)
     finally:
-        kernel.run("%serve --stop")
+        loaded.run("%serve --stop")
+        load(loaded, talker)  # the tests after this one serve the talker
 
 
 def test_special_tokens_in_a_request_stay_text_so_no_turn_can_be_forged(serve, talker):
