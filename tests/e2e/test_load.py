@@ -45,6 +45,11 @@ def test_load_summary_progress_and_namespaces(kernel, tiny):
         m["content"]["data"]["state"]["value"] for m in updates if "value" in m["content"]["data"].get("state", {})
     ]
     assert len(values) >= 3 and values[-1] == 100 and values == sorted(values)
+    ex = kernel.run("%%all\nw = model.model.embed_tokens.weight\nprint(type(w).__name__, tuple(w.shape))")
+    assert ex.status == "ok", ex.error_text()
+    for rank in (0, 1):  # under gather the load ends with a warm-up forward: the weights are gathered already
+        assert f"[rank {rank}]\nParameter (384, 64)\n" in ex.stdout(), ex.stdout()
+    assert kernel.run("%shards").status == "ok"  # puts every rank back to its shards first
     ex = kernel.run(
         "%%all\nimport torch.distributed as dist\nw = model.model.embed_tokens.weight\n"
         "print(dist.get_rank(), type(tokenizer).__name__, tuple(w.to_local().shape), tuple(w.shape))"
