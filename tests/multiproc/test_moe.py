@@ -27,12 +27,14 @@ LAYOUTS = {
 def load_and_forward(rank: int, path, parallel: dict) -> dict:
     from shardbook.rankd.config.schema import ModelConfig, ParallelConfig, ShardbookConfig
     from shardbook.rankd.loading.load_sharded import load_sharded
+    from shardbook.rankd.parallel.layout import reshard_model
 
     config = ShardbookConfig(
         model=ModelConfig(model_name_or_path=str(path), dtype="float32"), parallel=ParallelConfig(**parallel)
     )
     loaded = load_sharded(config, device="cpu")
-    # counted before the forward: the gather layout keeps FSDP2's gathered weights after it
+    # the gather layout keeps FSDP2's gathered weights after a forward (the load's warm-up is one): count the shards
+    reshard_model(loaded.model)
     experts = [p for name, p in loaded.model.named_parameters() if ".experts." in name]
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in experts)
     total = sum(_global(p) for p in experts)
