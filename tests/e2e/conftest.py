@@ -46,7 +46,12 @@ class KernelHandle:
         self.km.start_kernel(env=self.env)
         self.kc = self.km.client()
         self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=90)
+        try:
+            self.kc.wait_for_ready(timeout=90)
+        except BaseException:  # a kernel that never became ready leaves nothing behind (processes, a Slurm job)
+            self.kc.stop_channels()
+            self.km.shutdown_kernel(now=True)
+            raise
 
     def run(self, code: str, timeout: float = 60, **kw):
         return execute(self.kc, code, timeout=timeout, **kw)
