@@ -55,7 +55,11 @@ class ChatMagics(Magics):
     )
     @argument_group("conversation")
     @argument("--new", action="store_true", help="start a new conversation with this message")
-    @argument("--batch", action="store_true", help="join the continuous batch (decode with other requests)")
+    @argument(
+        "--no-batch",
+        action="store_true",
+        help="reply alone through transformers' generate (waits its turn) instead of joining the running batch",
+    )
     @argument("--system", metavar="TEXT", help="set the system prompt (kept for later turns)")
     @argument("--reset", action="store_true", help="(line magic) forget the conversation")
     @argument("--history", action="store_true", help="(line magic) show the conversation")
@@ -122,14 +126,17 @@ class ChatMagics(Magics):
         use_widget = args.output == "widget" or (args.output is None and widgets_available(self.shell))
         view = WidgetChatView() if use_widget else TextChatView()
         relay = RankRelay(frontend_for(self.shell), label_ranks=True)
-        if getattr(args, "batch", False):
-            stream = BatchChatStream(runtime, request, on_notice=relay.notice, start=False)
-        else:
+        if args.no_batch:
             stream = ChatStream(runtime, request, on_notice=relay.notice, start=False)
+        else:
+            stream = BatchChatStream(runtime, request, on_notice=relay.notice, start=False)
         # from the start of the command until its reply is in the history, the stop button only stops
         # the reply: a KeyboardInterrupt elsewhere would end the cell with the ranks still generating
         with sigint_calls(stream.stop):
-            stream.start()
+            try:
+                stream.start()
+            except (PoolError, ValueError) as e:  # e.g. a prompt longer than a batch step may take
+                raise UsageError(f"{e} (`%%chat --no-batch` prefills a long prompt in chunks)") from e
             try:
                 for chunk in stream:
                     view.add(chunk)

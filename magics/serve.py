@@ -20,8 +20,12 @@ class ServeMagics(Magics):
     @argument("--host", default="127.0.0.1", help="address to listen on (default loopback; others need an API key)")
     @argument("--api-key", help="key clients must send as 'Authorization: Bearer KEY'")
     @argument("--api-key-file", help="file whose first line is the API key")
-    @argument("--max-waiting", type=int, help="requests that may wait for the model before 429 (default 16)")
-    @argument("--batch", action="store_true", help="chat completions decode together (continuous batching)")
+    @argument("--max-waiting", type=int, help="requests that may wait beyond the running batch before 429 (default 16)")
+    @argument(
+        "--no-batch",
+        action="store_true",
+        help="chat completions take turns through transformers' generate instead of decoding together",
+    )
     @argument("--stop", action="store_true", help="stop the server")
     @argument("--status", action="store_true", help="show the URL, the queue, requests served and errors")
     @line_magic("serve")
@@ -32,8 +36,9 @@ class ServeMagics(Magics):
             # then, anywhere on this machine:
             # OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none").chat.completions.create(...)
 
-        Requests and %%chat cells share one queue (the ranks run one reply at a time); the stop
-        button stops the reply in flight and the server keeps running. ``%serve --status`` and
+        Concurrent requests and %%chat cells decode together in one continuous batch (up to
+        ``inference.max_batch_sequences``; ``--max-waiting`` more wait, then 429); the stop button stops
+        the replies in flight and the server keeps running. ``%serve --status`` and
         ``%serve --stop``. Loading another model switches what is served.
         """
         from shardbook.kernel.server.server import Server
@@ -62,7 +67,7 @@ class ServeMagics(Magics):
             key = read_api_key(args.api_key, args.api_key_file)
             port = DEFAULT_PORT if args.port is None else args.port
             options = ServeOptions(
-                host=args.host, port=port, api_key=key, max_waiting=args.max_waiting, batch=args.batch
+                host=args.host, port=port, api_key=key, max_waiting=args.max_waiting, batch=not args.no_batch
             )
             server = Server(runtime, options).start()
         except ValueError as e:

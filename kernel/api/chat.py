@@ -21,7 +21,7 @@ import signal
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -344,6 +344,7 @@ class BatchChatStream:
 
     def start(self) -> BatchChatStream:
         from shardbook.kernel.api.batch import scheduler_for, sequence_request, submit
+        from shardbook.rankd.generation.engine import fit_max_new_tokens
 
         if self.handle is not None:
             return self
@@ -361,8 +362,9 @@ class BatchChatStream:
             repetition_penalty=r.repetition_penalty,
             seed=r.seed,
         )
-        if r.want_scores:
-            sequence = type(sequence)(**{**sequence.__dict__, "logprobs": 5})
+        loaded = self.runtime.ctx0.state["loaded"]
+        fitted = fit_max_new_tokens(loaded.model, len(sequence.prompt_ids), sequence.max_new_tokens)
+        sequence = replace(sequence, max_new_tokens=fitted, logprobs=5 if r.want_scores else None)
         scheduler_for(self.runtime).check(sequence)
         self.handle = submit(
             self.runtime,

@@ -44,13 +44,16 @@ def add_serve_flags(parser: argparse.ArgumentParser, default=None) -> None:
     )
     parser.add_argument("--api-key-file", default=default, help="file whose first line is the API key")
     parser.add_argument(
-        "--max-waiting", type=int, default=default, help="requests that may wait before 429 (default 16)"
+        "--max-waiting",
+        type=int,
+        default=default,
+        help="requests that may wait beyond the running batch before 429 (default 16)",
     )
     parser.add_argument(
-        "--batch",
+        "--no-batch",
         action="store_true",
         default=default or False,
-        help="chat completions decode together (continuous batching)",
+        help="chat completions take turns through transformers' generate instead of decoding together",
     )
 
 
@@ -85,7 +88,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         raise ValueError("give either --api-key or --api-key-file, not both")
     key = read_api_key(args.api_key, args.api_key_file) or os.environ.get(API_KEY_ENV) or None
     options = ServeOptions(
-        host=args.host, port=args.port, api_key=key, max_waiting=args.max_waiting, batch=bool(args.batch)
+        host=args.host, port=args.port, api_key=key, max_waiting=args.max_waiting, batch=not args.no_batch
     )
     options.check()
     return options
@@ -107,7 +110,7 @@ def run_serve(args: argparse.Namespace) -> int:
         os.environ[API_KEY_ENV] = options.api_key  # the ranks' environment, not their argv
     flags = ["--host", options.host, "--port", str(options.port)]
     flags += ["--max-waiting", str(args.max_waiting)] if args.max_waiting is not None else []
-    flags += ["--batch"] if args.batch else []
+    flags += ["--no-batch"] if args.no_batch else []
     return launch(args, ["serve", *flags, *config_argv(args), *args.overrides], graceful_term=True)
 
 
@@ -121,7 +124,7 @@ def run_serve_slurm(args: argparse.Namespace, options: ServeOptions) -> int:
         os.environ[API_KEY_ENV] = options.api_key  # the ranks' environment, not their argv
     flags = ["--host", options.host, "--port", str(options.port)]
     flags += ["--max-waiting", str(args.max_waiting)] if args.max_waiting is not None else []
-    flags += ["--batch"] if args.batch else []
+    flags += ["--no-batch"] if args.no_batch else []
     return run_in_allocation(slurm, ["-m", "shardbook", "serve", *flags, *config_argv(args), *args.overrides])
 
 

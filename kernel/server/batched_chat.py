@@ -1,4 +1,4 @@
-"""``POST /v1/chat/completions`` over the continuous batch (a server started with ``--batch``).
+"""``POST /v1/chat/completions`` over the continuous batch (the default; ``--no-batch`` takes turns instead).
 
 Concurrent chat requests then decode together, and a request may ask for ``n`` > 1 replies and for
 ``logprobs`` / ``top_logprobs`` (the chat shape: ``{"content": [{token, logprob, bytes, top_logprobs}]}``).
@@ -7,18 +7,15 @@ The messages, the config's system prompt and the settings are those of the singl
 
 from __future__ import annotations
 
-import asyncio
 import json
 import secrets
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from tornado.iostream import StreamClosedError
-
 from shardbook.kernel.api.batch import scheduler_for, sequence_request
+from shardbook.kernel.server.batch_reply import BatchReplyHandler
 from shardbook.kernel.server.openai_api import FINISH_REASONS, ApiError, parse_request
-from shardbook.kernel.server.text_completions import MAX_N, TextCompletionsHandler
+from shardbook.kernel.server.text_completions import MAX_N
 from shardbook.rankd.generation.batching import BatchLimitError, SequenceRequest, SequenceResult
 
 EXTRA = ("n", "logprobs", "top_logprobs", "ignore_eos", "min_tokens")
@@ -52,151 +49,86 @@ def split_body(raw: bytes) -> tuple[bytes, dict[str, Any]]:
     return json.dumps(body).encode(), extra
 
 
-class BatchedChatCompletionsHandler(TextCompletionsHandler):
+class BatchedChatCompletionsHandler(BatchReplyHandler):
+    OBJECT, CHUNK_OBJECT, ID_PREFIX = "chat.completion", "chat.completion.chunk", "chatcmpl-"
+
     def plan(self) -> tuple[ChatBatchRequest, list[tuple[int, SequenceRequest]]]:
-        if self.too_large:
-            raise ApiError(413, "the request body is too large", code="request_too_large")
         raw, extra = split_body(bytes(self.body))
         parsed = parse_request(raw)
         self.server.served_model(parsed.model)
-        n = _int(extra, "n", 1)
-        if not 1 <= n <= MAX_N:
-            raise ApiError(400, f"'n' must be in 1..{MAX_N}, got {n}", param="n")
-        logprobs = extra.get("logprobs") or False
-        if not isinstance(logprobs, bool):
-            raise ApiError(400, "'logprobs' must be a boolean", param="logprobs")
-        top = _int(extra, "top_logprobs", 0)
-        if not 0 <= top <= 5 or (top and not logprobs):
-            raise ApiError(400, "'top_logprobs' must be in 0..5, and needs 'logprobs': true", param="top_logprobs")
-        ignore_eos = bool(extra.get("ignore_eos") or False)
-        min_tokens = _int(extra, "min_tokens", 0)
-        request = ChatBatchRequest(
-            model=parsed.model,
-            n=n,
-            logprobs=logprobs,
-            top_logprobs=top,
-            stream=parsed.stream,
-            include_usage=parsed.include_usage,
-            continuous_usage=bool(extra.get("continuous_usage_stats")),
-        )
+        request = chat_batch_request(parsed, extra)
         settings = dict(parsed.settings)
         base_seed = settings.pop("seed", None)
         if base_seed is None:
             base_seed = secrets.randbits(62)
         planned = []
         runtime = self.server.runtime
-        for c in range(n):
+        for c in range(request.n):
             try:
                 base = sequence_request(
                     runtime, parsed.messages, chat=True, stop=parsed.stop, seed=(base_seed + c) % 2**63, **settings
                 )
-                sequence = SequenceRequest(
-                    **{
-                        **base.__dict__,
-                        "ignore_eos": ignore_eos,
-                        "min_tokens": min_tokens,
-                        "logprobs": top if logprobs else None,
-                    }
+                sequence = replace(
+                    base,
+                    ignore_eos=bool(extra.get("ignore_eos") or False),
+                    min_tokens=_int(extra, "min_tokens", 0),
+                    logprobs=request.top_logprobs if request.logprobs else None,
                 )
                 scheduler_for(runtime).check(sequence)
-            except (ValueError, BatchLimitError) as e:
+            except BatchLimitError as e:
+                raise ApiError(400, str(e), param="messages" if e.param == "prompt" else e.param) from None
+            except ValueError as e:
                 raise ApiError(400, str(e), param="messages") from None
             planned.append((0, sequence))
         return request, planned
 
-    async def reply(self, request, planned, events: asyncio.Queue, metrics) -> None:
-        completion_id, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
-        results: dict[int, SequenceResult] = {}
-        generated = [0] * len(planned)
-        opened = False
-        if request.stream:
-            self.set_header("Content-Type", "text/event-stream")
-            self.set_header("Cache-Control", "no-cache")
-        try:
-            while len(results) < len(planned):
-                kind, index, value = await events.get()
-                if request.stream and not opened:
-                    self.open(completion_id, created, request)
-                    opened = True
-                if kind == "done":
-                    results[index] = value
-                    if metrics is not None:
-                        metrics.finished(value)
-                    if request.stream:
-                        reason = FINISH_REASONS.get(value.finish_reason, "length")
-                        self.event(completion_id, created, request, index, {}, reason, self.usage(planned, results))
-                        await self.flush()
-                elif request.stream:
-                    generated[index] += 1
-                    usage = None
-                    if request.continuous_usage:
-                        prompt = sum(len(s.prompt_ids) for _, s in planned)
-                        usage = {"prompt_tokens": prompt, "completion_tokens": sum(generated)}
-                        usage["total_tokens"] = prompt + usage["completion_tokens"]
-                    self.event(completion_id, created, request, index, {"content": value}, None, usage)
-                    await self.flush()
-        except StreamClosedError:
-            for handle in self.handles:
-                handle.stop()
-            return
-        if request.stream:
-            if request.include_usage:
-                body = self.chunk_of(completion_id, created, request, [])
-                body["usage"] = self.usage(planned, results)
-                self.write(f"data: {json.dumps(body)}\n\n")
-            self.write("data: [DONE]\n\n")
-            self.finish()
-            return
-        errors = [r.error for r in results.values() if r.finish_reason == "error"]
-        if errors:
-            self.send_api_error(ApiError(500, f"generation failed: {errors[0]}", type="server_error"))
-            return
-        tokenizer = scheduler_for(self.server.runtime).tokenizer
-        choices = []
-        for index in range(len(planned)):
-            result = results[index]
-            choice = {
-                "index": index,
-                "message": {"role": "assistant", "content": result.text},
-                "finish_reason": FINISH_REASONS.get(result.finish_reason, "length"),
-                "logprobs": {"content": chat_logprobs(tokenizer, result)} if request.logprobs else None,
-            }
-            choices.append(choice)
-        self.set_header("X-Shardbook-Queue-Wait-Ms", f"{max(r.queue_s for r in results.values()) * 1000:.0f}")
-        self.server.stats.served += 1
-        self.write_json(
-            {
-                "id": completion_id,
-                "object": "chat.completion",
-                "created": created,
-                "model": request.model,
-                "choices": choices,
-                "usage": self.usage(planned, results),
-            }
-        )
-
-    def open(self, completion_id: str, created: int, request) -> None:
-        self.set_header("X-Shardbook-Queue-Wait-Ms", "0")
+    def open_stream(self, ids: tuple[str, int], request) -> None:
+        super().open_stream(ids, request)
         for index in range(request.n):
-            self.event(completion_id, created, request, index, {"role": "assistant", "content": ""}, None, None)
+            self.send_chunk(ids, request, [self.delta(index, {"role": "assistant", "content": ""})])
 
-    def chunk_of(self, completion_id: str, created: int, request, choices: list) -> dict[str, Any]:
-        return {
-            "id": completion_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": request.model,
-            "choices": choices,
-        }
+    def text_choice(self, request, index: int, item: Any) -> dict[str, Any]:
+        return self.delta(index, {"content": item})
 
-    def event(self, completion_id, created, request, index, delta, finish_reason, usage) -> None:
-        choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
-        body = self.chunk_of(completion_id, created, request, [choice])
-        if request.continuous_usage and usage is not None:
-            body["usage"] = usage
-        elif request.include_usage:
-            body["usage"] = None
-        self.write(f"data: {json.dumps(body)}\n\n")
+    def finish_choice(self, index: int, result: SequenceResult) -> dict[str, Any]:
+        return self.delta(index, {}, FINISH_REASONS.get(result.finish_reason, "length"))
+
+    def delta(self, index: int, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+        return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+
+    def choices(self, request, planned, results: dict[int, SequenceResult]) -> list[dict[str, Any]]:
+        tokenizer = scheduler_for(self.server.runtime).tokenizer
+        return [
+            {
+                "index": index,
+                "message": {"role": "assistant", "content": results[index].text},
+                "finish_reason": FINISH_REASONS.get(results[index].finish_reason, "length"),
+                "logprobs": {"content": chat_logprobs(tokenizer, results[index])} if request.logprobs else None,
+            }
+            for index in range(len(planned))
+        ]
+
+
+def chat_batch_request(parsed: Any, extra: dict[str, Any]) -> ChatBatchRequest:
+    """The batch-only fields of a chat request, checked (ApiError 400 naming the field)."""
+    n = _int(extra, "n", 1)
+    if not 1 <= n <= MAX_N:
+        raise ApiError(400, f"'n' must be in 1..{MAX_N}, got {n}", param="n")
+    logprobs = extra.get("logprobs") or False
+    if not isinstance(logprobs, bool):
+        raise ApiError(400, "'logprobs' must be a boolean", param="logprobs")
+    top = _int(extra, "top_logprobs", 0)
+    if not 0 <= top <= 5 or (top and not logprobs):
+        raise ApiError(400, "'top_logprobs' must be in 0..5, and needs 'logprobs': true", param="top_logprobs")
+    return ChatBatchRequest(
+        model=parsed.model,
+        n=n,
+        logprobs=logprobs,
+        top_logprobs=top,
+        stream=parsed.stream,
+        include_usage=parsed.include_usage,
+        continuous_usage=bool(extra.get("continuous_usage_stats")),
+    )
 
 
 def chat_logprobs(tokenizer: Any, result: SequenceResult) -> list[dict[str, Any]]:

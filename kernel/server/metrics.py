@@ -64,9 +64,9 @@ class Metrics:
 
     def render(self, scheduler: Any) -> bytes:
         if scheduler is not None:
-            with scheduler.lock:
-                self.waiting.set(len(scheduler.waiting))
-            self.running.set(scheduler.stats.get("rows", 0))
+            running, waiting = scheduler.occupancy()
+            self.running.set(running)
+            self.waiting.set(waiting)
             self.batch_size.observe(max(scheduler.stats.get("rows", 0), 1))
         return generate_latest(self.registry)
 

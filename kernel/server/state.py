@@ -33,10 +33,11 @@ class ServeOptions:
     api_key: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
     max_waiting: int | None = None
-    """Requests that may wait for the model (429 beyond); None keeps the queue's own bound."""
-    batch: bool = False
-    """Chat completions decode together in the continuous batch (``n`` > 1 and ``logprobs`` allowed);
-    ``/v1/completions`` always does."""
+    """Requests (sequences, on the batch) that may wait beyond those running (429 beyond); None keeps the
+    queue's own bound."""
+    batch: bool = True
+    """Chat completions decode together in the continuous batch; False (``--no-batch``) takes turns through
+    transformers' ``generate`` instead. ``/v1/completions`` always batches."""
 
     def check(self) -> None:
         """ValueError naming the fix when the server must not start with these options."""
@@ -130,6 +131,8 @@ class ServerState:
 
         ``status`` is one word a load balancer can act on: ``ok`` (idle), ``busy`` (generating; requests wait
         in line), ``loading`` (a model is being loaded), ``no_model`` or ``rank_dead`` / ``ranks_connecting``.
+        ``waiting`` counts what waits: turns in the generation queue and sequences not yet in the batch;
+        ``batch_running`` the sequences decoding together now.
         """
         ranks = self.runtime.pool.health()
         queue = self.runtime.generation_queue
@@ -146,11 +149,14 @@ class ServerState:
             status = "busy"
         else:
             status = "ok"
+        scheduler = self.runtime.ctx0.state.get("batch_scheduler")
+        batch_running, batch_waiting = scheduler.occupancy() if scheduler is not None else (0, 0)
         body = {
             "status": status,
             "model": model,
-            "waiting": queue.num_waiting(),
+            "waiting": queue.num_waiting() + batch_waiting,
             "running": queue.running.source if queue.running is not None else None,
+            "batch_running": batch_running,
             **ranks,
         }
         can_serve = ranks["can_serve"] and model is not None
@@ -161,6 +167,7 @@ class ServerState:
         return (
             f"serving {self.model_id() or '(no model loaded)'} at {self.url}\n"
             f"queue: {self.runtime.generation_queue.describe()}\n"
+            f"chat completions: {'continuous batch' if self.options.batch else 'one at a time (--no-batch)'}\n"
             f"requests: {s.served} served, {s.errors} errors, {s.in_flight} in flight"
             + ("" if self.options.api_key else "\nno API key: loopback clients only")
         )

@@ -8,19 +8,13 @@ own distribution (log-softmax of the logits, before temperature or top-p).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import secrets
-import time
 from dataclasses import dataclass
 from typing import Any
 
-import tornado.web
-from tornado.iostream import StreamClosedError
-
-from shardbook.kernel.api.batch import scheduler_for, submit
-from shardbook.kernel.ranks.pool import PoolError
-from shardbook.kernel.server.completions import ApiHandler
+from shardbook.kernel.api.batch import scheduler_for
+from shardbook.kernel.server.batch_reply import BatchReplyHandler
 from shardbook.kernel.server.openai_api import ApiError, parse_stop
 from shardbook.rankd.generation.batching import BatchLimitError, SequenceRequest, SequenceResult
 
@@ -194,56 +188,11 @@ def _named(tokenizer: Any, top: dict[int, float]) -> dict[str, float]:
     return {tokenizer.decode([i]): lp for i, lp in top.items()}
 
 
-@tornado.web.stream_request_body
-class TextCompletionsHandler(ApiHandler):
-    def prepare(self) -> None:
-        super().prepare()
-        self.body = bytearray()
-        self.too_large = False
-        self.handles: list[Any] = []
-
-    def data_received(self, chunk: bytes) -> None:
-        if len(self.body) + len(chunk) > self.server.options.max_body_bytes:
-            self.too_large = True
-        else:
-            self.body += chunk
-
-    async def post(self) -> None:
-        try:
-            request, planned = self.plan()
-            self.check_room(len(planned))
-        except ApiError as e:
-            self.send_api_error(e)
-            return
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        metrics = getattr(self.server, "metrics", None)
-        for index, (_, sequence) in enumerate(planned):
-
-            def on_text(text: str, index: int = index) -> None:
-                loop.call_soon_threadsafe(events.put_nowait, ("text", index, text))
-
-            def on_done(result: SequenceResult, index: int = index) -> None:
-                loop.call_soon_threadsafe(events.put_nowait, ("done", index, result))
-
-            try:
-                self.handles.append(submit(self.server.runtime, sequence, on_text if request.stream else None, on_done))
-            except (BatchLimitError, ValueError, PoolError) as e:
-                for handle in self.handles:
-                    handle.stop()
-                self.send_api_error(ApiError(400, str(e)))
-                return
-        if metrics is not None:
-            metrics.submitted(len(planned), sum(len(s.prompt_ids) for _, s in planned))
-        self.server.stats.in_flight += 1
-        try:
-            await self.reply(request, planned, events, metrics)
-        finally:
-            self.server.stats.in_flight -= 1
+class TextCompletionsHandler(BatchReplyHandler):
+    OBJECT = CHUNK_OBJECT = "text_completion"
+    ID_PREFIX = "cmpl-"
 
     def plan(self) -> tuple[TextCompletionRequest, list[tuple[int, SequenceRequest]]]:
-        if self.too_large:
-            raise ApiError(413, "the request body is too large", code="request_too_large")
         request = parse_text_request(bytes(self.body))
         self.server.served_model(request.model)
         tokenizer = scheduler_for(self.server.runtime).tokenizer
@@ -269,72 +218,20 @@ class TextCompletionsHandler(ApiHandler):
                         **request.sampling,
                     )
                     scheduler_for(self.server.runtime).check(sequence)
-                except (ValueError, BatchLimitError) as e:
+                except BatchLimitError as e:
+                    raise ApiError(400, str(e), param=e.param) from None
+                except ValueError as e:
                     raise ApiError(400, str(e), param="prompt") from None
                 planned.append((p, sequence))
         return request, planned
 
-    def check_room(self, count: int) -> None:
-        scheduler = scheduler_for(self.server.runtime)
-        limit = self.server.runtime.generation_queue.max_waiting + scheduler.max_sequences
-        with scheduler.lock:
-            waiting = len(scheduler.waiting)
-        if waiting + count > limit:
-            if getattr(self.server, "metrics", None) is not None:
-                self.server.metrics.error("queue_full")
-            raise ApiError(
-                429,
-                f"{waiting} sequences already wait for the batch; retry shortly",
-                code="queue_full",
-                type="rate_limit_error",
-                headers={"Retry-After": "1"},
-            )
+    def text_choice(self, request, index: int, item: Any) -> dict[str, Any]:
+        return {"index": index, "text": item, "logprobs": None, "finish_reason": None}
 
-    async def reply(self, request, planned, events: asyncio.Queue, metrics) -> None:
-        completion_id, created = "cmpl-" + secrets.token_hex(12), int(time.time())
-        results: dict[int, SequenceResult] = {}
-        generated = [0] * len(planned)
-        if request.stream:
-            self.set_header("Content-Type", "text/event-stream")
-            self.set_header("Cache-Control", "no-cache")
-        try:
-            while len(results) < len(planned):
-                kind, index, value = await events.get()
-                if kind == "done":
-                    results[index] = value
-                    if metrics is not None:
-                        metrics.finished(value)
-                    if request.stream:
-                        choice = {"index": index, "text": "", "logprobs": None}
-                        choice["finish_reason"] = FINISH[value.finish_reason]
-                        self.send_chunk(completion_id, created, request, [choice], self.usage(planned, results))
-                        await self.flush()
-                elif request.stream:
-                    generated[index] += 1
-                    choice = {"index": index, "text": value, "logprobs": None, "finish_reason": None}
-                    usage = None
-                    if request.continuous_usage:
-                        prompt = sum(len(s.prompt_ids) for _, s in planned)
-                        usage = {"prompt_tokens": prompt, "completion_tokens": sum(generated)}
-                        usage["total_tokens"] = prompt + usage["completion_tokens"]
-                    self.send_chunk(completion_id, created, request, [choice], usage)
-                    await self.flush()
-        except StreamClosedError:
-            for handle in self.handles:
-                handle.stop()
-            return
-        errors = [r.error for r in results.values() if r.finish_reason == "error"]
-        if request.stream:
-            if request.include_usage:
-                body = self.chunk(completion_id, created, request, [])
-                body["usage"] = self.usage(planned, results)
-                self.write(f"data: {json.dumps(body)}\n\n")
-            self.write("data: [DONE]\n\n")
-            self.finish()
-            return
-        if errors:
-            self.send_api_error(ApiError(500, f"generation failed: {errors[0]}", type="server_error"))
-            return
+    def finish_choice(self, index: int, result: SequenceResult) -> dict[str, Any]:
+        return {"index": index, "text": "", "logprobs": None, "finish_reason": FINISH[result.finish_reason]}
+
+    def choices(self, request, planned, results: dict[int, SequenceResult]) -> list[dict[str, Any]]:
         tokenizer = scheduler_for(self.server.runtime).tokenizer
         choices = []
         for index, (p, sequence) in enumerate(planned):
@@ -346,41 +243,7 @@ class TextCompletionsHandler(ApiHandler):
                 choice["logprobs"] = logprobs_body(tokenizer, sequence.prompt_ids, result, request.echo)
             choice["finish_reason"] = FINISH[result.finish_reason]
             choices.append(choice)
-        self.server.stats.served += 1
-        self.write_json(
-            {
-                "id": completion_id,
-                "object": "text_completion",
-                "created": created,
-                "model": request.model,
-                "choices": choices,
-                "usage": self.usage(planned, results),
-            }
-        )
-
-    def usage(self, planned, results: dict[int, SequenceResult]) -> dict[str, int]:
-        prompt = sum(len(s.prompt_ids) for _, s in planned)
-        completion = sum(r.generated_tokens for r in results.values())
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-    def chunk(self, completion_id: str, created: int, request, choices: list) -> dict[str, Any]:
-        return {
-            "id": completion_id,
-            "object": "text_completion",
-            "created": created,
-            "model": request.model,
-            "choices": choices,
-        }
-
-    def send_chunk(self, completion_id, created, request, choices, usage=None) -> None:
-        body = self.chunk(completion_id, created, request, choices)
-        if request.continuous_usage and usage is not None:
-            body["usage"] = usage
-        self.write(f"data: {json.dumps(body)}\n\n")
-
-    def on_connection_close(self) -> None:
-        for handle in self.handles:
-            handle.stop()
+        return choices
 
 
 def _eos_ids(runtime: Any, tokenizer: Any) -> list[int]:

@@ -37,7 +37,12 @@ MAX_LOGPROBS = 5
 
 
 class BatchLimitError(ValueError):
-    """A request that can never run under the batch limits (or the model's context)."""
+    """A request that can never run under the batch limits (or the model's context); `param` names the
+    request field to change (``prompt`` or ``max_tokens``)."""
+
+    def __init__(self, message: str, param: str = "prompt"):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -300,6 +305,8 @@ class BatchScheduler:
         self.lock = threading.Lock()
         self.waiting: list[SequenceHandle] = []
         self.running = False
+        self.num_running = 0
+        """Sequences in the batch as of the last step planned (set under `lock`)."""
         self.stats = {"steps": 0, "largest_batch": 0}
 
     def check(self, request: SequenceRequest) -> None:
@@ -313,7 +320,8 @@ class BatchScheduler:
         if self.context is not None and n + max(request.max_new_tokens, 1) > self.context + 1:
             raise BatchLimitError(
                 f"the prompt ({n} tokens) plus max_tokens ({request.max_new_tokens}) exceeds the model's context "
-                f"of {self.context} tokens"
+                f"of {self.context} tokens",
+                param="max_tokens",
             )
 
     def submit(
@@ -370,6 +378,11 @@ class BatchScheduler:
                     _broadcast(StepPlan(list(range(state.rows)), [], [], end=True), device, group)
                     raise
 
+    def occupancy(self) -> tuple[int, int]:
+        """(sequences in the batch, sequences waiting to join it) now."""
+        with self.lock:
+            return self.num_running, len(self.waiting)
+
     def stop_all(self, rows: list[_Running] = ()) -> None:
         """Stop every running and waiting sequence."""
         with self.lock:
@@ -400,6 +413,7 @@ class BatchScheduler:
                 budget -= len(handle.request.prompt_ids)
                 joining.append(_new_running(handle))
             end = not kept and not joining and not self.waiting
+            self.num_running = len(kept) + len(joining)
             if end:
                 self.running = False
         plan = StepPlan(
@@ -521,7 +535,7 @@ class BatchScheduler:
             if not seq.finished:
                 self._finish(seq, "error", error=why)
         with self.lock:
-            waiting, self.waiting, self.running = self.waiting, [], False
+            waiting, self.waiting, self.running, self.num_running = self.waiting, [], False, 0
         for handle in waiting:
             handle.complete(SequenceResult([], "", "error", len(handle.request.prompt_ids), error=why))
 

@@ -151,7 +151,7 @@ def main(model_dir: str) -> None:
     out["burst_refused"] = codes.count(429)
     server.stop()
 
-    server = Server(runtime, ServeOptions(port=port, batch=True)).start()
+    server = Server(runtime, ServeOptions(port=port)).start()  # chat completions batch by default
     messages = [[{"role": "user", "content": q}] for q in ("Hello", "What is the capital of France?", "Numbers")]
     args = dict(model=name, max_tokens=8, temperature=0)
     alone = [client.chat.completions.create(messages=m, **args).choices[0].message.content for m in messages]
@@ -170,6 +170,15 @@ def main(model_dir: str) -> None:
     )
     streamed = client.chat.completions.create(messages=messages[1], stream=True, **args)
     out["chat_stream_equal"] = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == alone[1]
+    server.stop()
+
+    server = Server(runtime, ServeOptions(port=port, batch=False)).start()  # --no-batch: one at a time
+    turns = client.chat.completions.create(messages=messages[0], **args)
+    out["no_batch_equal"] = turns.choices[0].message.content == alone[0]
+    refused = requests.post(
+        f"http://127.0.0.1:{port}/v1/chat/completions", json={**args, "messages": messages[0], "n": 2}
+    )
+    out["no_batch_refuses_n"] = refused.status_code == 400 and refused.json()["error"]["param"] == "n"
     server.stop()
     print(json.dumps(out))
 

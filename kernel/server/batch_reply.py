@@ -1,0 +1,189 @@
+"""The handler both OpenAI endpoints over the continuous batch share: admission (429), submission, the reply.
+
+A request is planned into sequences (``plan``, per endpoint), admitted if the batch and its waiting line
+have room, submitted to rank 0's scheduler, and answered as one JSON body or as server-sent events.
+The endpoints differ only in the shape of a choice (``text_choice``, ``finish_choice``, ``choices``) and
+of a chunk (``OBJECT``, ``CHUNK_OBJECT``). A client that leaves stops its sequences at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from typing import Any
+
+import tornado.web
+from tornado.iostream import StreamClosedError
+
+from shardbook.kernel.api.batch import scheduler_for, submit
+from shardbook.kernel.ranks.pool import PoolError
+from shardbook.kernel.server.completions import ApiHandler
+from shardbook.kernel.server.openai_api import ApiError
+from shardbook.rankd.generation.batching import BatchLimitError, SequenceRequest, SequenceResult
+
+
+def batch_room(server: Any) -> int:
+    """How many sequences the batch and its waiting line hold at most: the batch's size plus ``--max-waiting``."""
+    return scheduler_for(server.runtime).max_sequences + server.runtime.generation_queue.max_waiting
+
+
+@tornado.web.stream_request_body
+class BatchReplyHandler(ApiHandler):
+    OBJECT = CHUNK_OBJECT = ID_PREFIX = ""
+
+    def prepare(self) -> None:
+        super().prepare()
+        self.body = bytearray()
+        self.too_large = False
+        self.handles: list[Any] = []
+
+    def data_received(self, chunk: bytes) -> None:
+        if len(self.body) + len(chunk) > self.server.options.max_body_bytes:
+            self.too_large = True  # keep reading (and dropping) so the client gets the 413
+        else:
+            self.body += chunk
+
+    async def post(self) -> None:
+        try:
+            if self.too_large:
+                raise ApiError(413, "the request body is too large", code="request_too_large")
+            request, planned = self.plan()
+            self.check_room(len(planned))
+        except ApiError as e:
+            self.send_api_error(e)
+            return
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        for index, (_, sequence) in enumerate(planned):
+
+            def on_text(item: Any, index: int = index) -> None:
+                loop.call_soon_threadsafe(events.put_nowait, ("text", index, item))
+
+            def on_done(result: SequenceResult, index: int = index) -> None:
+                loop.call_soon_threadsafe(events.put_nowait, ("done", index, result))
+
+            try:
+                self.handles.append(submit(self.server.runtime, sequence, on_text if request.stream else None, on_done))
+            except (BatchLimitError, ValueError, PoolError) as e:
+                for handle in self.handles:
+                    handle.stop()
+                self.send_api_error(ApiError(400, str(e)))
+                return
+        self.server.metrics.submitted(len(planned), sum(len(s.prompt_ids) for _, s in planned))
+        self.server.stats.in_flight += 1
+        try:
+            await self.reply(request, planned, events)
+        finally:
+            self.server.stats.in_flight -= 1
+
+    def plan(self) -> tuple[Any, list[tuple[int, SequenceRequest]]]:
+        """The checked request and its sequences, each with the index of its prompt; ApiError when wrong."""
+        raise NotImplementedError
+
+    def check_room(self, count: int) -> None:
+        """ApiError 429 when `count` more sequences would overfill the batch and its waiting line."""
+        running, waiting = scheduler_for(self.server.runtime).occupancy()
+        if running + waiting + count > batch_room(self.server):
+            self.server.metrics.error("queue_full")
+            raise ApiError(
+                429,
+                f"the batch is full ({running} sequences running, {waiting} waiting); retry shortly",
+                code="queue_full",
+                type="rate_limit_error",
+                headers={"Retry-After": "1"},
+            )
+
+    async def reply(self, request, planned, events: asyncio.Queue) -> None:
+        ids = (self.ID_PREFIX + secrets.token_hex(12), int(time.time()))
+        results: dict[int, SequenceResult] = {}
+        generated, opened = [0] * len(planned), False
+        if request.stream:
+            self.set_header("Content-Type", "text/event-stream")
+            self.set_header("Cache-Control", "no-cache")
+        try:
+            while len(results) < len(planned):
+                kind, index, value = await events.get()
+                if request.stream and not opened:
+                    self.open_stream(ids, request)
+                    opened = True
+                if kind == "done":
+                    results[index] = value
+                    self.server.metrics.finished(value)
+                    if request.stream:
+                        self.send_chunk(ids, request, [self.finish_choice(index, value)], self.usage(planned, results))
+                elif request.stream:
+                    generated[index] += 1
+                    self.send_chunk(
+                        ids, request, [self.text_choice(request, index, value)], self.so_far(planned, generated)
+                    )
+                if request.stream:
+                    await self.flush()
+        except StreamClosedError:
+            for handle in self.handles:
+                handle.stop()
+            return
+        if request.stream:
+            if request.include_usage:
+                self.write(
+                    f"data: {json.dumps({**self.chunk(ids, request, []), 'usage': self.usage(planned, results)})}\n\n"
+                )
+            self.write("data: [DONE]\n\n")
+            self.finish()
+            return
+        errors = [r.error for r in results.values() if r.finish_reason == "error"]
+        if errors:
+            self.send_api_error(ApiError(500, f"generation failed: {errors[0]}", type="server_error"))
+            return
+        self.set_header("X-Shardbook-Queue-Wait-Ms", f"{max(r.queue_s for r in results.values()) * 1000:.0f}")
+        self.server.stats.served += 1
+        body = {"id": ids[0], "object": self.OBJECT, "created": ids[1], "model": request.model}
+        self.write_json(
+            {**body, "choices": self.choices(request, planned, results), "usage": self.usage(planned, results)}
+        )
+
+    def open_stream(self, ids: tuple[str, int], request) -> None:
+        """The headers, before the first chunk (the chat endpoint also names the role)."""
+        self.set_header("X-Shardbook-Queue-Wait-Ms", "0")
+
+    def text_choice(self, request, index: int, item: Any) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def finish_choice(self, index: int, result: SequenceResult) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def choices(self, request, planned, results: dict[int, SequenceResult]) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def usage(self, planned, results: dict[int, SequenceResult]) -> dict[str, int]:
+        prompt = sum(len(s.prompt_ids) for _, s in planned)
+        completion = sum(r.generated_tokens for r in results.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def so_far(self, planned, generated: list[int]) -> dict[str, int]:
+        """Usage up to this chunk (``stream_options.continuous_usage_stats``)."""
+        prompt = sum(len(s.prompt_ids) for _, s in planned)
+        return {"prompt_tokens": prompt, "completion_tokens": sum(generated), "total_tokens": prompt + sum(generated)}
+
+    def chunk(self, ids: tuple[str, int], request, choices: list) -> dict[str, Any]:
+        return {
+            "id": ids[0],
+            "object": self.CHUNK_OBJECT,
+            "created": ids[1],
+            "model": request.model,
+            "choices": choices,
+        }
+
+    def send_chunk(self, ids: tuple[str, int], request, choices: list, usage: dict[str, int] | None = None) -> None:
+        """One event; with ``include_usage`` every chunk but the last has ``usage: null`` (OpenAI's shape)."""
+        body = self.chunk(ids, request, choices)
+        if request.continuous_usage and usage is not None:
+            body["usage"] = usage
+        elif request.include_usage:
+            body["usage"] = None
+        self.write(f"data: {json.dumps(body)}\n\n")
+
+    def on_connection_close(self) -> None:
+        for handle in self.handles:
+            handle.stop()
