@@ -14,12 +14,11 @@ import secrets
 import time
 from typing import Any
 
-import tornado.web
 from tornado.iostream import StreamClosedError
 
 from shardbook.kernel.api.batch import scheduler_for, submit
 from shardbook.kernel.ranks.pool import PoolError
-from shardbook.kernel.server.completions import ApiHandler
+from shardbook.kernel.server.completions import BodyHandler
 from shardbook.kernel.server.openai_api import ApiError
 from shardbook.rankd.generation.batching import BatchLimitError, SequenceRequest, SequenceResult
 
@@ -29,21 +28,12 @@ def batch_room(server: Any) -> int:
     return scheduler_for(server.runtime).max_sequences + server.runtime.generation_queue.max_waiting
 
 
-@tornado.web.stream_request_body
-class BatchReplyHandler(ApiHandler):
+class BatchReplyHandler(BodyHandler):
     OBJECT = CHUNK_OBJECT = ID_PREFIX = ""
 
     def prepare(self) -> None:
         super().prepare()
-        self.body = bytearray()
-        self.too_large = False
         self.handles: list[Any] = []
-
-    def data_received(self, chunk: bytes) -> None:
-        if len(self.body) + len(chunk) > self.server.options.max_body_bytes:
-            self.too_large = True  # keep reading (and dropping) so the client gets the 413
-        else:
-            self.body += chunk
 
     async def post(self) -> None:
         try:

@@ -105,18 +105,27 @@ class ModelsHandler(ApiHandler):
 
 
 @tornado.web.stream_request_body
-class ChatCompletionsHandler(ApiHandler):
+class BodyHandler(ApiHandler):
+    """Reads the request body as it streams in, keeping at most the server's limit (``too_large`` beyond)."""
+
     def prepare(self) -> None:
         super().prepare()
         self.body = bytearray()
         self.too_large = False
-        self.stream: AsyncChatStream | None = None
 
     def data_received(self, chunk: bytes) -> None:
         if len(self.body) + len(chunk) > self.server.options.max_body_bytes:
             self.too_large = True  # keep reading (and dropping) so the client gets the 413
         else:
             self.body += chunk
+
+
+class ChatCompletionsHandler(BodyHandler):
+    """``--no-batch``: one reply at a time through the generation queue and transformers' ``generate``."""
+
+    def prepare(self) -> None:
+        super().prepare()
+        self.stream: AsyncChatStream | None = None
 
     async def post(self) -> None:
         try:
