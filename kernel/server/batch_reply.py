@@ -120,6 +120,7 @@ class BatchReplyHandler(BodyHandler):
                     f"data: {json.dumps({**self.chunk(ids, request, []), 'usage': self.usage(planned, results)})}\n\n"
                 )
             self.write("data: [DONE]\n\n")
+            self.server.stats.served += 1
             self.finish()
             return
         errors = [r.error for r in results.values() if r.finish_reason == "error"]

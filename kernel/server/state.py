@@ -167,7 +167,12 @@ class ServerState:
         return (
             f"serving {self.model_id() or '(no model loaded)'} at {self.url}\n"
             f"queue: {self.runtime.generation_queue.describe()}\n"
-            f"chat completions: {'continuous batch' if self.options.batch else 'one at a time (--no-batch)'}\n"
+            f"chat completions: {self.batch_text() if self.options.batch else 'one at a time (--no-batch)'}\n"
             f"requests: {s.served} served, {s.errors} errors, {s.in_flight} in flight"
             + ("" if self.options.api_key else "\nno API key: loopback clients only")
         )
+
+    def batch_text(self) -> str:
+        scheduler = self.runtime.ctx0.state.get("batch_scheduler")
+        running, waiting = scheduler.occupancy() if scheduler is not None else (0, 0)
+        return f"continuous batch, {running} sequences running, {waiting} waiting"

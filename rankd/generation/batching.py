@@ -305,8 +305,8 @@ class BatchScheduler:
         self.lock = threading.Lock()
         self.waiting: list[SequenceHandle] = []
         self.running = False
-        self.num_running = 0
-        """Sequences in the batch as of the last step planned (set under `lock`)."""
+        self.rows: list[_Running] = []
+        """The sequences of the step planned last, joining ones included (set under `lock`)."""
         self.stats = {"steps": 0, "largest_batch": 0}
 
     def check(self, request: SequenceRequest) -> None:
@@ -351,7 +351,7 @@ class BatchScheduler:
         with torch.no_grad():
             while True:
                 if stop_event is not None and stop_event.is_set():
-                    self.stop_all(rows)
+                    self.stop_all()
                 try:
                     plan, rows, joining = self._plan(rows)
                 except BaseException:
@@ -381,13 +381,13 @@ class BatchScheduler:
     def occupancy(self) -> tuple[int, int]:
         """(sequences in the batch, sequences waiting to join it) now."""
         with self.lock:
-            return self.num_running, len(self.waiting)
+            return sum(not seq.finished for seq in self.rows), len(self.waiting)
 
-    def stop_all(self, rows: list[_Running] = ()) -> None:
-        """Stop every running and waiting sequence."""
+    def stop_all(self) -> None:
+        """Stop every running and waiting sequence (the stop button), from any thread."""
         with self.lock:
-            waiting = list(self.waiting)
-        for handle in [seq.handle for seq in rows] + waiting:
+            handles = [seq.handle for seq in self.rows] + list(self.waiting)
+        for handle in handles:
             handle.stop()
 
     # ------------------------------------------------------------------ rank 0 only
@@ -413,7 +413,7 @@ class BatchScheduler:
                 budget -= len(handle.request.prompt_ids)
                 joining.append(_new_running(handle))
             end = not kept and not joining and not self.waiting
-            self.num_running = len(kept) + len(joining)
+            self.rows = kept + joining
             if end:
                 self.running = False
         plan = StepPlan(
@@ -535,7 +535,7 @@ class BatchScheduler:
             if not seq.finished:
                 self._finish(seq, "error", error=why)
         with self.lock:
-            waiting, self.waiting, self.running, self.num_running = self.waiting, [], False, 0
+            waiting, self.waiting, self.running, self.rows = self.waiting, [], False, []
         for handle in waiting:
             handle.complete(SequenceResult([], "", "error", len(handle.request.prompt_ids), error=why))
 

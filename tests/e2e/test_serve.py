@@ -1,9 +1,11 @@
-"""%serve in a real 2-rank kernel: the official openai client, raw HTTP error paths, the shared queue, cancellation."""
+"""%serve in a real 2-rank kernel: the official openai client, raw HTTP error paths, the continuous batch that
+requests and %%chat cells share (its limit and 429), cancellation."""
 
 from __future__ import annotations
 
 import shutil
 import threading
+import urllib.request
 
 import pytest
 from openai import OpenAI
@@ -22,6 +24,8 @@ from tests.tiny import make_long_talker
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "talker"
+BATCH = 4
+"""Sequences the batch holds here (``inference.max_batch_sequences``), small so that filling it is cheap."""
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +35,11 @@ def talker(tmp_path_factory):
 
 
 def load(kernel, path) -> str:
-    ex = kernel.run(f"%load_sharded --model.model_name_or_path {path} --inference.system_prompt none", timeout=120)
+    ex = kernel.run(
+        f"%load_sharded --model.model_name_or_path {path} --inference.system_prompt none "
+        f"--inference.max_batch_sequences {BATCH}",
+        timeout=120,
+    )
     assert ex.status == "ok", ex.error_text() + ex.stderr()
     return ex.stdout()
 
@@ -55,6 +63,11 @@ def serve(loaded):
     assert loaded.run("%serve --stop").status == "ok"
 
 
+def metrics_text(url: str) -> str:
+    with urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
 def cell_reply(ex) -> str:
     assert ex.status == "ok", ex.error_text() + ex.stderr()
     return ex.stdout().rsplit("\n[", 1)[0]
@@ -76,6 +89,7 @@ def test_models_and_replies_through_the_openai_client_streamed_or_whole(loaded, 
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
     status = loaded.run("%serve --status").stdout()
     assert f"serving {MODEL} at {url}" in status and "2 served, 0 errors" in status
+    assert "chat completions: continuous batch" in status
 
 
 def test_error_paths_are_openai_errors_naming_the_cause(serve):
@@ -86,7 +100,7 @@ def test_error_paths_are_openai_errors_naming_the_cause(serve):
         (request(url, "POST", "/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000), 400, None),
         (chat(url, "gpt-4o", "hi"), 404, "model"),
         (chat(url, MODEL, "hi", max_tokens=5000), 400, "max_tokens"),
-        (chat(url, MODEL, "hi", n=2), 400, "n"),
+        (chat(url, MODEL, "hi", n=17), 400, "n"),
         (chat(url, MODEL, "x" * (5 * 1024 * 1024)), 413, None),
         (request(url, "GET", "/v1/engines"), 404, None),
     ]
@@ -95,6 +109,7 @@ def test_error_paths_are_openai_errors_naming_the_cause(serve):
         assert reply.error["message"] and reply.error["type"]
     assert "not valid JSON" in cases[0][0].error["message"] and "4096" in cases[4][0].error["message"]
     assert chat(url, MODEL, "hi", max_tokens=2).status == 200
+    assert len(chat(url, MODEL, "hi", max_tokens=2, n=2).body["choices"]) == 2  # n > 1 decodes in the batch
 
 
 def test_other_addresses_need_an_api_key_and_it_is_checked(loaded, serve):
@@ -109,26 +124,34 @@ def test_other_addresses_need_an_api_key_and_it_is_checked(loaded, serve):
     assert request(url, "GET", "/health").body["model"] == MODEL
 
 
-def test_a_full_queue_answers_429_with_retry_after(serve):
+def test_a_full_batch_and_line_answer_429_with_retry_after(serve):
     url = serve("--max-waiting 1")
-    running = OpenStream(url, MODEL, "talk", max_tokens=3000)
-    assert running.next_chunk()
+    running = [OpenStream(url, MODEL, "talk", max_tokens=3000) for _ in range(BATCH)]
+    for stream in running:  # all of them decode together: each streams before any ends
+        assert stream.next_chunk()
+    assert request(url, "GET", "/health").body["batch_running"] == BATCH
     waiting = OpenStream(url, MODEL, "talk", max_tokens=3000)
     assert wait_until(lambda: request(url, "GET", "/health").body["waiting"] == 1, timeout=30)
     full = chat(url, MODEL, "hi", max_tokens=2)
     assert full.status == 429 and int(full.headers["Retry-After"]) >= 1 and full.error["type"] == "rate_limit_error"
-    running.drop()
-    assert waiting.next_chunk()  # the waiting one runs next
-    waiting.drop()
+    assert f"{BATCH} sequences running, 1 waiting" in full.error["message"]
+    metrics = metrics_text(url)
+    assert f"shardbook_num_requests_running {BATCH}.0" in metrics and "shardbook_num_requests_waiting 1.0" in metrics
+    assert 'shardbook_request_errors_total{kind="queue_full"} 1.0' in metrics
+    running[0].drop()
+    assert waiting.next_chunk()  # the waiting one joins the batch in the freed row
+    for stream in running[1:] + [waiting]:
+        stream.drop()
     assert chat(url, MODEL, "hi", max_tokens=2).status == 200
 
 
-def test_a_client_that_leaves_mid_stream_frees_the_ranks_within_2_s(serve):
+def test_a_client_that_leaves_mid_stream_frees_its_row_within_2_s(serve):
     url = serve()
     leaving = OpenStream(url, MODEL, "talk", max_tokens=3000)
     for _ in range(3):
         assert leaving.next_chunk()
     leaving.drop()
+    assert wait_until(lambda: request(url, "GET", "/health").body["batch_running"] == 0, timeout=2)
     nxt = chat(url, MODEL, "hi", max_tokens=3)
     assert nxt.status == 200 and nxt.body["usage"]["completion_tokens"] == 3
     assert float(nxt.headers["X-Shardbook-Queue-Wait-Ms"]) < 2000, nxt.headers
@@ -140,12 +163,12 @@ def test_the_stop_button_stops_the_request_in_flight_and_the_server_stays(loaded
     assert stream.next_chunk()
     loaded.km.interrupt_kernel()  # no cell runs: the kernel is idle
     chunks = stream.read_to_end()
-    assert finish_reason(chunks) == "length" and chunks[-1]["usage"]["completion_tokens"] < 3000
+    assert finish_reason(chunks) == "length" and chunks[-1]["usage"]["completion_tokens"] < 3000, chunks[-3:]
     assert chat(url, MODEL, "hi", max_tokens=2).status == 200
     assert loaded.run("1 + 1").status == "ok"
 
 
-def test_chat_cells_and_http_requests_from_two_threads_take_turns_unmixed(loaded, serve):
+def test_chat_cells_and_http_requests_from_two_threads_join_the_running_batch_unmixed(loaded, serve):
     url = serve()
     cell = "%%chat --new --output text --max-new-tokens 40\nhello there"
     solo_cell = cell_reply(loaded.run(cell))
@@ -166,16 +189,31 @@ def test_chat_cells_and_http_requests_from_two_threads_take_turns_unmixed(loaded
                 joined_text([c.model_dump() for c in result]) if stream else result.choices[0].message.content
             )
 
-    blocker = OpenStream(url, MODEL, "talk", max_tokens=3000)  # both threads must queue behind it
-    assert blocker.next_chunk()
+    running = OpenStream(url, MODEL, "talk", max_tokens=3000)  # both threads decode beside it, never behind it
+    assert running.next_chunk()
     threads = [threading.Thread(target=run_cells), threading.Thread(target=run_requests)]
     for t in threads:
         t.start()
-    assert wait_until(lambda: request(url, "GET", "/health").body["waiting"] == 2, timeout=60)
-    blocker.drop()
     for t in threads:
         t.join(240)
+    assert not any(t.is_alive() for t in threads)
+    assert request(url, "GET", "/health").body["batch_running"] == 1  # it still runs: they did not wait for it
+    running.drop()
     assert cells == [solo_cell] * 3 and replies == [solo_http] * 3
+
+
+def test_no_batch_takes_turns_as_before(loaded, serve):
+    url = serve("--no-batch")
+    assert "chat completions: one at a time (--no-batch)" in loaded.run("%serve --status").stdout()
+    assert chat(url, MODEL, "hi", n=2).error["param"] == "n"  # the single-reply path has no n > 1
+    blocker = OpenStream(url, MODEL, "talk", max_tokens=3000)
+    assert blocker.next_chunk()
+    behind = OpenStream(url, MODEL, "talk", max_tokens=3)
+    assert wait_until(lambda: request(url, "GET", "/health").body["waiting"] == 1, timeout=30)
+    blocker.drop()
+    assert joined_text(behind.read_to_end())  # it ran once the ranks were free
+    cell = "%%chat --new --no-batch --output text --max-new-tokens 12\nhello there"
+    assert cell_reply(loaded.run(cell)) == cell_reply(loaded.run(cell.replace(" --no-batch", "")))
 
 
 def test_loading_another_model_switches_what_is_served_and_says_so(loaded, serve, talker, tmp_path):
