@@ -1,5 +1,5 @@
-"""Continuous batching in a real 2-rank kernel: `%%chat --batch`, `ChatModel.generate_many`, `ChatModel.score`
-and `%generate`, each running the `batch` command over the control plane."""
+"""Continuous batching in a real 2-rank kernel: `%%chat` (batched by default), `ChatModel.generate_many`,
+`ChatModel.score` and `%generate`, each running the `batch` command over the control plane."""
 
 from __future__ import annotations
 
@@ -10,6 +10,10 @@ import pytest
 from tests.tiny import make_tiny_llama
 
 pytestmark = pytest.mark.timeout(300)
+STEPS = (
+    "from shardbook.kernel.ranks.runtime import get_runtime\n"
+    "print(get_runtime(get_ipython()).ctx0.state['batch_scheduler'].stats['steps'])"
+)
 
 
 @pytest.fixture(scope="module")
@@ -25,11 +29,12 @@ def loaded(kernel, tmp_path_factory):
 
 def test_chat_batch_generate_many_score_and_generate_file(loaded, tmp_path):
     cell = "%%chat --new --output text --max-new-tokens 12\nWhat is the capital of France?"
-    solo = loaded.run(cell)
+    solo = loaded.run(cell.replace("--new", "--new --no-batch"))
     assert solo.status == "ok", solo.error_text()
-    batched = loaded.run(cell.replace("--new", "--new --batch"))
+    batched = loaded.run(cell)
     assert batched.status == "ok", batched.error_text() + batched.stderr()
     assert batched.stdout().rsplit("\n[", 1)[0] == solo.stdout().rsplit("\n[", 1)[0]
+    assert int(loaded.run(STEPS).stdout()) > 0  # plain %%chat ran in the batch; --no-batch did not
 
     code = (
         "from shardbook.kernel import ChatModel\n"

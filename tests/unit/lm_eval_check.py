@@ -1,5 +1,7 @@
-"""Run by test_lm_eval.py in a process of its own: lm-eval's `local-completions` multiple-choice task against
-the server's `/v1/completions`, offline (the task and its data are local files). Prints one JSON line."""
+"""Run by test_lm_eval.py in a process of its own, offline (the tasks and their data are local files): lm-eval's
+`local-completions` multiple-choice task against `/v1/completions`, compared with ChatModel.score and with
+lm-eval's own `hf` backend on the same model; a `generate_until` task through `local-chat-completions` at
+`num_concurrent` 1 and 8. Prints one JSON line."""
 
 import importlib
 import json
@@ -11,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import shardbook.rankd.commands.generate  # noqa
+from shardbook.kernel.api.batch import scheduler_for
 from shardbook.kernel.api.chat import ChatModel
 from shardbook.kernel.ranks.runtime import get_runtime
 from shardbook.kernel.server.server import Server
@@ -32,25 +35,57 @@ lm_eval = importlib.import_module("lm_eval")
 TaskManager = importlib.import_module("lm_eval.tasks").TaskManager
 
 name = model_dir.rstrip("/").split("/")[-1]
-res = lm_eval.simple_evaluate(
-    model="local-completions",
-    model_args=(
-        f"model={name},base_url=http://127.0.0.1:{port}/v1/completions,tokenizer_backend=huggingface,"
-        f"tokenizer={model_dir},num_concurrent=4,max_retries=1"
-    ),
-    tasks=["capitals_local"],
-    task_manager=TaskManager(include_path=task_dir),
-    log_samples=True,
-)
-samples = res["samples"]["capitals_local"]
+url = f"http://127.0.0.1:{port}/v1"
+
+
+def evaluate(model: str, model_args: str, task: str, **kwargs) -> tuple[float, dict[int, dict]]:
+    """The task's accuracy (or exact match) and its samples by doc id."""
+    res = lm_eval.simple_evaluate(
+        model=model,
+        model_args=model_args,
+        tasks=[task],
+        task_manager=TaskManager(include_path=task_dir),
+        log_samples=True,
+        **kwargs,
+    )
+    metrics = res["results"][task]
+    score = metrics.get("acc,none", metrics.get("exact_match,none"))
+    return score, {s["doc_id"]: s for s in res["samples"][task]}
+
+
+def loglikelihoods(sample: dict) -> list[float]:
+    return [r[0][0] if isinstance(r[0], (list, tuple)) else r[0] for r in sample["filtered_resps"]]
+
+
+served = f"model={name},base_url={url}/completions,tokenizer_backend=huggingface,tokenizer={model_dir},max_retries=1"
+acc, samples = evaluate("local-completions", served + ",num_concurrent=4", "capitals_local")
 chat = ChatModel(rt)
 agree = True
-for s in samples:
-    doc = s["doc"]
-    theirs = [r[0][0] if isinstance(r[0], (list, tuple)) else r[0] for r in s["filtered_resps"]]
-    pairs = [a for a in s["arguments"]]
-    pairs = [(a["arg_0"], a["arg_1"]) if isinstance(a, dict) else tuple(a) for a in pairs]
+for s in samples.values():
+    pairs = [(a["arg_0"], a["arg_1"]) if isinstance(a, dict) else tuple(a) for a in s["arguments"]]
     ours = [chat.score(c, [x])[0] for c, x in pairs]
-    agree = agree and all(abs(a - b) < 1e-3 for a, b in zip(theirs, ours))
-print(json.dumps({"acc": res["results"]["capitals_local"]["acc,none"], "n": len(samples), "agree": agree}))
+    agree = agree and all(abs(a - b) < 1e-3 for a, b in zip(loglikelihoods(s), ours))
+hf_acc, hf_samples = evaluate("hf", f"pretrained={model_dir},dtype=float32,device=cpu", "capitals_local")
+hf_diff = max(abs(a - b) for d, s in samples.items() for a, b in zip(loglikelihoods(s), loglikelihoods(hf_samples[d])))
+chat_args = f"model={name},base_url={url}/chat/completions,max_retries=1,num_concurrent="
+answers, largest = {}, {}
+for concurrent in (1, 8):
+    scheduler_for(rt).stats["largest_batch"] = 0
+    _, generated = evaluate(
+        "local-chat-completions", chat_args + str(concurrent), "say_local", apply_chat_template=True
+    )
+    answers[concurrent] = [generated[d]["resps"][0][0] for d in sorted(generated)]
+    largest[concurrent] = scheduler_for(rt).stats["largest_batch"]
+found = {
+    "acc": acc,
+    "n": len(samples),
+    "agree": agree,
+    "hf_acc": hf_acc,
+    "hf_max_diff": hf_diff,
+    "generated_n": len(answers[1]),
+    "generated_nonempty": all(answers[1]),
+    "concurrent_equal": answers[1] == answers[8],
+    "largest_batch": largest,
+}
+print(json.dumps(found))
 server.stop()

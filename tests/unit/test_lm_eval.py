@@ -1,4 +1,6 @@
-"""lm-eval's `local-completions` (log-likelihood, multiple choice) against `/v1/completions`, offline."""
+"""lm-eval against the server, offline: `local-completions` (log-likelihood, multiple choice) against
+`/v1/completions` equal to lm-eval's `hf` backend, and `local-chat-completions` (`generate_until`) whose answers
+do not depend on `num_concurrent`."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny import make_tiny_llama
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(480)
 
 TASK = """task: capitals_local
 dataset_path: json
@@ -28,6 +30,22 @@ doc_to_target: "{{{{answer}}}}"
 metric_list:
   - metric: acc
 """
+GENERATE_TASK = """task: say_local
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["\\n\\n"]
+  max_gen_toks: 8
+  do_sample: false
+metric_list:
+  - metric: exact_match
+"""
 DOCS = [
     {"question": "The capital of France is", "choices": ["Paris.", "Rome.", "the dog"], "answer": 0},
     {"question": "The quick brown fox jumps over the", "choices": ["lazy dog", "capital", "42"], "answer": 0},
@@ -35,7 +53,7 @@ DOCS = [
 ]
 
 
-def test_lm_eval_multiple_choice_scores_equal_chat_model_score(tmp_path: Path) -> None:
+def test_lm_eval_log_likelihoods_equal_hf_and_generations_do_not_depend_on_concurrency(tmp_path: Path) -> None:
     pytest.importorskip("lm_eval")
     pytest.importorskip("tenacity")
     model = make_tiny_llama(tmp_path / "tiny", hidden_size=72, num_heads=9, num_kv_heads=3)
@@ -44,15 +62,19 @@ def test_lm_eval_multiple_choice_scores_equal_chat_model_score(tmp_path: Path) -
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
     (tasks / "capitals_local.yaml").write_text(TASK.format(data=data))
+    (tasks / "say_local.yaml").write_text(GENERATE_TASK.format(data=data))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     env["HF_DATASETS_CACHE"] = str(tmp_path / "datasets")
     done = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("lm_eval_check.py")), str(model), str(tasks)],
         capture_output=True,
         text=True,
-        timeout=280,
+        timeout=450,
         env=env,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found["n"] == 3 and found["agree"]  # lm-eval's numbers are ChatModel.score's, request by request
+    assert found["hf_max_diff"] < 1e-3 and found["acc"] == found["hf_acc"]  # and those of lm-eval's hf backend
+    assert found["generated_n"] == 3 and found["generated_nonempty"]
+    assert found["concurrent_equal"] and found["largest_batch"] == {"1": 1, "8": 3}  # 8 decode together
