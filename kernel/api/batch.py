@@ -17,7 +17,7 @@ from typing import Any
 from shardbook.kernel.api.conversation import with_system_prompt
 from shardbook.kernel.ranks.pool import PoolError
 from shardbook.kernel.ranks.runtime import Runtime
-from shardbook.rankd.generation.batching import BatchScheduler, SequenceHandle, SequenceRequest
+from shardbook.rankd.generation.batching import BatchScheduler, SequenceHandle, SequenceRequest, StreamDelta
 from shardbook.rankd.generation.engine import build_prompt_ids
 
 BATCH_SOURCE = "batch"
@@ -48,10 +48,12 @@ def submit(
     request: SequenceRequest,
     on_text: Callable[[str], None] | None = None,
     on_done: Callable[[Any], None] | None = None,
+    on_delta: Callable[[StreamDelta], None] | None = None,
 ) -> SequenceHandle:
-    """Queue one sequence in the continuous batch (starting the batch on the ranks if none runs)."""
+    """Queue one sequence in the continuous batch (starting the batch on the ranks if none runs); `on_text` gets
+    each piece of text, `on_delta` the same pieces with their tokens and log-probabilities."""
     scheduler = scheduler_for(runtime)
-    handle = scheduler.submit(request, on_text, on_done)
+    handle = scheduler.submit(request, on_text, on_done, on_delta)
     if handle.starts_loop:
         threading.Thread(target=_drive, args=(runtime, scheduler), name="shardbook-batch", daemon=True).start()
     return handle

@@ -19,8 +19,8 @@ from tornado.iostream import StreamClosedError
 from shardbook.kernel.api.batch import scheduler_for, submit
 from shardbook.kernel.ranks.pool import PoolError
 from shardbook.kernel.server.completions import BodyHandler
-from shardbook.kernel.server.openai_api import ApiError
-from shardbook.rankd.generation.batching import BatchLimitError, SequenceRequest, SequenceResult
+from shardbook.kernel.server.openai_api import FINISH_REASONS, ApiError
+from shardbook.rankd.generation.batching import BatchLimitError, SequenceRequest, SequenceResult, StreamDelta
 
 
 def batch_room(server: Any) -> int:
@@ -30,6 +30,8 @@ def batch_room(server: Any) -> int:
 
 class BatchReplyHandler(BodyHandler):
     OBJECT = CHUNK_OBJECT = ID_PREFIX = ""
+    FINISH = FINISH_REASONS
+    """The scheduler's finish reasons in the endpoint's words."""
 
     def prepare(self) -> None:
         super().prepare()
@@ -48,14 +50,15 @@ class BatchReplyHandler(BodyHandler):
         events: asyncio.Queue = asyncio.Queue()
         for index, (_, sequence) in enumerate(planned):
 
-            def on_text(item: Any, index: int = index) -> None:
-                loop.call_soon_threadsafe(events.put_nowait, ("text", index, item))
+            def on_delta(delta: StreamDelta, index: int = index) -> None:
+                loop.call_soon_threadsafe(events.put_nowait, ("text", index, delta))
 
             def on_done(result: SequenceResult, index: int = index) -> None:
                 loop.call_soon_threadsafe(events.put_nowait, ("done", index, result))
 
             try:
-                self.handles.append(submit(self.server.runtime, sequence, on_text if request.stream else None, on_done))
+                streamed = on_delta if request.stream else None
+                self.handles.append(submit(self.server.runtime, sequence, on_done=on_done, on_delta=streamed))
             except (BatchLimitError, ValueError, PoolError) as e:
                 for handle in self.handles:
                     handle.stop()
@@ -88,7 +91,7 @@ class BatchReplyHandler(BodyHandler):
     async def reply(self, request, planned, events: asyncio.Queue) -> None:
         ids = (self.ID_PREFIX + secrets.token_hex(12), int(time.time()))
         results: dict[int, SequenceResult] = {}
-        generated, opened = [0] * len(planned), False
+        self.streamed, opened = [0] * len(planned), False
         if request.stream:
             self.set_header("Content-Type", "text/event-stream")
             self.set_header("Cache-Control", "no-cache")
@@ -102,12 +105,13 @@ class BatchReplyHandler(BodyHandler):
                     results[index] = value
                     self.server.metrics.finished(value)
                     if request.stream:
-                        self.send_chunk(ids, request, [self.finish_choice(index, value)], self.usage(planned, results))
+                        choice = self.stream_choice(request, planned, index, rest_of(value, self.streamed[index]))
+                        choice["finish_reason"] = self.FINISH.get(value.finish_reason, "length")
+                        self.send_chunk(ids, request, [choice], self.usage(planned, results))
                 elif request.stream:
-                    generated[index] += 1
-                    self.send_chunk(
-                        ids, request, [self.text_choice(request, index, value)], self.so_far(planned, generated)
-                    )
+                    choice = self.stream_choice(request, planned, index, value)
+                    self.streamed[index] += len(value.token_ids)
+                    self.send_chunk(ids, request, [choice], self.so_far(planned))
                 if request.stream:
                     await self.flush()
         except StreamClosedError:
@@ -138,10 +142,8 @@ class BatchReplyHandler(BodyHandler):
         """The headers, before the first chunk (the chat endpoint also names the role)."""
         self.set_header("X-Shardbook-Queue-Wait-Ms", "0")
 
-    def text_choice(self, request, index: int, item: Any) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def finish_choice(self, index: int, result: SequenceResult) -> dict[str, Any]:
+    def stream_choice(self, request, planned, index: int, delta: StreamDelta) -> dict[str, Any]:
+        """One streamed choice: a piece of sequence `index`'s text and its tokens' log-probabilities, unfinished."""
         raise NotImplementedError
 
     def choices(self, request, planned, results: dict[int, SequenceResult]) -> list[dict[str, Any]]:
@@ -152,10 +154,10 @@ class BatchReplyHandler(BodyHandler):
         completion = sum(r.generated_tokens for r in results.values())
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    def so_far(self, planned, generated: list[int]) -> dict[str, int]:
+    def so_far(self, planned) -> dict[str, int]:
         """Usage up to this chunk (``stream_options.continuous_usage_stats``)."""
-        prompt = sum(len(s.prompt_ids) for _, s in planned)
-        return {"prompt_tokens": prompt, "completion_tokens": sum(generated), "total_tokens": prompt + sum(generated)}
+        prompt, completion = sum(len(s.prompt_ids) for _, s in planned), sum(self.streamed)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def chunk(self, ids: tuple[str, int], request, choices: list) -> dict[str, Any]:
         return {
@@ -178,3 +180,16 @@ class BatchReplyHandler(BodyHandler):
     def on_connection_close(self) -> None:
         for handle in self.handles:
             handle.stop()
+
+
+def rest_of(result: SequenceResult, streamed: int) -> StreamDelta:
+    """What the pieces streamed so far left out of a finished sequence: its last tokens (an end-of-text token,
+    say), or all of it (with the prompt's log-probabilities) when no piece was streamed."""
+    return StreamDelta(
+        "",
+        result.token_ids[streamed:],
+        (result.token_logprobs or [])[streamed:],
+        (result.top_logprobs or [])[streamed:],
+        result.prompt_logprobs,
+        result.prompt_top_logprobs,
+    )

@@ -16,7 +16,7 @@ from shardbook.kernel.api.batch import scheduler_for, sequence_request
 from shardbook.kernel.server.batch_reply import BatchReplyHandler
 from shardbook.kernel.server.openai_api import FINISH_REASONS, ApiError, parse_request
 from shardbook.kernel.server.text_completions import MAX_N
-from shardbook.rankd.generation.batching import BatchLimitError, SequenceRequest, SequenceResult
+from shardbook.rankd.generation.batching import BatchLimitError, SequenceRequest, SequenceResult, StreamDelta
 
 EXTRA = ("n", "logprobs", "top_logprobs", "ignore_eos", "min_tokens")
 
@@ -87,14 +87,14 @@ class BatchedChatCompletionsHandler(BatchReplyHandler):
         for index in range(request.n):
             self.send_chunk(ids, request, [self.delta(index, {"role": "assistant", "content": ""})])
 
-    def text_choice(self, request, index: int, item: Any) -> dict[str, Any]:
-        return self.delta(index, {"content": item})
+    def stream_choice(self, request, planned, index: int, delta: StreamDelta) -> dict[str, Any]:
+        choice = self.delta(index, {"content": delta.text} if delta.text else {})
+        if request.logprobs:
+            choice["logprobs"] = {"content": chat_logprobs(scheduler_for(self.server.runtime).tokenizer, delta)}
+        return choice
 
-    def finish_choice(self, index: int, result: SequenceResult) -> dict[str, Any]:
-        return self.delta(index, {}, FINISH_REASONS.get(result.finish_reason, "length"))
-
-    def delta(self, index: int, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-        return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+    def delta(self, index: int, delta: dict[str, Any]) -> dict[str, Any]:
+        return {"index": index, "delta": delta, "finish_reason": None, "logprobs": None}
 
     def choices(self, request, planned, results: dict[int, SequenceResult]) -> list[dict[str, Any]]:
         tokenizer = scheduler_for(self.server.runtime).tokenizer

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
 from shardbook.kernel.api.batch import scheduler_for
 from shardbook.kernel.server.batch_reply import BatchReplyHandler
 from shardbook.kernel.server.openai_api import ApiError, parse_stop
-from shardbook.rankd.generation.batching import BatchLimitError, SequenceRequest, SequenceResult
+from shardbook.rankd.generation.batching import BatchLimitError, SequenceRequest, SequenceResult, StreamDelta
 
 FIELDS = {
     "model",
@@ -110,8 +111,6 @@ def parse_text_request(raw: bytes) -> TextCompletionRequest:
         raise ApiError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
     if set(options) - {"include_usage", "continuous_usage_stats"}:
         raise ApiError(400, f"unsupported stream_options {sorted(options)}", param="stream_options")
-    if stream and (logprobs is not None or echo):
-        raise ApiError(400, "'logprobs' and 'echo' are only supported without 'stream'", param="stream")
     min_tokens = _get(body, "min_tokens", int, 0)
     if min_tokens < 0:
         raise ApiError(400, f"'min_tokens' must be >= 0, got {min_tokens}", param="min_tokens")
@@ -191,6 +190,13 @@ def _named(tokenizer: Any, top: dict[int, float]) -> dict[str, float]:
 class TextCompletionsHandler(BatchReplyHandler):
     OBJECT = CHUNK_OBJECT = "text_completion"
     ID_PREFIX = "cmpl-"
+    FINISH = FINISH
+
+    def prepare(self) -> None:
+        super().prepare()
+        self.echoed: set[int] = set()
+        self.sent: defaultdict[int, int] = defaultdict(int)
+        """Characters streamed so far per choice (the next piece's text offset)."""
 
     def plan(self) -> tuple[TextCompletionRequest, list[tuple[int, SequenceRequest]]]:
         request = parse_text_request(bytes(self.body))
@@ -225,11 +231,21 @@ class TextCompletionsHandler(BatchReplyHandler):
                 planned.append((p, sequence))
         return request, planned
 
-    def text_choice(self, request, index: int, item: Any) -> dict[str, Any]:
-        return {"index": index, "text": item, "logprobs": None, "finish_reason": None}
+    def stream_choice(self, request, planned, index: int, delta: StreamDelta) -> dict[str, Any]:
+        p, sequence = planned[index]
+        echo = request.echo and index not in self.echoed  # the prompt comes first, once
+        self.echoed.add(index)
+        text = (self.prompt_text(request.prompts[p]) if echo else "") + delta.text
+        logprobs = None
+        if request.logprobs is not None:
+            prompt_ids = sequence.prompt_ids if echo else []
+            tokenizer = scheduler_for(self.server.runtime).tokenizer
+            logprobs = logprobs_body(tokenizer, prompt_ids, delta, echo, text_start=self.sent[index])
+        self.sent[index] += len(text)
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
 
-    def finish_choice(self, index: int, result: SequenceResult) -> dict[str, Any]:
-        return {"index": index, "text": "", "logprobs": None, "finish_reason": FINISH[result.finish_reason]}
+    def prompt_text(self, prompt: str | list[int]) -> str:
+        return prompt if isinstance(prompt, str) else scheduler_for(self.server.runtime).tokenizer.decode(prompt)
 
     def choices(self, request, planned, results: dict[int, SequenceResult]) -> list[dict[str, Any]]:
         tokenizer = scheduler_for(self.server.runtime).tokenizer
@@ -237,7 +253,7 @@ class TextCompletionsHandler(BatchReplyHandler):
         for index, (p, sequence) in enumerate(planned):
             result = results[index]
             prompt = request.prompts[p]
-            prompt_text = (prompt if isinstance(prompt, str) else tokenizer.decode(prompt)) if request.echo else ""
+            prompt_text = self.prompt_text(prompt) if request.echo else ""
             choice = {"index": index, "text": prompt_text + result.text, "logprobs": None}
             if request.logprobs is not None:
                 choice["logprobs"] = logprobs_body(tokenizer, sequence.prompt_ids, result, request.echo)

@@ -115,6 +115,20 @@ class SequenceResult:
         return len(self.token_ids)
 
 
+@dataclass
+class StreamDelta:
+    """What one streamed piece of a reply holds (``on_delta``): its text, and the tokens generated since the
+    previous piece with their log-probabilities (when the request asks for them). The first piece also
+    carries the prompt's log-probabilities (with `prompt_logprobs`)."""
+
+    text: str
+    token_ids: list[int]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[int, float]]
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
+
+
 class SequenceHandle:
     """Rank 0's handle on a submitted sequence: stop it, wait for its result."""
 
@@ -123,10 +137,12 @@ class SequenceHandle:
         request: SequenceRequest,
         on_text: Callable[[str], None] | None,
         on_done: Callable[[SequenceResult], None] | None = None,
+        on_delta: Callable[[StreamDelta], None] | None = None,
     ):
         self.request = request
         self.on_text = on_text
         self.on_done = on_done
+        self.on_delta = on_delta
         self.submitted_at = time.perf_counter()
         self.stop_requested = threading.Event()
         self.done = threading.Event()
@@ -283,6 +299,8 @@ class _Running:
     next_token: int = -1
     emitted: int = 0
     """Characters of the reply already handed to `on_text`."""
+    streamed: int = 0
+    """Tokens already handed to `on_delta`."""
     finished: bool = False
     token_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -329,10 +347,11 @@ class BatchScheduler:
         request: SequenceRequest,
         on_text: Callable[[str], None] | None = None,
         on_done: Callable[[SequenceResult], None] | None = None,
+        on_delta: Callable[[StreamDelta], None] | None = None,
     ) -> SequenceHandle:
         """Queue `request`; when `handle.starts_loop`, no loop was running and the caller must start one."""
         self.check(request)
-        handle = SequenceHandle(request, on_text, on_done)
+        handle = SequenceHandle(request, on_text, on_done, on_delta)
         with self.lock:
             self.waiting.append(handle)
             handle.starts_loop = not self.running
@@ -484,7 +503,7 @@ class BatchScheduler:
         self._stream(seq, text, final=False)
 
     def _stream(self, seq: _Running, text: str, *, final: bool) -> None:
-        if seq.handle.on_text is None:
+        if seq.handle.on_text is None and seq.handle.on_delta is None:
             return
         end = len(text)
         if not final:
@@ -495,7 +514,10 @@ class BatchScheduler:
         if end > seq.emitted:
             chunk, seq.emitted = text[seq.emitted : end], end
             try:
-                seq.handle.on_text(chunk)
+                if seq.handle.on_text is not None:
+                    seq.handle.on_text(chunk)
+                if seq.handle.on_delta is not None:
+                    seq.handle.on_delta(_delta(seq, chunk))
             except Exception:  # a consumer that fails stops its own sequence only
                 seq.handle.stop()
 
@@ -538,6 +560,19 @@ class BatchScheduler:
             waiting, self.waiting, self.running, self.rows = self.waiting, [], False, []
         for handle in waiting:
             handle.complete(SequenceResult([], "", "error", len(handle.request.prompt_ids), error=why))
+
+
+def _delta(seq: _Running, text: str) -> StreamDelta:
+    """`text` with the tokens generated since the last piece (and, on the first, the prompt's log-probabilities)."""
+    first, start, seq.streamed = seq.emitted == len(text), seq.streamed, len(seq.tokens)
+    return StreamDelta(
+        text,
+        seq.tokens[start:],
+        seq.token_logprobs[start:],
+        seq.top_logprobs[start:],
+        seq.prompt_logprobs if first else None,
+        seq.prompt_top_logprobs if first else None,
+    )
 
 
 def _new_running(handle: SequenceHandle) -> _Running:

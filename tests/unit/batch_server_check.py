@@ -106,6 +106,7 @@ def main(model_dir: str) -> None:
     out["seeded"] = first == second
     stream = client.completions.create(prompt="Hello", stream=True, **greedy)
     out["stream_equal"] = "".join(c.choices[0].text for c in stream if c.choices) == alone[0]
+    out["stream_logprobs_equal"] = all(stream_matches_whole(client, name, echo) for echo in (False, True))
 
     with ThreadPoolExecutor(16) as pool:
         statuses = list(
@@ -168,6 +169,13 @@ def main(model_dir: str) -> None:
         and two.choices[1].message.content == alone[0]
         and all(abs(c.logprob - c.top_logprobs[0].logprob) < 1e-6 for c in content)
     )
+    lp = dict(logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(messages=messages[1], **lp, **args).choices[0].logprobs.content
+    pieces = client.chat.completions.create(messages=messages[1], stream=True, **lp, **args)
+    parts = [
+        t.model_dump() for c in pieces if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content
+    ]
+    out["chat_stream_logprobs_equal"] = len(parts) == 8 and parts == [t.model_dump() for t in whole]
     streamed = client.chat.completions.create(messages=messages[1], stream=True, **args)
     out["chat_stream_equal"] = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == alone[1]
     server.stop()
@@ -181,6 +189,19 @@ def main(model_dir: str) -> None:
     out["no_batch_refuses_n"] = refused.status_code == 400 and refused.json()["error"]["param"] == "n"
     server.stop()
     print(json.dumps(out))
+
+
+def stream_matches_whole(client, name: str, echo: bool) -> bool:
+    """A streamed completion with `logprobs` (and `echo`) joins into the whole reply: text and every list."""
+    fields = dict(model=name, prompt="Numbers: 0 1", max_tokens=6, temperature=0, logprobs=2, echo=echo)
+    whole = client.completions.create(**fields).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **fields) if c.choices]
+    joined = {k: [] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    for chunk in chunks:
+        for key in joined:
+            joined[key] += getattr(chunk.logprobs, key) if chunk.logprobs else []
+    expected = {key: getattr(whole.logprobs, key) for key in joined}
+    return "".join(c.text for c in chunks) == whole.text and joined == expected and len(joined["tokens"]) > 6 * echo
 
 
 if __name__ == "__main__":

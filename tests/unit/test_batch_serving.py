@@ -43,12 +43,12 @@ def test_completions_over_the_batch(tmp_path: Path) -> None:
     assert found["list_prompt_n"]
     assert found["token_prompt"]
     assert found["seeded"]
-    assert found["stream_equal"]
+    assert found["stream_equal"] and found["stream_logprobs_equal"]  # streamed logprobs (and echo) join up
     assert set(found["statuses"]) <= {200, 429} and found["answered"] >= 1
     assert found["metrics"]
     # 200 requests at once (64 in flight): each answered or refused with 429, never lost or failed
     assert set(found["burst_statuses"]) <= {200, 429} and found["burst_answered"] + found["burst_refused"] == 200
     assert found["too_long"] == 400
     assert found["chat_concurrent_equal_alone"] and found["chat_equals_single_path"]  # %serve (batched by default)
-    assert found["chat_n_logprobs"] and found["chat_stream_equal"]
+    assert found["chat_n_logprobs"] and found["chat_stream_equal"] and found["chat_stream_logprobs_equal"]
     assert found["no_batch_equal"] and found["no_batch_refuses_n"]  # %serve --no-batch: turns, as before
