@@ -19,12 +19,11 @@ order they were sent (first chunks in send order), and each reports its wait in 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_serve.py              # 5 rounds of 64 tokens, ~4 min
     .venv/bin/python bench/bench_serve.py --rounds 2 --tokens 16 --clients 4
 
-``--batching`` measures continuous batching instead (issue 18): streamed ``POST /v1/completions``
-(greedy, ``ignore_eos`` so every reply has exactly ``--client-tokens`` tokens), one client alone, then
-``--clients`` at once; aggregate tok/s = all generated tokens / (last token - first send), and the
-last client's first-token time. Every concurrent reply must equal the one it gets alone.
+``--batching`` measures continuous batching instead (issue 18; ``bench_batching.py`` says what): 8 and 32
+streamed clients under gather and tp, guidellm at 1 and 8 streams, and ``transformers serve`` as the anchor.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_serve.py --batching --clients 8 --client-tokens 32
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_serve.py --batching --clients 8 --many 32 --client-tokens 32
+    .venv/bin/python bench/bench_serve.py --batching --clients 2 --many 4 --client-tokens 4 --guidellm-requests 2
 """
 
 from __future__ import annotations
@@ -117,70 +116,25 @@ def concurrent_clients(url: str, num: int, n: int) -> list[dict]:
     return results
 
 
-def run_completion(url: str, prompt: str, n: int) -> dict:
-    parts = urlparse(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True}
-    sent = time.perf_counter()
-    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    response = conn.getresponse()
-    arrivals, text = [], []
-    for line in response:
-        line = line.decode().strip()
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        chunk = json.loads(line[len("data: ") :])
-        if chunk["choices"] and chunk["choices"][0]["text"]:
-            arrivals.append(time.perf_counter())
-            text.append(chunk["choices"][0]["text"])
-    conn.close()
-    return {"text": "".join(text), "sent": sent, "first": arrivals[0], "end": arrivals[-1], "tokens": n}
-
-
-def batching(url: str, num: int, n: int) -> int:
-    prompts = [f"Tell me about the city number {i}: " + QUESTION for i in range(num)]
-    run_completion(url, prompts[0], 4)  # warm-up
-    alone = [run_completion(url, p, n) for p in prompts]
-    one = alone[0]
-    one_tok_s = n / (one["end"] - one["sent"])
-    results: list[dict | None] = [None] * num
-    threads = [
-        threading.Thread(target=lambda i=i: results.__setitem__(i, run_completion(url, prompts[i], n)))
-        for i in range(num)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(900)
-    start = min(r["sent"] for r in results)
-    end = max(r["end"] for r in results)
-    total_tok_s = num * n / (end - start)
-    last = max(results, key=lambda r: r["sent"])
-    same = all(r["text"] == a["text"] for r, a in zip(results, alone))
-    print(f"{MODEL} on 2 ranks, {n} tokens per reply (greedy, ignore_eos), /v1/completions streamed")
-    print(f"1 client:  {one_tok_s:.2f} tok/s, first token {(one['first'] - one['sent']) * 1000:.0f} ms")
-    print(f"{num} clients: {total_tok_s:.2f} tok/s aggregate ({total_tok_s / one_tok_s:.2f}x, target >= 4x)")
-    print(f"last client's first token: {(last['first'] - last['sent']) * 1000:.0f} ms; replies equal alone: {same}")
-    ok = same and total_tok_s / one_tok_s >= 4
-    print("PASS" if ok else "FAIL")
-    return 0 if ok else 1
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--client-tokens", type=int, default=16)
-    p.add_argument("--batching", action="store_true", help="measure continuous batching over /v1/completions")
+    p.add_argument("--batching", action="store_true", help="measure continuous batching (bench_batching.py)")
+    p.add_argument("--many", type=int, default=32, help="--batching: clients of the latency run")
+    p.add_argument("--guidellm-requests", type=int, default=32, help="--batching: guidellm requests per stream count")
     args = p.parse_args(argv)
+    if args.batching:
+        from bench_batching import run
+
+        return run(args)
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
         kernel = Kernel(Path(tmp))
         try:
             kernel.ok(f"%load_sharded {CONFIG}")
             url = re.search(r"at (http://\S+/v1)", kernel.ok("%serve --port 0").stdout()).group(1)
-            if args.batching:
-                return batching(url, args.clients, args.client_tokens)
             run_chat(kernel, 4), run_http(url, 4)  # warm-up: both paths once
             chat, served = [], []
             for r in range(args.rounds):

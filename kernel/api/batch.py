@@ -12,6 +12,7 @@ from __future__ import annotations
 import secrets
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from shardbook.kernel.api.conversation import with_system_prompt
@@ -59,10 +60,17 @@ def submit(
     return handle
 
 
+MODEL_CHANGED = "model_changed"
+"""Starts the `error` of a sequence that waited while another model was loaded (never run on the new one)."""
+
+
 def _drive(runtime: Runtime, scheduler: BatchScheduler) -> None:
     pool = runtime.pool
     try:
         with runtime.generation_queue.take_turn(BATCH_SOURCE) as turn:
+            if runtime.ctx0.state.get("loaded") is not scheduler.loaded:  # a %load_sharded went first
+                scheduler._fail_all([], f"{MODEL_CHANGED}: {model_changed(runtime, scheduler)}")
+                return
             turn.on_stop = scheduler.stop_all
             outcome = pool.run("batch", {}, list(range(pool.world.world_size)), lambda *a: None, lambda text: None)
         if not outcome.ok:
@@ -70,6 +78,12 @@ def _drive(runtime: Runtime, scheduler: BatchScheduler) -> None:
             scheduler._fail_all([], f"the batch failed on the ranks: {errors or outcome.stuck}")
     except BaseException as exc:
         scheduler._fail_all([], f"{type(exc).__name__}: {exc}")
+
+
+def model_changed(runtime: Runtime, scheduler: BatchScheduler) -> str:
+    config = runtime.ctx0.state.get("config")
+    now = f"'{Path(config.model.model_name_or_path).name}' is loaded now" if config is not None else "none is"
+    return f"another model was loaded while this request waited to join the batch ({now}); send it again"
 
 
 def sequence_request(

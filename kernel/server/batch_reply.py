@@ -16,7 +16,7 @@ from typing import Any
 
 from tornado.iostream import StreamClosedError
 
-from shardbook.kernel.api.batch import scheduler_for, submit
+from shardbook.kernel.api.batch import MODEL_CHANGED, scheduler_for, submit
 from shardbook.kernel.ranks.pool import PoolError
 from shardbook.kernel.server.completions import BodyHandler
 from shardbook.kernel.server.openai_api import FINISH_REASONS, ApiError
@@ -127,7 +127,10 @@ class BatchReplyHandler(BodyHandler):
             self.server.stats.served += 1
             self.finish()
             return
-        errors = [r.error for r in results.values() if r.finish_reason == "error"]
+        errors = [r.error or "" for r in results.values() if r.finish_reason == "error"]
+        if errors and errors[0].startswith(MODEL_CHANGED):  # never answered by a model it did not ask for
+            self.send_api_error(ApiError(409, errors[0].split(": ", 1)[1], param="model", code=MODEL_CHANGED))
+            return
         if errors:
             self.send_api_error(ApiError(500, f"generation failed: {errors[0]}", type="server_error"))
             return

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import socket
 import sys
+import threading
+import time
 import types
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -178,6 +180,8 @@ def main(model_dir: str) -> None:
     out["chat_stream_logprobs_equal"] = len(parts) == 8 and parts == [t.model_dump() for t in whole]
     streamed = client.chat.completions.create(messages=messages[1], stream=True, **args)
     out["chat_stream_equal"] = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == alone[1]
+
+    out["model_changed"] = queued_across_a_load(runtime, port, name, messages[0])
     server.stop()
 
     server = Server(runtime, ServeOptions(port=port, batch=False)).start()  # --no-batch: one at a time
@@ -189,6 +193,31 @@ def main(model_dir: str) -> None:
     out["no_batch_refuses_n"] = refused.status_code == 400 and refused.json()["error"]["param"] == "n"
     server.stop()
     print(json.dumps(out))
+
+
+def queued_across_a_load(runtime, port: int, name: str, messages: list) -> bool:
+    """A chat request waiting to join the batch while another model is loaded gets a 409, never the new model."""
+    import requests
+
+    from shardbook.kernel.api.batch import scheduler_for
+
+    load = runtime.generation_queue.enter("load")  # %load_sharded holds the ranks
+    assert load.wait()
+    replies = []
+    body = {"model": name, "messages": messages, "max_tokens": 2}
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    waiting = threading.Thread(target=lambda: replies.append(requests.post(url, json=body, timeout=60)))
+    waiting.start()
+    deadline = time.monotonic() + 30
+    while scheduler_for(runtime).occupancy()[1] != 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    old = runtime.ctx0.state["loaded"]
+    runtime.ctx0.state["loaded"] = types.SimpleNamespace(model=old.model, tokenizer=old.tokenizer)  # a reload
+    load.finish()
+    waiting.join(60)
+    error = replies[0].json().get("error", {})
+    served = requests.post(url, json=body, timeout=60).status_code  # the new model answers a new request
+    return replies[0].status_code == 409 and error.get("code") == "model_changed" and served == 200
 
 
 def stream_matches_whole(client, name: str, echo: bool) -> bool:

@@ -38,7 +38,7 @@ def test_completions_over_the_batch(tmp_path: Path) -> None:
     assert found["score_matches"] < 1e-4
     assert found["concurrent_equal_alone"]
     assert found["generate_many_equals_chat"]
-    assert found["batch_chat"]  # ChatModel.chat(batch=True), as %%chat --batch
+    assert found["batch_chat"]  # ChatModel.chat(batch=True), as plain %%chat
     assert found["generate_file"]  # %generate's file loop
     assert found["list_prompt_n"]
     assert found["token_prompt"]
@@ -51,4 +51,5 @@ def test_completions_over_the_batch(tmp_path: Path) -> None:
     assert found["too_long"] == 400
     assert found["chat_concurrent_equal_alone"] and found["chat_equals_single_path"]  # %serve (batched by default)
     assert found["chat_n_logprobs"] and found["chat_stream_equal"] and found["chat_stream_logprobs_equal"]
+    assert found["model_changed"]  # waited across a load: 409, never answered by the other model
     assert found["no_batch_equal"] and found["no_batch_refuses_n"]  # %serve --no-batch: turns, as before

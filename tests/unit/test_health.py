@@ -39,7 +39,10 @@ def test_each_rank_is_idle_busy_silent_dead_or_connecting():
 
 def test_health_is_503_without_a_model_or_with_a_dead_rank_and_says_what_the_ranks_do():
     idle = ranks_health(states(), set(), False)
-    assert server(idle).health() == (200, {**idle, "status": "ok", "model": "demo", "waiting": 0, "running": None})
+    assert server(idle).health() == (
+        200,
+        {**idle, "status": "ok", "model": "demo", "waiting": 0, "running": None, "batch_running": 0},
+    )
     code, body = server(idle, loaded=False).health()
     assert (code, body["status"]) == (503, "no_model")
     code, body = server(ranks_health(states(dead_reason="gone"), set(), False)).health()

@@ -58,7 +58,7 @@ def served():
     runtime = SimpleNamespace(
         pool=EchoPool(), generation_queue=GenerationQueue(), ctx0=SimpleNamespace(state=state), server=None
     )
-    server = Server(runtime, ServeOptions(port=0)).start()
+    server = Server(runtime, ServeOptions(port=0, batch=False)).start()  # the single-reply path (--no-batch)
     yield runtime, server.url
     server.stop()
 

@@ -1,0 +1,238 @@
+"""Continuous batching benchmark (issue 18), run by ``bench_serve.py --batching``: streamed clients against
+``%serve`` on 2 ranks, guidellm against the same server, and ``transformers serve`` as the anchor.
+
+In one run, with the demo model (greedy, ``ignore_eos`` on ``/v1/completions`` so every reply has exactly
+``--client-tokens`` tokens):
+
+* under ``gather`` then ``tp``: one client alone, then ``--clients`` at once: aggregate tok/s (all generated
+  tokens / (last token - first send)), its ratio to the lone client's, the last client's time to first token,
+  and whether every concurrent reply equals the one it gets alone;
+* under ``gather``: ``--many`` clients at once: aggregate tok/s, TTFT p50/p90 and inter-token latency p50/p90
+  (gaps between a client's successive chunks);
+* guidellm at 1 and ``--clients`` streams (synthetic prompts, the model's local tokenizer, offline): its
+  output tok/s, TTFT and ITL medians as its JSON report gives them;
+* the anchor, after the kernel is gone: ``transformers serve`` on the same model in one process, 2 threads,
+  with and without ``--continuous-batching``: one streamed chat client, then ``--clients`` at once
+  (tokens = content chunks, since it has no ``ignore_eos``).
+
+The kernel loads with ``inference.max_batch_sequences`` = ``--many`` and serves with ``--max-waiting`` as
+large, so no client gets a 429.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+from bench_chat import Kernel
+
+CONFIG = "configs/smollm2-135m.yaml"
+MODEL = "smollm2-135m-instruct"
+MODEL_DIR = Path.home() / ".cache" / "shardbook" / "models" / MODEL
+PROMPT = "Tell me about the city of Paris, client {i}:"
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def stream(url: str, path: str, body: dict, key: str) -> dict:
+    """One streamed request: when it was sent, when each content chunk arrived, the text."""
+    parts = urlparse(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=900)
+    sent = time.perf_counter()
+    conn.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200, response.read()
+    arrivals, text = [], []
+    for line in response:
+        line = line.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[len("data: ") :])
+        piece = (
+            (chunk["choices"][0].get(key) if key == "text" else chunk["choices"][0]["delta"].get("content"))
+            if chunk["choices"]
+            else None
+        )
+        if piece:
+            arrivals.append(time.perf_counter())
+            text.append(piece)
+    conn.close()
+    return {"sent": sent, "arrivals": arrivals, "text": "".join(text)}
+
+
+def completion(url: str, i: int, n: int) -> dict:
+    body = {"model": MODEL, "prompt": PROMPT.format(i=i), "max_tokens": n, "temperature": 0, "ignore_eos": True}
+    return {**stream(url, "/v1/completions", body, "text"), "tokens": n}
+
+
+def chat_chunks(url: str, model: str, i: int, n: int) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": PROMPT.format(i=i)}], "max_tokens": n}
+    result = stream(url, "/v1/chat/completions", body, "content")
+    return {**result, "tokens": len(result["arrivals"])}
+
+
+def together(run, num: int) -> list[dict]:
+    results: list[dict | None] = [None] * num
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, run(i))) for i in range(num)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(1800)
+    assert all(r is not None and r["arrivals"] for r in results), "a client got no reply"
+    return results
+
+
+def tok_s(results: list[dict]) -> float:
+    span = max(r["arrivals"][-1] for r in results) - min(r["sent"] for r in results)
+    return sum(r["tokens"] for r in results) / span
+
+
+def pct(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=10, method="inclusive")[int(q * 10) - 1] if len(values) > 1 else values[0]
+
+
+def alone_and_together(run, num: int) -> dict:
+    run(0)  # warm-up
+    alone = [run(i) for i in range(num)]
+    many = together(run, num)
+    last = max(many, key=lambda r: r["sent"])
+    one = tok_s([alone[0]])
+    return {
+        "one_tok_s": one,
+        "many_tok_s": tok_s(many),
+        "ratio": tok_s(many) / one,
+        "last_ttft_ms": (last["arrivals"][0] - last["sent"]) * 1000,
+        "equal_alone": all(m["text"] == a["text"] for m, a in zip(many, alone)),
+    }
+
+
+def latencies(url: str, num: int, n: int) -> dict:
+    many = together(lambda i: completion(url, i, n), num)
+    ttft = [(r["arrivals"][0] - r["sent"]) * 1000 for r in many]
+    itl = [(b - a) * 1000 for r in many for a, b in zip(r["arrivals"], r["arrivals"][1:])]
+    return {
+        "tok_s": tok_s(many),
+        "ttft_p50": pct(ttft, 0.5),
+        "ttft_p90": pct(ttft, 0.9),
+        "itl_p50": pct(itl, 0.5),
+        "itl_p90": pct(itl, 0.9),
+    }
+
+
+def guidellm(url: str, streams: list[int], requests: int, n: int, out: Path) -> list[dict]:
+    """guidellm's own figures, one row per number of streams."""
+    report = out / "guidellm.json"
+    argv = [str(Path(sys.executable).parent / "guidellm"), "run"]
+    argv += ["--backend", f"kind=openai_http,target={url.removesuffix('/v1')}"]
+    argv += ["--profile", "kind=concurrent,streams=1", "--override", "profile.streams", ",".join(map(str, streams))]
+    argv += ["--constraint", f"kind=max_requests,count={requests}"]
+    argv += ["--data", f"kind=synthetic_text,prompt_tokens=64,output_tokens={n}"]
+    argv += ["--tokenizer", f"kind=huggingface_auto,model={MODEL_DIR}", "--output", f"kind=json,path={report}"]
+    argv += ["--disable-console-interactive"]
+    subprocess.run(argv, check=True, cwd=out, env={**os.environ, **OFFLINE}, stdout=subprocess.DEVNULL)
+    rows = []
+    for bench in json.loads(report.read_text())["benchmarks"]:
+        metrics, state = bench["metrics"], bench["scheduler_state"]
+        rows.append(
+            {
+                "streams": bench["config"]["strategy"]["streams"],
+                "ok": state["successful_requests"],
+                "errored": state["errored_requests"],
+                "out_tok_s": metrics["output_tokens_per_second"]["successful"]["mean"],
+                "ttft_ms": metrics["time_to_first_token_ms"]["successful"]["median"],
+                "itl_ms": metrics["inter_token_latency_ms"]["successful"]["median"],
+            }
+        )
+    return rows
+
+
+def transformers_serve(continuous: bool, num: int, n: int) -> dict:
+    """``transformers serve`` on the demo model in one process, 2 threads; the anchor."""
+    port = 8700 + continuous
+    argv = [str(Path(sys.executable).parent / "transformers"), "serve", str(MODEL_DIR), "--port", str(port)]
+    argv += [
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--continuous-batching" if continuous else "--no-continuous-batching",
+    ]
+    env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": "2"}
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.request("GET", "/v1/models")
+                if conn.getresponse().status == 200:
+                    break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, "transformers serve did not start"
+                time.sleep(1)
+        return alone_and_together(lambda i: chat_chunks(url, str(MODEL_DIR), i, n), num)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def run(args) -> int:
+    n, num, many = args.client_tokens, args.clients, args.many
+    found: dict = {}
+    with tempfile.TemporaryDirectory(prefix="bench-batching-") as tmp:
+        kernel = Kernel(Path(tmp))
+        try:
+            load = f"%load_sharded {CONFIG} --inference.max_batch_sequences {max(many, num)}"
+            kernel.ok(load)
+            served = kernel.ok(f"%serve --port 0 --max-waiting {max(many, num)}").stdout()
+            url = re.search(r"at (http://\S+/v1)", served).group(1)
+            found["gather"] = alone_and_together(lambda i: completion(url, i, n), num)
+            found["many"] = latencies(url, many, n)
+            found["guidellm"] = guidellm(url, [1, num], args.guidellm_requests, n, Path(tmp))
+            kernel.ok(load + " --parallel.decode tp")
+            found["tp"] = alone_and_together(lambda i: completion(url, i, n), num)
+        finally:
+            kernel.stop()
+    found["transformers"] = {cb: transformers_serve(cb, num, n) for cb in (False, True)}
+    return report(found, args)
+
+
+def report(found: dict, args) -> int:
+    n, num = args.client_tokens, args.clients
+    print(f"{MODEL} on 2 ranks, {n} tokens per reply (greedy, ignore_eos), /v1/completions streamed")
+    print(f"{'layout':<8}{'1 client tok/s':>16}{f'{num} clients tok/s':>18}{'ratio':>8}{'last TTFT ms':>14}  equal")
+    for layout in ("gather", "tp"):
+        r = found[layout]
+        print(
+            f"{layout:<8}{r['one_tok_s']:>16.2f}{r['many_tok_s']:>18.2f}{r['ratio']:>8.2f}"
+            f"{r['last_ttft_ms']:>14.0f}  {r['equal_alone']}"
+        )
+    m = found["many"]
+    print(
+        f"{args.many} clients (gather): {m['tok_s']:.2f} tok/s; TTFT p50 {m['ttft_p50']:.0f} ms, p90 "
+        f"{m['ttft_p90']:.0f} ms; inter-token p50 {m['itl_p50']:.0f} ms, p90 {m['itl_p90']:.0f} ms"
+    )
+    print("guidellm (its report; synthetic 64-token prompts, chat completions):")
+    for g in found["guidellm"]:
+        print(
+            f"  {g['streams']} streams: {g['ok']} ok, {g['errored']} errored; {g['out_tok_s']:.2f} output tok/s, "
+            f"TTFT median {g['ttft_ms']:.0f} ms, ITL median {g['itl_ms']:.0f} ms"
+        )
+    print("anchor: transformers serve, one process, 2 threads (chat completions streamed; tokens = chunks)")
+    for cb, r in found["transformers"].items():
+        name = "--continuous-batching" if cb else "no batching"
+        print(f"  {name:<22}{r['one_tok_s']:>8.2f} tok/s alone, {r['many_tok_s']:.2f} with {num} ({r['ratio']:.2f}x)")
+    ok = all(found[k]["equal_alone"] for k in ("gather", "tp")) and all(g["errored"] == 0 for g in found["guidellm"])
+    ok = ok and found["gather"]["ratio"] >= 4 and found["gather"]["last_ttft_ms"] <= 1500
+    print("PASS" if ok else "FAIL (targets: equal replies, no guidellm error, >= 4x, last TTFT <= 1.5 s)")
+    return 0 if ok else 1
