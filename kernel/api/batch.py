@@ -40,6 +40,8 @@ def scheduler_for(runtime: Runtime) -> BatchScheduler:
             context=context,
         )
         scheduler.loaded = loaded
+        scheduler.driven = threading.Event()  # set while no batch command runs
+        scheduler.driven.set()
         state["batch_scheduler"] = scheduler
     return scheduler
 
@@ -56,6 +58,7 @@ def submit(
     scheduler = scheduler_for(runtime)
     handle = scheduler.submit(request, on_text, on_done, on_delta)
     if handle.starts_loop:
+        scheduler.driven.clear()
         threading.Thread(target=_drive, args=(runtime, scheduler), name="shardbook-batch", daemon=True).start()
     return handle
 
@@ -65,7 +68,7 @@ MODEL_CHANGED = "model_changed"
 
 
 def _drive(runtime: Runtime, scheduler: BatchScheduler) -> None:
-    pool = runtime.pool
+    pool, scheduler.failure = runtime.pool, None
     try:
         with runtime.generation_queue.take_turn(BATCH_SOURCE) as turn:
             if runtime.ctx0.state.get("loaded") is not scheduler.loaded:  # a %load_sharded went first
@@ -74,10 +77,20 @@ def _drive(runtime: Runtime, scheduler: BatchScheduler) -> None:
             turn.on_stop = scheduler.stop_all
             outcome = pool.run("batch", {}, list(range(pool.world.world_size)), lambda *a: None, lambda text: None)
         if not outcome.ok:
+            scheduler.failure = outcome  # every rank's reply, for an error report per rank
             errors = {r: reply.get("evalue", reply.get("status")) for r, reply in outcome.replies.items()}
             scheduler._fail_all([], f"the batch failed on the ranks: {errors or outcome.stuck}")
     except BaseException as exc:
         scheduler._fail_all([], f"{type(exc).__name__}: {exc}")
+    finally:
+        scheduler.driven.set()
+
+
+def batch_failure(runtime: Runtime, timeout: float) -> Any:
+    """The failed batch command's outcome (every rank's reply) once the batch has ended; None if it did not fail."""
+    scheduler = scheduler_for(runtime)
+    scheduler.driven.wait(timeout)
+    return scheduler.failure
 
 
 def model_changed(runtime: Runtime, scheduler: BatchScheduler) -> str:

@@ -381,6 +381,10 @@ class BatchChatStream:
         if self.handle is not None:
             self.handle.stop()
 
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
     def __iter__(self) -> Iterator[str]:
         self.start()
         while True:
@@ -389,6 +393,11 @@ class BatchChatStream:
                 yield value
                 continue
             if value.finish_reason == "error":
+                from shardbook.kernel.api.batch import batch_failure
+
+                failure = batch_failure(self.runtime, timeout=120)
+                if failure is not None:  # a rank failed: report each rank's error
+                    raise GenerationFailed(failure)
                 raise PoolError(f"the batch failed: {value.error}")
             self.response = self._response(value)
             return

@@ -326,6 +326,8 @@ class BatchScheduler:
         self.rows: list[_Running] = []
         """The sequences of the step planned last, joining ones included (set under `lock`)."""
         self.stats = {"steps": 0, "largest_batch": 0}
+        self.failure: Any = None
+        """What the last failed batch command left (rank 0's driver sets it: every rank's reply)."""
 
     def check(self, request: SequenceRequest) -> None:
         """Raise :class:`BatchLimitError` if `request` could never run."""

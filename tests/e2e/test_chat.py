@@ -271,20 +271,23 @@ def test_text_that_is_not_unicode_is_refused_before_any_rank_generates(loaded, t
 
 
 def test_a_rank_that_cannot_build_the_prompt_stops_every_rank_before_generating(loaded):
-    """Rank 1's tokenizer refuses the conversation: no rank enters generate, the error names rank 1, nothing waits."""
+    """--no-batch, where every rank builds the prompt: rank 1's tokenizer refuses the conversation, no rank enters
+    generate, the error names rank 1, nothing waits. The batch builds prompts on rank 0 only, so it answers."""
     refuse = (
         "%%rank 1\nsaved_template = tokenizer.chat_template\n"
         "tokenizer.chat_template = \"{{ raise_exception('rank 1 refuses this prompt') }}\""
     )
     assert loaded.run(refuse).status == "ok"
     try:
-        ex = loaded.run("%%chat --output text --max-new-tokens 5\nhello", timeout=60)
+        ex = loaded.run("%%chat --no-batch --output text --max-new-tokens 5\nhello", timeout=60)
+        batched = loaded.run("%%chat --output text --max-new-tokens 5\nhello", timeout=60)
     finally:
         assert loaded.run("%%rank 1\ntokenizer.chat_template = saved_template").status == "ok"
     text = ex.error_text() + ex.stderr()
     assert ex.status == "error", text
     assert "rank 1" in text and "rank 1 refuses this prompt" in text and "no rank started" in text
     assert "restart" not in text.lower(), "a refused request must not look like a broken process group"
+    assert batched.status == "ok", batched.error_text() + batched.stderr()
     assert loaded.run("%%chat --output text --max-new-tokens 3\nstill there?", timeout=60).status == "ok"
 
 
