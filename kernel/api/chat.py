@@ -327,6 +327,16 @@ class AsyncChatStream(ChatStream):
                 self.stop()
 
 
+def settle(runtime: Runtime, timeout: float = 30) -> None:
+    """When nothing else runs or waits in the batch, wait for it to end on every rank, so that a cell ends
+    with the ranks idle (as the single-reply path does)."""
+    from shardbook.kernel.api.batch import scheduler_for
+
+    scheduler = scheduler_for(runtime)
+    if scheduler.occupancy() == (0, 0):
+        scheduler.driven.wait(timeout)
+
+
 class BatchChatStream:
     """A chat reply that joins the continuous batch (``%%chat --batch``, ``ChatModel.stream_chat(batch=True)``):
     iterate for text chunks; ``response`` is set once it is finished; :meth:`stop` stops it alone, the other
@@ -395,11 +405,12 @@ class BatchChatStream:
             if value.finish_reason == "error":
                 from shardbook.kernel.api.batch import batch_failure
 
-                failure = batch_failure(self.runtime, timeout=120)
+                failure = batch_failure(self.runtime, timeout=30)
                 if failure is not None:  # a rank failed: report each rank's error
                     raise GenerationFailed(failure)
                 raise PoolError(f"the batch failed: {value.error}")
             self.response = self._response(value)
+            settle(self.runtime)
             return
 
     def wait(self) -> ChatResponse:
