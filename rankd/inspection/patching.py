@@ -29,6 +29,7 @@ from shardbook.rankd.inspection.tracing import (
     _capture_hook,
     _grad_from_embeddings,
     _refuse_non_tensors,
+    agreed_metric,
     first_tensor,
     match_modules,
     prompt_ids,
@@ -40,7 +41,7 @@ def patch_sweep(model: nn.Module, tokenizer: Any, args: dict[str, Any], namespac
     """The patching table (every rank computes it alike; rank 0 returns it): modules, tokens, the effect
     [modules, positions], the two baselines."""
     names = match_modules(model, args["modules"])
-    metric = agreed_function(model, namespace, args["metric"], GRAD_EXAMPLE)
+    metric = (agreed_function(model, namespace, args["metric"], GRAD_EXAMPLE), args["metric"])  # name for errors
     chat = args.get("chat", False)
     device = next(model.parameters()).device
     clean = prompt_ids(tokenizer, args["clean"], chat).to(device)
@@ -84,7 +85,7 @@ def _run(model: nn.Module, names: list[str], ids: torch.Tensor, metric, grad: bo
     try:
         with torch.enable_grad() if grad else torch.no_grad():
             logits = model(ids).logits
-            value = _scalar(metric(logits))
+            value = agreed_metric(lambda: [metric[0](logits)], metric[1])[0]
     finally:
         for hook in hooks:
             hook.remove()
@@ -95,13 +96,6 @@ def _run(model: nn.Module, names: list[str], ids: torch.Tensor, metric, grad: bo
     found = torch.autograd.grad(value, [graph[n] for n in wanted], allow_unused=True) if wanted else []
     grads = {n: torch.zeros_like(local[n]) if g is None else g.detach() for n, g in zip(wanted, found)}
     return local, float(value.detach()), grads
-
-
-def _scalar(value: Any) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor) or value.numel() != 1:
-        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-        raise ValueError(f"the metric must return a scalar tensor computed from the logits; it returned {got}")
-    return value.reshape(())
 
 
 def _patched(model: nn.Module, name: str, clean: torch.Tensor, corrupt: torch.Tensor, metric) -> torch.Tensor:
@@ -120,7 +114,8 @@ def _patched(model: nn.Module, name: str, clean: torch.Tensor, corrupt: torch.Te
             logits = model(corrupt.expand(positions, -1)).logits
     finally:
         handle.remove()
-    return torch.stack([_scalar(metric(logits[p : p + 1])) for p in range(positions)]).float()
+    fn, metric_name = metric
+    return agreed_metric(lambda: [fn(logits[p : p + 1]) for p in range(positions)], metric_name).float()
 
 
 def _attribution(model: nn.Module, names: list[str], clean: dict, corrupt: dict, grads: dict) -> torch.Tensor:
