@@ -2,8 +2,10 @@
 
 It starts torchrun for its node (``--node_rank`` is ``SLURM_NODEID``, static rendezvous on the
 allocation's first node): the kernel (or ``shardbook serve``) on node 0, followers elsewhere. It
-passes SIGTERM on to rank 0 (which ends the job), and watches the lease: once the launcher has not touched it for the
-grace period, the ranks stop and node 0 cancels the job (when the job was allocated for them).
+passes SIGTERM on to rank 0 (which ends the job) and SIGUSR1 as SIGINT (``shardbook chat --slurm``'s Ctrl-C,
+which srun forwards to every task: rank 0 stops its reply), and watches the lease: once the launcher
+has not touched it for the grace period, the ranks stop and node 0 cancels the job (when the job was
+allocated for them).
 """
 
 from __future__ import annotations
@@ -113,8 +115,20 @@ def main() -> int:
         elif node == 0:
             torchrun.send_signal(signal.SIGTERM)
 
+    def interrupt(signum, frame) -> None:
+        """Node 0: Ctrl-C of the terminal chat for rank 0 alone; while the ranks start, it ends the job."""
+        if node != 0:
+            return
+        rank0 = rank0_of(torchrun.pid)
+        if rank0 is None:
+            log.warning("interrupted while the ranks start; stopping them")
+            torchrun.terminate()
+        else:
+            rank0.send_signal(signal.SIGINT)
+
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, stop)
+    signal.signal(signal.SIGUSR1, interrupt)
     lease = LeaseWatch(plan.lease, plan.lease_grace)
     try:
         while True:

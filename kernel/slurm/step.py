@@ -79,8 +79,13 @@ def plan_for(
     )
 
 
-def srun_argv(plan: StepPlan, options: SlurmOptions) -> list[str]:
-    """One task per node, each holding the whole node's share of the job; torchrun starts the ranks."""
+def srun_argv(plan: StepPlan, options: SlurmOptions, interactive: bool = False) -> list[str]:
+    """One task per node, each holding the whole node's share of the job; torchrun starts the ranks.
+
+    ``interactive`` (``shardbook chat --slurm``): srun's stdin goes to node 0 alone (so to rank 0), and output is
+    passed on as it comes, not a line at a time (a reply streams, the prompt shows before its line ends).
+    """
+    io = ["--input=0", "--unbuffered"] if interactive else []
     gres = [f"--gres={options.gres}"] if options.gres else []
     gres += [f"--gpus-per-node={options.gpus_per_node}"] if options.gpus_per_node else []
     return [
@@ -94,6 +99,7 @@ def srun_argv(plan: StepPlan, options: SlurmOptions) -> list[str]:
         "--kill-on-bad-exit=1",
         "--job-name=shardbook-ranks",
         "--export=ALL",
+        *io,
         sys.executable,
         "-m",
         "shardbook.kernel.slurm.node",
