@@ -216,6 +216,7 @@ def run_rank0(world: World, prepared: PreparedLoad, then, name: str) -> int:
     from shardbook.kernel.ranks.runtime import start_runtime
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGUSR1, signal.default_int_handler)  # Ctrl-C of `chat --slurm` (kernel/slurm/launch.py)
     maybe_write_pid_file()
     terminal = Terminal(name)
     runtime = None

@@ -4,9 +4,9 @@ The terminal process holds the lease: when it is killed, the ranks stop and the 
 after the grace period. For ``serve``, Ctrl-C and SIGTERM become ``stop`` in the lease file: node 0
 passes SIGTERM to rank 0, which stops serving and ends the job; a second Ctrl-C ends the step at once.
 For ``chat`` (``interactive``), srun passes this terminal's input to rank 0 and its output back, and
-Ctrl-C becomes SIGUSR1 to srun, which forwards it to every node; node 0 hands it to rank 0 as SIGINT,
-so rank 0's terminal chat decides what it means, as under ``chat --nproc`` (stop the reply, clear the
-prompt). SIGTERM and SIGHUP still stop it through the lease.
+Ctrl-C becomes SIGUSR1 to srun, which passes it to every process of the step; they all ignore it
+(``node.py``) except rank 0 of the terminal chat, which takes it as Ctrl-C and decides what it means,
+as under ``chat --nproc`` (stop the reply, clear the prompt). SIGTERM and SIGHUP stop it through the lease.
 """
 
 from __future__ import annotations

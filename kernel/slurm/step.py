@@ -43,6 +43,8 @@ class StepPlan:
     lease_grace: float
     own_job: bool
     """True when the allocation was made for this job, so the job may cancel it when its lease expires."""
+    note: str = ""
+    """``JobInfo.queue_note``: what the ranks tell the user once they run (``SLURM_NOTE_ENV``)."""
 
     @classmethod
     def from_env(cls, env: dict[str, str]) -> StepPlan:
@@ -76,6 +78,7 @@ def plan_for(
         lease=str(lease) if lease else None,
         lease_grace=options.lease_grace,
         own_job=options.jobid is None,
+        note=job.queue_note(),
     )
 
 

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 def dist_rows(handle) -> list[list[str]]:
     table = handle.run("%dist").of_type("execute_result")[0]["content"]["data"]["text/plain"]
-    return [line.split() for line in table.splitlines()]
+    return [line.split() for line in table.split("\n\n")[0].splitlines()]  # the table, without the job's note
 
 
 def job_of(handle) -> str:
