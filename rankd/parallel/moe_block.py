@@ -7,14 +7,17 @@ Qwen3-Next, DeepSeek-V3/V3.2/V4, GLM-4-MoE, GLM-5) ends its MoE block with route
 partials. So the block runs with both sums left to it (`sums_left_to_caller`) and makes one
 all-reduce of its output instead of two.
 
-What a trace or an intervention sees inside the block must stay whole: while any hook watches a
-module inside it (or a global module hook is set), the block runs the two sums as before.
+Only without autograd (generation, inspection under `no_grad`): the sum is right for the forward, but
+Qwen's gate multiplies the shared partial, so its gradient needs the whole shared output. And what a
+trace or an intervention sees inside the block must stay whole: while any hook watches a module
+inside it (or a global module hook is set), the block also runs the two sums as before.
 """
 
 from __future__ import annotations
 
 from functools import cache
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.modules import module as torch_module
@@ -53,7 +56,7 @@ class OneSumMoE:
     inner_modules: list[nn.Module]
 
     def forward(self, *args, **kwargs):
-        if self._watched():
+        if torch.is_grad_enabled() or self._watched():
             return super().forward(*args, **kwargs)
         with sums_left_to_caller(self.tp_group):
             out = super().forward(*args, **kwargs)
