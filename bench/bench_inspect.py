@@ -1,7 +1,7 @@
 """Inspection benchmark (issue 12): `trace` of every layer against a plain forward, per layout; nnsight against hooks.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_inspect.py            # demo model, 2 gloo ranks, 10 runs each
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_inspect.py --dataset 256   # issue 19: batched+reduced vs a loop
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_inspect.py --dataset 256   # issue 19, see print_dataset
 
 Part 1, for each layout on 2 ranks (spawned processes, gloo, one thread each): the median time
 of a plain forward of the prompt, of `trace` of every decoder layer (what `%%trace` runs on each
@@ -143,30 +143,133 @@ def dataset_prompts(count: int) -> list[str]:
     ]
 
 
-def batch_run(rank: int, path: str, decode: str, count: int, batch_size: int) -> dict:
-    """Issue 19: the mean of layer 12's output over `count` prompts, batched and reduced on the ranks against
-    a loop of one-prompt traces averaged on rank 0; then a forward with backward against a plain forward."""
-    import torch
+class PeakMemory:
+    """This process's peak resident memory while the block runs (sampled every 5 ms), in bytes above its start."""
 
+    def __enter__(self):
+        import threading
+
+        import psutil
+
+        self._process, self._done = psutil.Process(), threading.Event()
+        self.start = self.peak = self._process.memory_info().rss
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.005):
+            self.peak = max(self.peak, self._process.memory_info().rss)
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._process.memory_info().rss)
+
+    @property
+    def added(self) -> int:
+        return self.peak - self.start
+
+
+def dataset_run(rank: int, path: str, decode: str, count: int, batch_size: int) -> dict:
+    """Issue 19 on one layout: (1) every decoder layer's output averaged over `count` prompts, by a loop of one-prompt
+    traces averaged on rank 0 and by one batched trace reduced on the ranks; (2) the patching sweep of every layer and
+    position, by `patch_sweep` and by the notebook's loop (an intervention per layer and position, one trace each);
+    (3) a forward with the backward of a logit difference against a plain forward."""
     from shardbook.rankd.inspection.batched import trace_many
     from shardbook.rankd.inspection.tracing import trace
 
     loaded = load(path, decode)
     model, tok = loaded.model, loaded.tokenizer
-    prompts, module = dataset_prompts(count), "model.layers.12"
+    prompts = dataset_prompts(count)
+    with PeakMemory() as loop_memory:
+        started = time.perf_counter()
+        totals, tokens = {}, 0
+        for prompt in prompts:
+            t = trace(model, tok, {"prompt": prompt, "modules": []})
+            if rank == 0:
+                for name, x in t.items():
+                    totals[name] = totals.get(name, 0) + x[0].double().sum(0)
+                tokens += len(t.token_ids)
+        loop_s = time.perf_counter() - started
+    with PeakMemory() as batched_memory:
+        started = time.perf_counter()
+        reduced = trace_many(
+            model, tok, {"prompts": prompts, "modules": [], "reduce": "mean", "batch_size": batch_size}
+        )
+        batched_s = time.perf_counter() - started
+    patching = patching_run(rank, model, tok)
+    gradients = gradient_run(model, tok)
+    if rank != 0:
+        return {}
+    diff = max((reduced[n].double() - totals[n] / tokens).abs().max().item() for n in reduced)
+    return {
+        "layers": len(reduced),
+        "loop_s": loop_s,
+        "batched_s": batched_s,
+        "max_diff": diff,
+        "bytes": reduced.stats["bytes_to_rank0"],
+        "loop_peak": loop_memory.added,
+        "batched_peak": batched_memory.added,
+        **patching,
+        **gradients,
+    }
+
+
+CLEAN, CORRUPT = "The capital of France is", "The capital of Italy is"
+
+
+def patching_run(rank: int, model, tok) -> dict:
+    """`patch_sweep` over every layer against the notebook's loop over layers (and here every position too)."""
+    import torch
+
+    from shardbook.rankd.inspection import interventions
+    from shardbook.rankd.inspection.patching import patch_sweep
+    from shardbook.rankd.inspection.tracing import layer_names, trace
+
+    paris, rome = (tok(w)["input_ids"][0] for w in (" Paris", " Rome"))
+
+    def metric(logits):
+        return logits[0, -1, paris] - logits[0, -1, rome]
+
+    names = layer_names(model)
+    clean, current = {}, {}
+    hooks = [model.get_submodule(n).register_forward_hook(lambda m, a, o, n=n: clean.__setitem__(n, o)) for n in names]
+    with torch.no_grad():
+        model(tok(CLEAN, return_tensors="pt")["input_ids"])
+    for hook in hooks:
+        hook.remove()
+    clean = {n: (o[0] if isinstance(o, tuple) else o).clone() for n, o in clean.items()}
+    positions = len(tok(CORRUPT)["input_ids"])
+
+    def patch(output, module_name):
+        output[:, current["position"]] = clean[module_name][:, current["position"]]
+
     started = time.perf_counter()
-    total, tokens = None, 0
-    for prompt in prompts:
-        t = trace(model, tok, {"prompt": prompt, "modules": [module]})
-        if rank == 0:
-            x = t[module][0].double()
-            total, tokens = (x.sum(0) if total is None else total + x.sum(0)), tokens + x.shape[0]
+    loop = torch.zeros(len(names), positions)
+    for i, name in enumerate(names):
+        interventions.add(model, {"patch": patch}, "patch", [name], False)
+        for position in range(positions):
+            current["position"] = position
+            out = trace(model, tok, {"prompt": CORRUPT, "modules": [names[0]]})
+            if rank == 0:
+                loop[i, position] = metric(out.logits[None]).item()
+        interventions.remove(model, "patch")
     loop_s = time.perf_counter() - started
     started = time.perf_counter()
-    reduced = trace_many(
-        model, tok, {"prompts": prompts, "modules": [module], "reduce": "mean", "batch_size": batch_size}
-    )
-    batched_s = time.perf_counter() - started
+    args = {"clean": CLEAN, "corrupt": CORRUPT, "modules": ["model.layers.*"], "metric": "m"}
+    sweep = patch_sweep(model, tok, args, {"m": metric})
+    sweep_s = time.perf_counter() - started
+    if rank != 0:
+        return {}
+    diff = (sweep["effect"] - loop).abs().max().item()
+    return {"patch_cells": loop.numel(), "patch_loop_s": loop_s, "patch_sweep_s": sweep_s, "patch_diff": diff}
+
+
+def gradient_run(model, tok) -> dict:
+    """Median of 5 interleaved rounds: a plain forward, and a forward with the backward of a logit difference."""
+    import torch
+
     ids = tok(PROMPT, return_tensors="pt")["input_ids"]
 
     def forward():
@@ -174,23 +277,39 @@ def batch_run(rank: int, path: str, decode: str, count: int, batch_size: int) ->
             model(ids)
 
     def backward():
-        logits = model(ids, inputs_embeds=None).logits
+        logits = model(ids).logits
         (logits[0, -1, 0] - logits[0, -1, 1]).backward()
 
     model.requires_grad_(True)
     times = interleaved_medians({"forward": forward, "backward": backward}, 5)
     model.requires_grad_(False)
-    if rank != 0:
-        return {}
-    diff = (reduced[module].double() - total / tokens).abs().max().item()
-    return {
-        "loop_s": loop_s,
-        "batched_s": batched_s,
-        "max_diff": diff,
-        "bytes": reduced.stats["bytes_to_rank0"],
-        "forward_s": times["forward"],
-        "backward_s": times["backward"],
-    }
+    model.zero_grad(set_to_none=True)
+    return {"forward_s": times["forward"], "backward_s": times["backward"]}
+
+
+def print_dataset(args) -> None:
+    from tests.ranks import run_ranks
+
+    print(
+        f"model {args.model}; {args.dataset} prompts, mean of every decoder layer's output over every token; "
+        f"batch size {args.batch_size}; 2 gloo ranks\n"
+    )
+    print(
+        f"{'layout':<8} {'loop p/s':>8} {'batched p/s':>11} {'speed-up':>8} {'max |diff|':>10} {'bytes':>7} "
+        f"{'peak MiB loop':>13} {'batched':>7} | {'patch cells':>11} {'loop s':>7} {'%patch s':>8} {'speed-up':>8} "
+        f"{'max |diff|':>10} | {'fwd ms':>7} {'fwd+bwd ms':>10} {'x fwd':>6}"
+    )
+    for decode in args.layouts:
+        r = run_ranks(dataset_run, args.model, decode, args.dataset, args.batch_size, deadline=7200)[0]
+        print(
+            f"{decode:<8} {args.dataset / r['loop_s']:>8.2f} {args.dataset / r['batched_s']:>11.2f} "
+            f"{r['loop_s'] / r['batched_s']:>8.1f} {r['max_diff']:>10.1e} {r['bytes']:>7,} "
+            f"{r['loop_peak'] / 2**20:>13.0f} {r['batched_peak'] / 2**20:>7.0f} | {r['patch_cells']:>11} "
+            f"{r['patch_loop_s']:>7.1f} {r['patch_sweep_s']:>8.1f} {r['patch_loop_s'] / r['patch_sweep_s']:>8.1f} "
+            f"{r['patch_diff']:>10.1e} | {r['forward_s'] * 1e3:>7.1f} {r['backward_s'] * 1e3:>10.1f} "
+            f"{r['backward_s'] / r['forward_s']:>6.2f}",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -205,18 +324,7 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="+", default=["gather", "reshard", "tp"])
     args = parser.parse_args()
     if args.dataset:
-        print(f"model {args.model}; {args.dataset} prompts, mean of model.layers.12 over every token; 2 gloo ranks\n")
-        print(
-            f"{'layout':<8} {'loop of traces s':>16} {'batched+reduced s':>17} {'speed-up':>8} {'max |diff|':>10} "
-            f"{'forward ms':>10} {'fwd+bwd ms':>10} {'x forward':>9}"
-        )
-        for decode in args.layouts:
-            r = run_ranks(batch_run, args.model, decode, args.dataset, args.batch_size, deadline=3000)[0]
-            print(
-                f"{decode:<8} {r['loop_s']:>16.1f} {r['batched_s']:>17.1f} {r['loop_s'] / r['batched_s']:>8.1f} "
-                f"{r['max_diff']:>10.1e} {r['forward_s'] * 1e3:>10.1f} {r['backward_s'] * 1e3:>10.1f} "
-                f"{r['backward_s'] / r['forward_s']:>9.2f}"
-            )
+        print_dataset(args)
         return
     print(f"model {args.model}; prompt {PROMPT!r}; median of {args.runs} interleaved rounds after a warm-up round\n")
     print(

@@ -43,6 +43,10 @@ def load_ipython_extension(shell) -> None:
             announce_on_connect(kernel, str(e))
     else:
         mark("ranks connected")
+        from shardbook.magics.startup import maybe_show_slurm_note
+        from shardbook.rankd.control.world import slurm_note
+
+        maybe_show_slurm_note(shell, slurm_note())
         from shardbook.magics.interrupts import install_interrupt_hook
 
         install_interrupt_hook(shell, runtime.generation_queue)

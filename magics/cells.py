@@ -15,6 +15,7 @@ from shardbook.magics.errors import raise_for_outcome
 from shardbook.magics.ranks import parse_rank_spec
 from shardbook.magics.relay import RankRelay, frontend_for
 from shardbook.magics.views.dist_table import DistTable
+from shardbook.rankd.control.world import slurm_note
 
 
 def timeout_seconds(text: str) -> float:
@@ -99,4 +100,4 @@ class RankMagics(Magics):
         %dist
         """
         parse_line(self.dist, line)
-        return DistTable(self._runtime().pool.snapshot())
+        return DistTable(self._runtime().pool.snapshot(), note=slurm_note())

@@ -15,7 +15,6 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from shardbook.kernel.api.batch import sequence_request, submit
 from shardbook.kernel.ranks.runtime import get_runtime
 from shardbook.magics.arguments import parse_line
 from shardbook.magics.chat import generation_options
@@ -50,6 +49,9 @@ class GenerateMagics(Magics):
     @line_magic
     def generate(self, line: str):
         """Generate a reply to every prompt of --in, decoded together in the continuous batch, into --out."""
+        # imported on first use: it brings in transformers, which the kernel's start need not wait for
+        from shardbook.kernel.api.batch import sequence_request
+
         args = parse_line(self.generate, line)
         prompts = read_prompts(Path(args.inp))
         settings = {
@@ -68,6 +70,8 @@ class GenerateMagics(Magics):
 
 def run_to_file(runtime, requests: list, out: Path) -> dict:
     from tqdm.auto import tqdm
+
+    from shardbook.kernel.api.batch import submit
 
     handles = [submit(runtime, r) for r in requests]
     written, pending = 0, set(range(len(handles)))

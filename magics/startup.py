@@ -1,13 +1,18 @@
-"""A rank pool that failed to start: its error, shown to every frontend as soon as it connects.
+"""What happened while the kernel started, told to the user once a frontend can listen.
 
-The failure happens while the kernel starts, before any frontend listens on IOPub, and the
+A rank pool that failed to start: the failure happens before any frontend listens on IOPub, and the
 magics raise it only when someone runs one. Every frontend asks for ``kernel_info`` when it
 connects, so the kernel answers that request and then publishes the error on IOPub, on stderr.
+
+A Slurm job that waited in the queue: the provisioner could only log it on the Jupyter server
+while the kernel did not exist yet, so the kernel says it (``SHARDBOOK_SLURM_NOTE``) in its
+``kernel_info`` banner and as one line in the output of the first cell that runs.
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any
 
 from shardbook.magics.relay import IOPubFrontend
@@ -26,3 +31,16 @@ def announce_on_connect(kernel: Any, text: str) -> None:
         IOPubFrontend(kernel, parent=parent).stream("stderr", f"[shardbook] {text}\n")
 
     kernel.shell_handlers["kernel_info_request"] = kernel_info_request
+
+
+def maybe_show_slurm_note(shell: Any, note: str) -> None:
+    """Put ``note`` in the banner and print it (stderr) in the output of the first cell run; nothing without one."""
+    if not note:
+        return
+    shell.banner2 = f"{shell.banner2}\n{note}" if shell.banner2 else note
+
+    def first_cell(info: Any = None) -> None:
+        shell.events.unregister("pre_run_cell", first_cell)
+        print(f"[shardbook] {note}", file=sys.stderr, flush=True)
+
+    shell.events.register("pre_run_cell", first_cell)

@@ -5,6 +5,7 @@
     shardbook chat --nproc 2 configs/smollm2-135m.yaml --inference.max_new_tokens 64
     torchrun --nproc_per_node 2 -m shardbook chat configs/smollm2-135m.yaml
     shardbook chat configs/smollm2-135m.yaml        # one rank, in this process
+    shardbook chat --slurm --nodes 2 --ntasks-per-node 8 --time 01:00:00 demo   # ranks on a Slurm allocation
 
 Every rank runs ``python -m shardbook chat CONFIG ...``: each checks the config before joining
 the job (a bad one ends every rank at once, with the same message), rank 0 loads the model on
@@ -18,7 +19,9 @@ commands.
 Ctrl-C: ``shardbook chat --nproc N`` starts torchrun through `launcher`, which relays Ctrl-C to
 rank 0 alone: at the prompt it clears the line, during a reply it stops the reply on every rank
 (the next question works), while the ranks start it ends the job. Under a bare ``torchrun -m
-shardbook chat``, Ctrl-C ends the job: prefer ``shardbook chat --nproc N``.
+shardbook chat``, Ctrl-C ends the job: prefer ``shardbook chat --nproc N``. ``--slurm`` runs the
+same command on every node of an allocation: rank 0 reads this terminal through srun and Ctrl-C
+reaches it alone, so the chat behaves as under ``--nproc`` (``kernel/slurm/launch.py``).
 
 The control-plane key: ``$SHARDBOOK_KEY`` or ``$SHARDBOOK_KEY_FILE`` when set (``--nproc`` sets a
 fresh random one for each run). Otherwise, on one node, rank 0 writes a fresh key to a file only
@@ -45,8 +48,10 @@ from typing import TYPE_CHECKING, Any
 
 from shardbook.kernel.api.load import PreparedLoad, prepare_load
 from shardbook.kernel.api.progress import step_text
-from shardbook.kernel.cli.launcher import launch, maybe_write_pid_file
+from shardbook.kernel.cli.launcher import config_argv, launch, launch_on_slurm, maybe_write_pid_file
 from shardbook.kernel.ranks.failures import describe_failures
+from shardbook.kernel.slurm.launch import REMOTE_TTY_ENV
+from shardbook.kernel.slurm.options import add_slurm_flags
 from shardbook.rankd.config.schema import ShardbookConfig
 from shardbook.rankd.control import protocol
 from shardbook.rankd.control.lifetime import die_with_parent
@@ -93,6 +98,7 @@ def add_chat_parser(sub) -> None:
         type=int,
         help="ranks to start with torchrun (default: one rank in this process; omit under torchrun)",
     )
+    add_slurm_flags(p)
     p.add_argument("config", nargs="?", help=CONFIG_HELP)
     p.add_argument(
         "overrides", nargs=argparse.REMAINDER, help="--section.key value pairs, e.g. --inference.max_new_tokens 64"
@@ -101,8 +107,10 @@ def add_chat_parser(sub) -> None:
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    """``--nproc N`` starts torchrun; without it this process is one rank (of torchrun's job, or of one)."""
+    """``--nproc N`` starts torchrun, ``--slurm`` an allocation; without either this process is one rank."""
     shape = JobShape.from_env()
+    if args.slurm:
+        return launch_on_slurm(args, ["chat", *config_argv(args), *args.overrides], "shardbook-chat", interactive=True)
     if args.nproc is None:
         return run_rank(args, shape)
     if shape.under_torchrun:
@@ -208,6 +216,7 @@ def run_rank0(world: World, prepared: PreparedLoad, then, name: str) -> int:
     from shardbook.kernel.ranks.runtime import start_runtime
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGUSR1, signal.default_int_handler)  # Ctrl-C of `chat --slurm` (kernel/slurm/launch.py)
     maybe_write_pid_file()
     terminal = Terminal(name)
     runtime = None
@@ -270,12 +279,15 @@ class Terminal:
 
     def __init__(self, name: str = "shardbook chat"):
         self.name = name
-        self.interactive = sys.stdin.isatty()
-        self.styled = sys.stderr.isatty()
+        remote = os.environ.get(REMOTE_TTY_ENV, "").split(",")  # the user's terminal, behind srun's pipes
+        self.interactive = sys.stdin.isatty() or "stdin" in remote
+        self.styled = sys.stderr.isatty() or "stderr" in remote
+        # the user's stdout and stderr are one terminal behind srun, which passes two pipes on out of order
+        self.err = sys.stdout if {"stdout", "stderr"} <= set(remote) else sys.stderr
         self._reply_ends_line = True
         if isinstance(sys.stdin, io.TextIOWrapper):
             sys.stdin.reconfigure(errors="surrogateescape")  # bytes that are not UTF-8 reach read_line, not a crash
-        if self.interactive:
+        if sys.stdin.isatty():
             import readline  # noqa: F401  (line editing and history for input())
 
     def read_line(self) -> str:
@@ -324,12 +336,12 @@ class Terminal:
     def progress(self, text: str) -> None:
         """One line rewritten in place on a terminal (empty text clears it); nothing elsewhere."""
         if self.styled:
-            sys.stderr.write(f"\r\x1b[K{text}")
-            sys.stderr.flush()
+            self.err.write(f"\r\x1b[K{text}")
+            self.err.flush()
 
     def _stderr(self, text: str) -> None:
-        sys.stderr.write(text + "\n")
-        sys.stderr.flush()
+        self.err.write(text + "\n")
+        self.err.flush()
 
 
 class TerminalChat:

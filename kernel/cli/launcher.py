@@ -1,5 +1,7 @@
 """``--nproc N`` for the terminal commands: start torchrun in a session of its own and relay Ctrl-C to rank 0.
 
+(``--slurm`` goes to `launch_on_slurm`: the same ranks in an allocation, see ``kernel/slurm/launch.py``.)
+
 torchrun starts every worker in a session of its own, so a terminal's Ctrl-C reaches torchrun
 alone, which ends the whole job. ``shardbook chat --nproc N`` (and ``shardbook serve``) therefore
 start torchrun in a new session and relay Ctrl-C to rank 0 only, which decides what it means
@@ -23,6 +25,8 @@ from pathlib import Path
 
 from shardbook.kernel.api.load import prepare_load
 from shardbook.kernel.cli.kernelspec import Layout
+from shardbook.kernel.slurm.launch import run_in_allocation
+from shardbook.kernel.slurm.options import options_from_args
 from shardbook.rankd.control import protocol
 from shardbook.rankd.control.lifetime import die_with_parent
 
@@ -55,6 +59,15 @@ def launch(args: argparse.Namespace, command: list[str] | None = None, graceful_
         with relayed_signals(torchrun, pid_file, graceful_term):
             code = torchrun.wait()
     return 128 - code if code < 0 else code  # killed by a signal: the shell's convention
+
+
+def launch_on_slurm(args: argparse.Namespace, command: list[str], job_name: str, interactive: bool = False) -> int:
+    """``--slurm``: every rank runs ``python -m shardbook COMMAND`` on an allocation, rank 0 on its first node."""
+    if args.nproc is not None:
+        raise ValueError("--slurm starts --ntasks-per-node ranks on each node; leave out --nproc")
+    slurm = options_from_args(args, {})
+    prepare_load(args.config, args.overrides, slurm.nodes * slurm.ntasks_per_node)  # a bad config fails here
+    return run_in_allocation(slurm, ["-m", "shardbook", *command], job_name, interactive)
 
 
 def config_argv(args: argparse.Namespace) -> list[str]:

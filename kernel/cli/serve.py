@@ -21,13 +21,11 @@ import signal
 import threading
 from functools import partial
 
-from shardbook.kernel.api.load import prepare_load
 from shardbook.kernel.cli.chat import CONFIG_HELP, Terminal, run_rank
-from shardbook.kernel.cli.launcher import config_argv, launch
+from shardbook.kernel.cli.launcher import config_argv, launch, launch_on_slurm
 from shardbook.kernel.ranks.runtime import Runtime
 from shardbook.kernel.server.state import DEFAULT_PORT, ServeOptions, read_api_key
-from shardbook.kernel.slurm.launch import run_in_allocation
-from shardbook.kernel.slurm.options import add_slurm_flags, options_from_args
+from shardbook.kernel.slurm.options import add_slurm_flags
 from shardbook.rankd.config.schema import ShardbookConfig
 from shardbook.rankd.control.world import JobShape
 
@@ -98,9 +96,7 @@ def run_serve(args: argparse.Namespace) -> int:
     split_flags(args)
     options = serve_options(args)
     shape = JobShape.from_env()
-    if args.slurm:
-        return run_serve_slurm(args, options)
-    if args.nproc is None:
+    if args.nproc is None and not args.slurm:
         return run_rank(args, shape, then=partial(serve_until_stopped, options), name="shardbook serve")
     if shape.under_torchrun:
         raise ValueError(
@@ -111,21 +107,10 @@ def run_serve(args: argparse.Namespace) -> int:
     flags = ["--host", options.host, "--port", str(options.port)]
     flags += ["--max-waiting", str(args.max_waiting)] if args.max_waiting is not None else []
     flags += ["--no-batch"] if args.no_batch else []
-    return launch(args, ["serve", *flags, *config_argv(args), *args.overrides], graceful_term=True)
-
-
-def run_serve_slurm(args: argparse.Namespace, options: ServeOptions) -> int:
-    """``--slurm``: the same ranks on an allocation; rank 0 (the server) on its first node."""
-    if args.nproc is not None:
-        raise ValueError("--slurm starts --ntasks-per-node ranks on each node; leave out --nproc")
-    slurm = options_from_args(args, {})
-    prepare_load(args.config, args.overrides, slurm.nodes * slurm.ntasks_per_node)  # a bad config fails here
-    if options.api_key:
-        os.environ[API_KEY_ENV] = options.api_key  # the ranks' environment, not their argv
-    flags = ["--host", options.host, "--port", str(options.port)]
-    flags += ["--max-waiting", str(args.max_waiting)] if args.max_waiting is not None else []
-    flags += ["--no-batch"] if args.no_batch else []
-    return run_in_allocation(slurm, ["-m", "shardbook", "serve", *flags, *config_argv(args), *args.overrides])
+    command = ["serve", *flags, *config_argv(args), *args.overrides]
+    if args.slurm:  # the same ranks on an allocation; rank 0 (the server) on its first node
+        return launch_on_slurm(args, command, "shardbook-serve")
+    return launch(args, command, graceful_term=True)
 
 
 def serve_until_stopped(options: ServeOptions, runtime: Runtime, config: ShardbookConfig, terminal: Terminal) -> int:

@@ -44,6 +44,9 @@ class JobInfo:
     reason: str
     nodes: list[str] = field(default_factory=list)
     fields: dict[str, str] = field(default_factory=dict)
+    pending_reasons: list[str] = field(default_factory=list)
+    """Slurm's reasons while this request was pending, in order (empty: it started at once, or was given)."""
+    waited_s: float = 0.0
 
     @property
     def running(self) -> bool:
@@ -56,6 +59,19 @@ class JobInfo:
     def why(self) -> str:
         reason = "" if self.reason in ("None", "") else f", reason {self.reason}"
         return f"Slurm job {self.jobid} is {self.state}{reason}"
+
+    def queue_note(self) -> str:
+        """One line for the user once the ranks run: how long the job pended and why, and where it runs."""
+        where = f"Slurm job {self.jobid} on {','.join(self.nodes)}"
+        if not self.pending_reasons:
+            return where
+        reasons = ", then ".join(self.pending_reasons)
+        return f"waited {duration_text(self.waited_s)} in Slurm's queue ({reasons}); {where}"
+
+
+def duration_text(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes} min {secs} s" if minutes else f"{secs} s"
 
 
 def slurm(*argv: str, timeout: float = 30) -> subprocess.CompletedProcess:
@@ -141,8 +157,9 @@ async def allocate(
     Past ``options.pending_timeout`` the request is cancelled and AllocationError names the last reason.
     """
     salloc = _Salloc(options, name, env)
-    deadline = time.monotonic() + options.pending_timeout
-    last_reason = None
+    started = time.monotonic()
+    deadline = started + options.pending_timeout
+    reasons: list[str] = []
     say(f"requesting {options.label()} from Slurm: salloc {' '.join(options.salloc_args())}")
     try:
         while True:
@@ -151,9 +168,10 @@ async def allocate(
             if info is not None and info.running and info.nodes:
                 say(f"Slurm job {info.jobid} runs on {','.join(info.nodes)}")
                 await asyncio.to_thread(_reap, salloc.proc)
+                info.pending_reasons, info.waited_s = reasons, time.monotonic() - started
                 return info
-            if info is not None and info.state == "PENDING" and info.reason != last_reason:
-                last_reason = info.reason
+            if info is not None and info.state == "PENDING" and info.reason not in ("None", "", *reasons[-1:]):
+                reasons.append(info.reason)
                 say(f"Slurm job {info.jobid} is pending: {info.reason} (waiting up to {options.pending_timeout:.0f} s)")
             if info is not None and info.ended:
                 raise AllocationError(f"{info.why()} before it started; salloc said:\n{salloc.output()}")
@@ -161,7 +179,7 @@ async def allocate(
                 await asyncio.sleep(0.2)  # the last stderr lines
                 raise AllocationError(f"salloc failed (exit {salloc.proc.returncode}):\n{salloc.output()}")
             if time.monotonic() > deadline:
-                reason = f" (reason {last_reason})" if last_reason else ""
+                reason = f" (reason {', then '.join(reasons)})" if reasons else ""
                 raise AllocationError(
                     f"Slurm job {salloc.jobid or '?'} was still pending{reason} after {options.pending_timeout:.0f} s; "
                     "the request was cancelled. Ask for fewer nodes, another partition, or a longer --pending-timeout"

@@ -2,8 +2,10 @@
 
 It starts torchrun for its node (``--node_rank`` is ``SLURM_NODEID``, static rendezvous on the
 allocation's first node): the kernel (or ``shardbook serve``) on node 0, followers elsewhere. It
-passes SIGTERM on to rank 0 (which ends the job), and watches the lease: once the launcher has not touched it for the
-grace period, the ranks stop and node 0 cancels the job (when the job was allocated for them).
+passes SIGTERM on to rank 0 (which ends the job), starts the ranks ignoring SIGUSR1 (``chat --slurm``'s
+Ctrl-C, which reaches every process of the step; rank 0 of the chat alone takes it), and watches the
+lease: once the launcher has not touched it for the grace period, the ranks stop and node 0 cancels
+the job (when the job was allocated for them).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import psutil
 
 from shardbook.kernel.slurm.step import CONNECTION_ENV, STEP_ENV, StepPlan
 from shardbook.rankd.control.lifetime import LAUNCHER_ENV, die_with_parent
+from shardbook.rankd.control.world import SLURM_NOTE_ENV
 
 log = logging.getLogger("shardbook.slurm")
 STOP_GRACE_S = 30.0
@@ -93,6 +96,7 @@ def main() -> int:
     plan = StepPlan.from_env(os.environ)
     env = {k: v for k, v in os.environ.items() if k not in (STEP_ENV, CONNECTION_ENV)}
     env[LAUNCHER_ENV] = str(os.getpid())
+    env[SLURM_NOTE_ENV] = plan.note
     command = plan.command if node == 0 else plan.follower_command
     private = Path(tempfile.mkdtemp(prefix="shardbook-slurm-"))
     if node == 0 and CONNECTION_ENV in os.environ:
@@ -101,6 +105,9 @@ def main() -> int:
         with os.fdopen(fd, "w") as f:
             json.dump(json.loads(os.environ[CONNECTION_ENV]), f)
         command = [str(connection) if arg == "{connection_file}" else arg for arg in command]
+    # srun passes SIGUSR1 (Ctrl-C of `chat --slurm`) to every process of the step: all ignore it (the disposition is
+    # inherited) except rank 0 of the terminal chat, which takes it as Ctrl-C
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     torchrun = subprocess.Popen(torchrun_argv(plan, node, command), env=env, preexec_fn=die_with_parent)
     stopping: list[float] = []
 

@@ -43,6 +43,8 @@ class StepPlan:
     lease_grace: float
     own_job: bool
     """True when the allocation was made for this job, so the job may cancel it when its lease expires."""
+    note: str = ""
+    """``JobInfo.queue_note``: what the ranks tell the user once they run (``SLURM_NOTE_ENV``)."""
 
     @classmethod
     def from_env(cls, env: dict[str, str]) -> StepPlan:
@@ -76,11 +78,17 @@ def plan_for(
         lease=str(lease) if lease else None,
         lease_grace=options.lease_grace,
         own_job=options.jobid is None,
+        note=job.queue_note(),
     )
 
 
-def srun_argv(plan: StepPlan, options: SlurmOptions) -> list[str]:
-    """One task per node, each holding the whole node's share of the job; torchrun starts the ranks."""
+def srun_argv(plan: StepPlan, options: SlurmOptions, interactive: bool = False) -> list[str]:
+    """One task per node, each holding the whole node's share of the job; torchrun starts the ranks.
+
+    ``interactive`` (``shardbook chat --slurm``): srun's stdin goes to node 0 alone (so to rank 0), and output is
+    passed on as it comes, not a line at a time (a reply streams, the prompt shows before its line ends).
+    """
+    io = ["--input=0", "--unbuffered"] if interactive else []
     gres = [f"--gres={options.gres}"] if options.gres else []
     gres += [f"--gpus-per-node={options.gpus_per_node}"] if options.gpus_per_node else []
     return [
@@ -94,6 +102,7 @@ def srun_argv(plan: StepPlan, options: SlurmOptions) -> list[str]:
         "--kill-on-bad-exit=1",
         "--job-name=shardbook-ranks",
         "--export=ALL",
+        *io,
         sys.executable,
         "-m",
         "shardbook.kernel.slurm.node",

@@ -63,13 +63,13 @@ def dist_html(rows: list[dict[str, Any]]) -> str:
 
 
 class DistTable:
-    """Displays as an HTML table in notebooks and as aligned text elsewhere."""
+    """Displays as an HTML table in notebooks and as aligned text elsewhere; ``note`` (the Slurm job's) below it."""
 
-    def __init__(self, rows: list[dict[str, Any]]):
-        self.rows = rows
+    def __init__(self, rows: list[dict[str, Any]], note: str = ""):
+        self.rows, self.note = rows, note
 
     def _repr_html_(self) -> str:
-        return dist_html(self.rows)
+        return dist_html(self.rows) + (f"<p>{html.escape(self.note)}</p>" if self.note else "")
 
     def __repr__(self) -> str:
-        return dist_text(self.rows)
+        return dist_text(self.rows) + (f"\n\n{self.note}" if self.note else "")

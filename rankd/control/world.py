@@ -167,6 +167,14 @@ class World:
         return {**facts, "slurm": slurm_place()}
 
 
+SLURM_NOTE_ENV = "SHARDBOOK_SLURM_NOTE"
+"""Set by the Slurm step: how long the job waited in the queue and why, and where it runs (one line)."""
+
+
+def slurm_note() -> str:
+    return os.environ.get(SLURM_NOTE_ENV, "")
+
+
 def slurm_place() -> str:
     """``NODE job JOBID`` under a Slurm step (``%dist`` shows it), else ``""``."""
     node, job = os.environ.get("SLURMD_NODENAME"), os.environ.get("SLURM_JOB_ID")

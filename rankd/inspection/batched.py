@@ -133,11 +133,16 @@ def trace_many(
     inputs = bool(args.get("inputs"))
     device = next(model.parameters()).device
     ids = [prompt_ids(tokenizer, p, args.get("chat", False))[0] for p in prompts]
+    if op is not None and not per_prompt:  # the order of prompts does not matter: similar lengths share a batch
+        ids.sort(key=len)
+    logits_wanted = op is None and args.get("to") is None
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     out_dir = Path(args["to"]) if args.get("to") else None
     rank0 = dist.get_rank() == 0
     if out_dir is not None and rank0:
         out_dir.mkdir(parents=True, exist_ok=True)
+    if op is None:
+        _refuse_oversized(model, names, inputs, ids, batch_size if out_dir else None, args.get("max_bytes"))
     reducer = _Reducer(op, per_prompt, len(prompts), project) if op else None
     traces: list[Trace] = []
     files: list[str] = []
@@ -154,7 +159,7 @@ def trace_many(
             mask = torch.zeros_like(batch)
             for row, tokens in enumerate(chunk):
                 batch[row, : len(tokens)], mask[row, : len(tokens)] = tokens, 1
-            local, logits, seconds = _forward(model, names, inputs, batch.to(device), mask.to(device))
+            local, logits, seconds = _forward(model, names, inputs, batch.to(device), mask.to(device), logits_wanted)
             stats["forward_s"] += seconds
             names = [n for n in names if n in local]
             if splits is None:
@@ -162,7 +167,6 @@ def trace_many(
             if reducer is not None:
                 reducer.add(local, splits, mask.to(device), start)
             else:
-                _check_batch_size(local, splits, logits, args.get("max_bytes", DEFAULT_MAX_BYTES), out_dir)
                 wholes = {}
                 for name in names:
                     wholes[name], nbytes = _to_rank0(local[name], splits[name])
@@ -219,13 +223,17 @@ def _shared_matrix(model: nn.Module, namespace: dict[str, Any], name: str) -> to
     return value
 
 
-def _forward(model: nn.Module, names: list[str], inputs: bool, ids: torch.Tensor, mask: torch.Tensor):
+def _forward(model: nn.Module, names: list[str], inputs: bool, ids: torch.Tensor, mask: torch.Tensor, logits: bool):
+    """One batch's forward with the captures' hooks; without `logits`, the output layer runs on the last position
+    only (unless it is captured itself), which spares the largest matmul and, under `tp`, the vocabulary's gather."""
     local: dict[str, torch.Tensor] = {}
     hooks = [_capture_hook(model.get_submodule(n), n, inputs, local) for n in names]
+    head = model.get_output_embeddings()
+    keep = 0 if logits or any(model.get_submodule(n) is head for n in names) else 1
     started = time.perf_counter()
     try:
         with torch.no_grad():
-            logits = model(ids, attention_mask=mask).logits
+            logits = model(ids, attention_mask=mask, logits_to_keep=keep).logits
     finally:
         for hook in hooks:
             hook.remove()
@@ -233,16 +241,39 @@ def _forward(model: nn.Module, names: list[str], inputs: bool, ids: torch.Tensor
     return local, logits, time.perf_counter() - started
 
 
-def _check_batch_size(local, splits, logits, max_bytes: int, out_dir) -> None:
-    """Refuse a batch whose whole captures would exceed `max_bytes` on rank 0 (the same sums on every rank)."""
-    total = logits.numel() * 4 + sum(
-        int(torch.Size(whole_shape(t.shape, splits[n])).numel()) * t.element_size() for n, t in local.items()
+def _refuse_oversized(model: nn.Module, names, inputs: bool, ids, batch_size: int | None, max_bytes) -> None:
+    """Before any forward over the prompts: refuse (on every rank alike) a run whose captures and logits would not fit
+    on rank 0: all of them, or with `--to` one batch's. A one-token forward measures the bytes per token; the limit is
+    `max_bytes` or rank 0's free memory, whichever is smaller."""
+    device = next(model.parameters()).device
+    one = ids[0][:1].view(1, 1).to(device)
+    local, logits, _ = _forward(model, names, inputs, one, torch.ones_like(one), True)
+    _refuse_non_tensors(local)
+    per_token = logits.numel() * 4 + sum(
+        int(torch.Size(whole_shape(t.shape, activation_split(model, n, inputs))).numel()) * t.element_size()
+        for n, t in local.items()
     )
-    if total > max_bytes:
+    tokens = sum(len(t) for t in ids) if batch_size is None else batch_size * max(len(t) for t in ids)
+    free = torch.tensor([float(_free_memory()) if dist.get_rank() == 0 else 0.0], dtype=torch.float64, device=device)
+    if dist.get_world_size() > 1:
+        dist.broadcast(free, src=0)  # rank 0's figure, so that every rank decides alike
+    limit = min(max_bytes or DEFAULT_MAX_BYTES, int(free.item()))
+    if per_token * tokens > limit:
+        what = "one batch" if batch_size is not None else f"these {len(ids)} prompts"
+        over = "the --max-mb limit" if limit == (max_bytes or DEFAULT_MAX_BYTES) else "the memory free on rank 0"
         raise ValueError(
-            f"one batch of this capture needs {total / 2**20:.1f} MiB on rank 0, over the limit of "
-            f"{max_bytes / 2**20:.1f} MiB: use a smaller --batch-size, fewer modules, --reduce, or raise --max-mb"
+            f"{what} would need {per_token * tokens / 2**20:.1f} MiB on rank 0 ({per_token:,} bytes per token: "
+            f"captures and logits, times {tokens:,} tokens), over {over} ({limit / 2**20:.1f} MiB), so no prompt ran. "
+            "Reduce on the ranks (--reduce mean), stream to files (--to DIR), capture fewer modules or prompts, "
+            "or raise --max-mb"
         )
+
+
+def _free_memory() -> int:
+    """Bytes rank 0 can still take for captures (they are kept on the CPU)."""
+    import psutil
+
+    return psutil.virtual_memory().available
 
 
 def _per_prompt(tokenizer, wholes: dict[str, torch.Tensor], logits: torch.Tensor, chunk, inputs: bool) -> list[Trace]:
@@ -264,7 +295,7 @@ def _per_prompt(tokenizer, wholes: dict[str, torch.Tensor], logits: torch.Tensor
 
 
 def _write(out_dir: Path, start: int, traces: list[Trace]) -> str:
-    """One safetensors file per batch: `{prompt index}/{module}` for captures, `{prompt index}/logits`, token ids."""
+    """One safetensors file per batch: `{prompt index}/{module}` for captures, `{prompt index}/token_ids`."""
     from safetensors.torch import save_file
 
     tensors = {}

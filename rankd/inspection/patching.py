@@ -1,7 +1,8 @@
 """Activation patching: how much of a metric each module and position carries from a clean prompt to a corrupt one.
 
-`method="activation"`: for each module, one batched forward of the corrupt prompt with one row per
-position, row p having the module's output at position p replaced by the clean run's. Every rank
+`method="activation"`: batched forwards of the corrupt prompt with one row per module and position,
+row (m, p) having module m's output at position p replaced by the clean run's; as many modules share
+a forward as keep its logits within `LOGITS_BUDGET` (every layer of a small model at once). Every rank
 patches its own piece of the output (under `tp` a split output's piece is what it captured from
 the clean run), so nothing is gathered but the metric, which every rank computes alike from the
 whole logits.
@@ -29,18 +30,22 @@ from shardbook.rankd.inspection.tracing import (
     _capture_hook,
     _grad_from_embeddings,
     _refuse_non_tensors,
+    agreed_metric,
     first_tensor,
     match_modules,
     prompt_ids,
 )
 from shardbook.rankd.parallel.wholes import activation_split
 
+LOGITS_BUDGET = 256 << 20
+"""Bytes of logits one patched forward may make (float32, every row and position)."""
+
 
 def patch_sweep(model: nn.Module, tokenizer: Any, args: dict[str, Any], namespace: dict[str, Any]) -> dict[str, Any]:
     """The patching table (every rank computes it alike; rank 0 returns it): modules, tokens, the effect
     [modules, positions], the two baselines."""
     names = match_modules(model, args["modules"])
-    metric = agreed_function(model, namespace, args["metric"], GRAD_EXAMPLE)
+    metric = (agreed_function(model, namespace, args["metric"], GRAD_EXAMPLE), args["metric"])  # name for errors
     chat = args.get("chat", False)
     device = next(model.parameters()).device
     clean = prompt_ids(tokenizer, args["clean"], chat).to(device)
@@ -59,7 +64,9 @@ def patch_sweep(model: nn.Module, tokenizer: Any, args: dict[str, Any], namespac
     if method == "attribution":
         effect = _attribution(model, names, clean_out, corrupt_out, grads) + corrupt_metric
     else:
-        effect = torch.stack([_patched(model, name, clean_out[name], corrupt, metric) for name in names])
+        step = _modules_per_forward(model, corrupt.shape[1])
+        groups = [names[i : i + step] for i in range(0, len(names), step)]
+        effect = torch.cat([_patched(model, group, clean_out, corrupt, metric) for group in groups])
     raise_failures(model)
     if dist.get_rank() != 0:  # only rank 0's reply carries tensors (it never leaves its process)
         return {"modules": len(names)}
@@ -84,7 +91,7 @@ def _run(model: nn.Module, names: list[str], ids: torch.Tensor, metric, grad: bo
     try:
         with torch.enable_grad() if grad else torch.no_grad():
             logits = model(ids).logits
-            value = _scalar(metric(logits))
+            value = agreed_metric(lambda: [metric[0](logits)], metric[1])[0]
     finally:
         for hook in hooks:
             hook.remove()
@@ -97,30 +104,37 @@ def _run(model: nn.Module, names: list[str], ids: torch.Tensor, metric, grad: bo
     return local, float(value.detach()), grads
 
 
-def _scalar(value: Any) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor) or value.numel() != 1:
-        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-        raise ValueError(f"the metric must return a scalar tensor computed from the logits; it returned {got}")
-    return value.reshape(())
+def _modules_per_forward(model: nn.Module, positions: int) -> int:
+    """How many modules' rows (one per position each) one patched forward takes, its logits within the budget."""
+    vocab = model.config.get_text_config().vocab_size
+    return max(1, LOGITS_BUDGET // (positions * positions * vocab * 4))
 
 
-def _patched(model: nn.Module, name: str, clean: torch.Tensor, corrupt: torch.Tensor, metric) -> torch.Tensor:
-    """The metric with `name`'s output at position p taken from the clean run, for every p (one batched forward)."""
+def _patched(model: nn.Module, names: list[str], clean: dict, corrupt: torch.Tensor, metric) -> torch.Tensor:
+    """[modules, positions]: the metric with module m's output at position p taken from the clean run, for every m
+    and p, in one batched forward whose row m * positions + p is that patch (each module's hook patches its rows)."""
     positions = corrupt.shape[1]
 
-    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
-        out = first_tensor(output).clone()
-        rows = torch.arange(positions, device=out.device)
-        out[rows, rows] = clean[0, rows].to(out.dtype)
-        return (out, *output[1:]) if isinstance(output, tuple) else out
+    def hook_for(index: int, name: str):
+        def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+            out = first_tensor(output).clone()
+            at = torch.arange(positions, device=out.device)
+            out[index * positions + at, at] = clean[name][0, at].to(out.dtype)
+            return (out, *output[1:]) if isinstance(output, tuple) else out
 
-    handle = model.get_submodule(name).register_forward_hook(hook)
+        return hook
+
+    handles = [model.get_submodule(n).register_forward_hook(hook_for(i, n)) for i, n in enumerate(names)]
     try:
         with torch.no_grad():
-            logits = model(corrupt.expand(positions, -1)).logits
+            logits = model(corrupt.expand(len(names) * positions, -1)).logits
     finally:
-        handle.remove()
-    return torch.stack([_scalar(metric(logits[p : p + 1])) for p in range(positions)]).float()
+        for handle in handles:
+            handle.remove()
+    fn, metric_name = metric
+    rows = range(len(names) * positions)
+    values = agreed_metric(lambda: [fn(logits[r : r + 1]) for r in rows], metric_name)
+    return values.float().view(len(names), positions)
 
 
 def _attribution(model: nn.Module, names: list[str], clean: dict, corrupt: dict, grads: dict) -> torch.Tensor:

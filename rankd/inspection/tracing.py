@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from shardbook.rankd.control.agreement import agree
 from shardbook.rankd.inspection.interventions import agreed_function, raise_failures
 from shardbook.rankd.parallel.layout import decoder_layers
 from shardbook.rankd.parallel.wholes import activation_split, gather_whole_to_rank0, whole_shape
@@ -166,7 +167,7 @@ def trace(
     names = [n for n in names if n in local]  # containers such as model.layers never run forward themselves
     splits = {n: activation_split(model, n, inputs) for n in names}
     check_size(local, splits, logits, args.get("max_bytes", DEFAULT_MAX_BYTES) // (2 if metric_fn else 1))
-    grads, metric = _gradients(metric_fn, logits, names, graph) if metric_fn else (None, None)
+    grads, metric = _gradients(metric_fn, args.get("grad"), logits, names, graph) if metric_fn else (None, None)
     logits = logits.detach()
     wholes, sent = {}, 0
     for name in names:
@@ -205,19 +206,41 @@ def _grad_from_embeddings(model: nn.Module):
     return model.get_input_embeddings().register_forward_hook(hook)
 
 
-def _gradients(metric_fn, logits: torch.Tensor, names: list[str], graph: dict[str, torch.Tensor]):
+def _gradients(metric_fn, name: str, logits: torch.Tensor, names: list[str], graph: dict[str, torch.Tensor]):
     """Each captured tensor's gradient of `metric_fn(logits)` (a scalar); the same backward on every rank."""
-    value = metric_fn(logits)
-    if not isinstance(value, torch.Tensor) or value.numel() != 1:
-        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-        raise ValueError(f"the --grad metric must return a scalar tensor computed from the logits; it returned {got}")
-    value = value.reshape(())
+    value = agreed_metric(lambda: [metric_fn(logits)], name)[0]
     wanted = [n for n in names if n in graph and graph[n].requires_grad]
     found = torch.autograd.grad(value, [graph[n] for n in wanted], allow_unused=True) if wanted else []
     grads = {n: (torch.zeros_like(graph[n]) if g is None else g).detach() for n, g in zip(wanted, found)}
     for n in names:  # a capture the metric does not depend on (after the logits, or cut off): zero gradient
         grads.setdefault(n, torch.zeros_like(graph[n]) if n in graph else torch.zeros(()))
     return grads, float(value.detach())
+
+
+def agreed_metric(compute: Callable[[], list[Any]], name: str) -> torch.Tensor:
+    """The metric's values (`compute()` gives a list of scalar tensors) stacked, once every rank computed them: where
+    the metric raised or gave no scalar on any rank, every rank raises (the failing rank its cause, the others naming
+    it) before any backward or further forward, whose collectives the failed rank would never join."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+    def prepare() -> tuple[torch.Tensor, str]:
+        try:
+            values = compute()
+        except Exception as e:
+            raise ValueError(
+                f"the metric {name!r} raised on rank {rank}: {type(e).__name__}: {e}. It runs on every rank, on the "
+                f"whole logits: fix it in %%all and run again"
+            ) from e
+        odd = [v for v in values if not isinstance(v, torch.Tensor) or v.numel() != 1]
+        if odd:
+            got = tuple(odd[0].shape) if isinstance(odd[0], torch.Tensor) else type(odd[0]).__name__
+            raise ValueError(
+                f"the metric {name!r} must return a scalar tensor computed from the logits; on rank {rank} it "
+                f"returned {got}"
+            )
+        return torch.stack([v.reshape(()) for v in values]), ""
+
+    return agree(prepare, f"compute the metric {name!r}")
 
 
 def prompt_ids(tokenizer: Any, prompt: str, chat: bool) -> torch.Tensor:

@@ -40,6 +40,7 @@ from shardbook.rankd.parallel.declared_plans import (
 )
 from shardbook.rankd.parallel.expert_parallel import ExpertLayout, apply_experts, experts_plan
 from shardbook.rankd.parallel.head_split import balanced_ranges, split_mlp_rows
+from shardbook.rankd.parallel.moe_block import maybe_fold_shared_experts
 from shardbook.rankd.parallel.tp_modules import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -252,3 +253,6 @@ def _apply_tp(model: nn.Module, group: dist.ProcessGroup, rank: int, experts, ex
         elif kind == EXPERTS:
             apply = apply_biased_experts if has_expert_biases(module) else apply_experts
             apply(module, experts, rank, expert_group)
+    for name, kind in modules.items():  # the parts are in place: blocks with shared experts sum once
+        if kind == EXPERTS:
+            maybe_fold_shared_experts(model.get_submodule(name.rpartition(".")[0]), group)

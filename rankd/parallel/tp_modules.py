@@ -12,6 +12,9 @@ so its name, parameters and hooks stay those of the transformers model.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 
@@ -120,9 +123,28 @@ class _CopyToGroup(torch.autograd.Function):
         return all_reduce(grad.contiguous().clone(), ctx.group), None
 
 
+_deferred = threading.local()
+"""`group`: the group whose sums an enclosing module makes once, for everything inside it (this thread only)."""
+
+
+@contextmanager
+def sums_left_to_caller(group: dist.ProcessGroup) -> Iterator[None]:
+    """Inside, `sum_over_group` over `group` returns the partial tensor: the caller sums what it builds from them.
+
+    Only for code whose result is a sum of those partials (a linear combination), as a MoE block's
+    routed plus shared experts are.
+    """
+    outer = getattr(_deferred, "group", None)
+    _deferred.group = group
+    try:
+        yield
+    finally:
+        _deferred.group = outer
+
+
 def sum_over_group(partial: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Partial results summed over `group` (in place without grad); its gradient is passed through unchanged."""
-    if dist.get_world_size(group) == 1:
+    if dist.get_world_size(group) == 1 or getattr(_deferred, "group", None) is group:
         return partial
     if _grad_wanted(partial):
         return _SumOverGroup.apply(partial, group)

@@ -244,3 +244,46 @@ def test_backward_in_all_under_tp_through_the_kernel(kernel, uneven):
         timeout=180,
     )
     assert ex.status == "ok" and "GRAD True" in ex.stdout(), ex.error_text()
+
+
+RANK_ONE_METRIC = """%%all
+import torch.distributed as dist
+seen_tokens = []
+
+def broken_on_one(logits):
+    if dist.get_rank() == 1:
+        raise RuntimeError("metric boom on purpose")
+    return logits[0, -1, 5] - logits[0, -1, 17]
+
+def count_tokens(output, module_name):
+    seen_tokens.append(output.shape[0] * output.shape[1])
+"""
+
+
+def test_a_metric_failing_on_one_rank_and_an_oversized_capture_are_refused(kernel, uneven):
+    """A --grad or %patch metric raising on rank 1 only: every rank stops before the backward (or the next forward),
+    naming rank 1, and the kernel still works. A batched trace whose captures would not fit on rank 0 is refused
+    before any forward over the prompts: only the one-token probe reaches the model."""
+    assert load(kernel, uneven, "--parallel.decode tp").status == "ok"
+    assert kernel.run(RANK_ONE_METRIC).status == "ok"
+    grad = kernel.run("%%trace --grad broken_on_one --modules model.layers.*\nThe capital of France is", timeout=120)
+    text = grad.error_text()
+    assert grad.status == "error" and "the metric 'broken_on_one' raised on rank 1" in text, text
+    assert "metric boom on purpose" in text and "rank(s) [1] could not compute the metric" in text, text
+    kernel.run('clean, corrupt = "The capital of France is", "The capital is France of"')
+    patch = kernel.run("%patch --clean clean --corrupt corrupt --modules model.layers.* --metric broken_on_one")
+    assert patch.status == "error" and "raised on rank 1" in patch.error_text(), patch.error_text()
+    assert_usable(kernel)
+    assert kernel.run("%intervene count_tokens model.layers.0").status == "ok"
+    kernel.run("prompts = ['The capital of France is'] * 300")
+    big = kernel.run("%trace --prompts prompts --max-mb 1")
+    text = big.error_text()
+    assert big.status == "error" and "these 300 prompts would need" in text and "so no prompt ran" in text, text
+    kernel.run("%intervene --clear")
+    seen = kernel.run("%%all\nprint('SEEN', seen_tokens)")
+    assert seen.stdout().count("SEEN [1]") == 2, seen.stdout() + seen.error_text()  # the probe only, on each rank
+    fits = kernel.run(
+        "fits = %trace --prompts prompts --max-mb 1 --reduce mean --batch-size 64\nprint('FITS', fits.prompts)"
+    )
+    assert "FITS 300" in fits.stdout(), fits.stdout() + fits.error_text()
+    assert_usable(kernel)

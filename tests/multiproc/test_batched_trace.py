@@ -11,17 +11,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny import make_tiny_lm
+from tests.tiny import make_tiny_lm, make_tiny_moe
 
 WORDS = "the capital of France is Paris and the quick brown fox jumps over a lazy dog while cats sleep".split()
 PROMPTS = [" ".join(WORDS[i % 7 : i % 7 + 1 + (i * 5) % 11]) for i in range(64)]
 MODULES = ["model.layers.*", "model.layers.1.self_attn.q_proj", "model.layers.0.mlp.act_fn"]
+MOE_MODULES = ["model.layers.*", "model.layers.1.self_attn.q_proj", "model.layers.0.mlp"]
+UNEVEN = dict(hidden_size=72, num_heads=9, num_kv_heads=3)  # the demo model's heads: 6 and 3 per rank under tp
+CASES = [("llama", d) for d in ("gather", "reshard", "tp")] + [("qwen3_moe", "tp")]  # tp with the experts split
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama") / "llama"
-    return make_tiny_lm(path, family="llama", hidden_size=72, num_heads=9, num_kv_heads=3)
+    return make_tiny_lm(tmp_path_factory.mktemp("llama") / "llama", family="llama", **UNEVEN)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    return make_tiny_moe(tmp_path_factory.mktemp("moe") / "moe", "qwen3_moe", head_dim=8, **UNEVEN)
 
 
 def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -30,7 +37,7 @@ def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.numel()} differ, max {(got - want).abs().max():.3g}"
 
 
-def run(rank: int, path: Path, decode: str, out_dir: Path) -> dict:
+def run(rank: int, path: Path, decode: str, out_dir: Path, modules: list[str]) -> dict:
     from shardbook.rankd.config.schema import ModelConfig, ParallelConfig, ShardbookConfig
     from shardbook.rankd.inspection.batched import trace_many
     from shardbook.rankd.inspection.tracing import trace
@@ -41,14 +48,14 @@ def run(rank: int, path: Path, decode: str, out_dir: Path) -> dict:
     )
     loaded = load_sharded(config, device="cpu")
     model, tok = loaded.model, loaded.tokenizer
-    singles = [trace(model, tok, {"prompt": p, "modules": MODULES}) for p in PROMPTS]
-    batched = trace_many(model, tok, {"prompts": PROMPTS[:16], "modules": MODULES, "batch_size": 5})
+    singles = [trace(model, tok, {"prompt": p, "modules": modules}) for p in PROMPTS]
+    batched = trace_many(model, tok, {"prompts": PROMPTS[:16], "modules": modules, "batch_size": 5})
     reduced = {
-        op: trace_many(model, tok, {"prompts": PROMPTS, "modules": MODULES, "batch_size": 8, "reduce": op})
+        op: trace_many(model, tok, {"prompts": PROMPTS, "modules": modules, "batch_size": 8, "reduce": op})
         for op in ("mean", "sum", "max", "var")
     }
     per_prompt = trace_many(
-        model, tok, {"prompts": PROMPTS, "modules": MODULES, "batch_size": 8, "reduce": "mean", "per_prompt": True}
+        model, tok, {"prompts": PROMPTS, "modules": modules, "batch_size": 8, "reduce": "mean", "per_prompt": True}
     )
     projection = torch.arange(72 * 3, dtype=torch.float32).reshape(72, 3) / 100
     projected = trace_many(
@@ -57,7 +64,7 @@ def run(rank: int, path: Path, decode: str, out_dir: Path) -> dict:
         {"prompts": PROMPTS, "modules": ["model.layers.1.self_attn.q_proj"], "reduce": "mean", "project": "P"},
         {"P": projection},
     )
-    files = trace_many(model, tok, {"prompts": PROMPTS[:16], "modules": MODULES, "batch_size": 6, "to": str(out_dir)})
+    files = trace_many(model, tok, {"prompts": PROMPTS[:16], "modules": modules, "batch_size": 6, "to": str(out_dir)})
     if rank != 0:
         return {}
     return {
@@ -70,11 +77,13 @@ def run(rank: int, path: Path, decode: str, out_dir: Path) -> dict:
     }
 
 
-@pytest.mark.parametrize("decode", ["tp", "gather"])
-def test_batched_reduced_and_streamed_traces_equal_one_prompt_traces(ranks, tiny, tmp_path, decode):
+@pytest.mark.parametrize("family, decode", CASES)
+def test_batched_reduced_and_streamed_traces_equal_one_prompt_traces(ranks, tiny, tiny_moe, tmp_path, family, decode):
     from shardbook.rankd.inspection.batched import load_captures
 
-    got = ranks(run, tiny, decode, tmp_path / "captures", deadline=300)[0]
+    moe = family == "qwen3_moe"
+    modules = MOE_MODULES if moe else MODULES
+    got = ranks(run, tiny_moe if moe else tiny, decode, tmp_path / "captures", modules, deadline=300)[0]
     singles = got["singles"]
     assert len({len(s["logits"]) for s in singles[:16]}) > 5  # prompts of many lengths
     assert len(got["batched"]) == 16
@@ -82,12 +91,12 @@ def test_batched_reduced_and_streamed_traces_equal_one_prompt_traces(ranks, tiny
         for name in one:
             close(many[name], one[name], f"prompt {i} {name}")
     for op, (values, stats) in got["reduced"].items():
-        for name in MODULES[1:] + ["model.layers.0", "model.layers.1"]:
+        for name in modules[1:] + ["model.layers.0", "model.layers.1"]:
             tokens = torch.cat([s[name][0].flatten(1) for s in singles])  # every token of every prompt
             want = {"mean": tokens.mean(0), "sum": tokens.sum(0), "max": tokens.amax(0), "var": tokens.var(0, False)}
             close(values[name].flatten(), want[op], f"{op} {name}")
         if decode == "tp":  # only the split captures' reduced pieces move: q_proj 54 + act_fn features, from rank 1
-            q, act = values[MODULES[1]], values[MODULES[2]]
+            q, act = values[modules[1]], values[modules[2]]
             assert 0 < stats["bytes_to_rank0"] <= (q.numel() + act.numel()) * 4
         else:
             assert stats["bytes_to_rank0"] == 0
@@ -96,13 +105,13 @@ def test_batched_reduced_and_streamed_traces_equal_one_prompt_traces(ranks, tiny
     for i, s in enumerate(singles):
         close(means["model.layers.1"][i], s["model.layers.1"][0].mean(0), f"per-prompt mean {i}")
     values, projection = got["projected"]
-    want = torch.cat([s[MODULES[1]][0] for s in singles]) @ projection
-    close(values[MODULES[1]], want.mean(0), "projected mean")
+    want = torch.cat([s[modules[1]][0] for s in singles]) @ projection
+    close(values[modules[1]], want.mean(0), "projected mean")
     assert len(got["files"]) == 3
     stored = load_captures(Path(got["files"][0]).parent)
     assert sorted(stored) == list(range(16))
     for i, s in enumerate(singles[:16]):
-        for name in MODULES[1:] + ["model.layers.0"]:
+        for name in modules[1:] + ["model.layers.0"]:
             close(stored[i][name], s[name][0], f"file prompt {i} {name}")
         assert stored[i]["token_ids"].shape[0] == s["logits"].shape[0]
 

@@ -20,8 +20,10 @@ TOKENS = (5, 17)  # the metric: logit of token 5 minus logit of token 17 at the 
 MODELS = {
     "llama-uneven": lambda path: make_tiny_lm(path, family="llama", hidden_size=72, num_heads=9, num_kv_heads=3),
     "qwen3_moe": lambda path: make_tiny_moe(path, "qwen3_moe"),
+    "qwen2_moe": lambda path: make_tiny_moe(path, "qwen2_moe"),  # a shared expert: one sum with the routed ones
 }
 CASES = [("llama-uneven", d) for d in ("gather", "reshard", "tp")] + [("qwen3_moe", "tp"), ("qwen3_moe", "gather")]
+CASES += [("qwen2_moe", "tp")]
 
 
 @pytest.fixture(scope="module")

@@ -225,6 +225,89 @@ def test_experts_sync_with_the_host_once_per_layer(ranks, tmp_path):
         assert layers > 0 and inside <= layers, (inside, layers)
 
 
+def count_all_reduces(model, step) -> list[int]:
+    """All-reduces run inside each MoE block (a layer's `mlp` holding experts) during ``step()``, per block."""
+    import torch.distributed as dist
+
+    blocks = [m for name, m in model.named_modules() if name.endswith(".mlp") and hasattr(m, "experts")]
+    counts, real = [], dist.all_reduce
+
+    def counting(*args, **kwargs):
+        if inside[0]:
+            counts[-1] += 1
+        return real(*args, **kwargs)
+
+    def enter(module, args):
+        counts.append(0)
+        inside[0] = 1
+
+    def leave(module, args, output):
+        inside[0] = 0
+
+    inside, handles = [0], []
+    for block in blocks:  # hooks on the block itself see its summed output, so they leave its one sum in place
+        handles += [block.register_forward_pre_hook(enter), block.register_forward_hook(leave)]
+    dist.all_reduce = counting
+    try:
+        step()
+    finally:
+        dist.all_reduce = real
+        for handle in handles:
+            handle.remove()
+    return counts
+
+
+def decode_step_all_reduces(rank: int, path, parallel: dict) -> dict:
+    """All-reduces per MoE block in one decode step, and the step's logits."""
+    from transformers import DynamicCache
+
+    from shardbook.rankd.config.schema import ModelConfig, ParallelConfig, ShardbookConfig
+    from shardbook.rankd.loading.load_sharded import load_sharded
+
+    config = ShardbookConfig(
+        model=ModelConfig(model_name_or_path=str(path), dtype="float32"), parallel=ParallelConfig(**parallel)
+    )
+    model = load_sharded(config, device="cpu").model
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+
+    def step() -> tuple[list[int], torch.Tensor]:
+        cache, out = DynamicCache(config=model.config), []
+        model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
+        counts = count_all_reduces(model, lambda: out.append(model(input_ids=ids[:, -1:], past_key_values=cache)))
+        return counts, out[0].logits
+
+    with torch.no_grad():
+        counts, logits = step()
+        shared = [m for name, m in model.named_modules() if name.endswith(("shared_expert", "shared_experts"))]
+        handle = shared[0].register_forward_hook(lambda m, a, output: None)  # a watched block sums as before
+        try:
+            watched_counts, watched_logits = step()
+        finally:
+            handle.remove()
+    return {"counts": counts, "logits": logits, "watched": watched_counts, "watched_logits": watched_logits}
+
+
+def one_process_decode_step(path) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([[1, 2, 3, 4, 5, 6]])).logits[:, -1:]
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "glm4_moe"])
+def test_shared_experts_join_the_experts_one_all_reduce(ranks, tmp_path, family):
+    """Issue 17 item 21: under tp a MoE block with shared experts makes one all-reduce per decode step (before:
+    two, the shared experts' down_proj summing on its own), and the logits are still one process's."""
+    path = make_tiny_moe(tmp_path / "model", family)
+    reference = one_process_decode_step(path)
+    for rank, result in enumerate(ranks(decode_step_all_reduces, path, {"ep_size": 2})):
+        assert result["counts"] and set(result["counts"]) == {1}, (family, rank, result["counts"])
+        assert result["watched"][0] == 2 and set(result["watched"][1:]) <= {1}, (family, rank, result["watched"])
+        for logits in (result["logits"], result["watched_logits"]):
+            torch.testing.assert_close(logits, reference, atol=1e-4, rtol=0, msg=f"{family} rank {rank}")
+
+
 def test_unexpected_expert_weight_layouts_are_refused():
     """transformers' per-family flags (transposed, interleaved, bias, ...) that the expert-parallel forward does not
     handle fail clearly instead of computing something else."""

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny import make_tiny_lm
+from tests.tiny import make_tiny_lm, make_tiny_moe
 
 CLEAN, CORRUPT = "The capital of France is", "The capital is France of"  # 5 tokens each (tiny tokenizer)
 MODULES = ["model.layers.*", "model.layers.1.self_attn.q_proj"]
@@ -18,10 +18,16 @@ def paris(logits: torch.Tensor) -> torch.Tensor:
     return logits[0, -1, 5] - logits[0, -1, 17]
 
 
+UNEVEN = dict(hidden_size=72, num_heads=9, num_kv_heads=3)  # the demo model's heads: 6 and 3 per rank under tp
+CASES = [("llama", d) for d in ("gather", "reshard", "tp")] + [("qwen3_moe", "tp")]  # tp with the experts split
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama") / "llama"
-    return make_tiny_lm(path, family="llama", hidden_size=72, num_heads=9, num_kv_heads=3)
+    return {
+        "llama": make_tiny_lm(tmp_path_factory.mktemp("llama") / "llama", family="llama", **UNEVEN),
+        "qwen3_moe": make_tiny_moe(tmp_path_factory.mktemp("moe") / "moe", "qwen3_moe", head_dim=8, **UNEVEN),
+    }
 
 
 def sweep(rank: int, path: Path, decode: str) -> dict:
@@ -84,10 +90,10 @@ def one_process(path: Path) -> dict:
     return {"names": names, "activation": effect, "attribution": attribution, "corrupt": float(corrupt_metric.detach())}
 
 
-@pytest.mark.parametrize("decode", ["tp", "reshard"])
-def test_patching_sweep_matches_one_process(ranks, tiny, decode):
-    want = one_process(tiny)
-    got = ranks(sweep, tiny, decode, deadline=240)[0]
+@pytest.mark.parametrize("family, decode", CASES)
+def test_patching_sweep_matches_one_process(ranks, tiny, family, decode):
+    want = one_process(tiny[family])
+    got = ranks(sweep, tiny[family], decode, deadline=240)[0]
     for method in ("activation", "attribution"):
         result = got[method]
         assert result["modules"] == want["names"]

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import logging
+import subprocess
+
 import pytest
 
 from tests.driver import interrupt_when
@@ -14,7 +17,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 def dist_rows(handle) -> list[list[str]]:
     table = handle.run("%dist").of_type("execute_result")[0]["content"]["data"]["text/plain"]
-    return [line.split() for line in table.splitlines()]
+    return [line.split() for line in table.split("\n\n")[0].splitlines()]  # the table, without the job's note
 
 
 def job_of(handle) -> str:
@@ -53,7 +56,9 @@ def test_two_nodes_dist_chat_interrupt_restart_shutdown(slurm_prefix, slurm_clus
     assert wait_until(lambda: not job_processes(job), timeout=20), job_processes(job)
 
 
-def test_two_nodes_of_two_ranks(slurm_prefix, slurm_cluster):
+def test_two_nodes_of_two_ranks_until_the_time_limit_kills_the_kernel(slurm_prefix, slurm_cluster, caplog):
+    """The job's time limit, shortened to 1 min (Slurm's least), ends it: a dead kernel, with Slurm's TIMEOUT."""
+    caplog.set_level(logging.INFO)
     handle = KernelHandle("slurm2x2", env={"OMP_NUM_THREADS": "1"})
     try:
         job = job_of(handle)
@@ -67,7 +72,14 @@ def test_two_nodes_of_two_ranks(slurm_prefix, slurm_cluster):
         ex = handle.run("%%all\nimport os\nprint(os.environ['SLURMD_NODENAME'], os.environ['LOCAL_RANK'])")
         assert ex.status == "ok", ex.error_text()
         assert "[rank 3]\nn2 1" in ex.stdout(), ex.stdout()
+        subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=1"], check=True, env=slurm_cluster.env)
+        assert wait_until(lambda: not handle.km.is_alive(), timeout=120)  # slurmctld checks limits every ~30 s
+        assert f"Slurm job {job} is TIMEOUT" in caplog.text
     finally:
-        handle.stop()
+        if handle.km.is_alive():
+            handle.stop()
+        else:
+            handle.kc.stop_channels()
+            handle.km.cleanup_resources()
     assert wait_until(lambda: not slurm_cluster.queue(), timeout=30), slurm_cluster.queue()
     assert wait_until(lambda: not job_processes(job), timeout=20), job_processes(job)

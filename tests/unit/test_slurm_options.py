@@ -8,8 +8,10 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.provisioning.factory import KernelProvisionerFactory
 
 from shardbook.kernel.cli.main import main
+from shardbook.kernel.slurm.jobs import JobInfo
 from shardbook.kernel.slurm.options import SlurmOptions
 from shardbook.kernel.slurm.step import StepPlan, srun_argv, step_env
+from shardbook.magics.views.dist_table import DistTable
 
 
 def test_install_slurm_writes_a_provisioner_kernelspec(tmp_path, monkeypatch, capsys):
@@ -62,3 +64,20 @@ def test_the_key_and_the_connection_reach_the_nodes_through_the_environment_only
     assert len(env["SHARDBOOK_KEY"]) == 64 and env["A"] == "1"
     assert json.loads(env["SHARDBOOK_SLURM_CONNECTION"]) == {"key": "s"}
     assert not any(env["SHARDBOOK_KEY"] in arg or "key" in arg for arg in argv)
+
+
+def test_the_chat_step_passes_input_to_node_0_alone_and_output_unbuffered():
+    options = SlurmOptions(nodes=2, ntasks_per_node=1)
+    plan = StepPlan("7", 2, 1, "10.0.0.1", 29500, ["-m", "shardbook", "chat"], [], None, 60, True)
+    assert "--input=0" in srun_argv(plan, options, interactive=True)
+    assert "--unbuffered" in srun_argv(plan, options, interactive=True)
+    assert "--input=0" not in srun_argv(plan, options)
+
+
+def test_the_queue_note_says_how_long_the_job_waited_and_why():
+    job = JobInfo("4711", "RUNNING", "None", nodes=["n1", "n2"], pending_reasons=["Priority", "Resources"])
+    job.waited_s = 130.4
+    assert job.queue_note() == "waited 2 min 10 s in Slurm's queue (Priority, then Resources); Slurm job 4711 on n1,n2"
+    assert JobInfo("5", "RUNNING", "None", nodes=["n1"]).queue_note() == "Slurm job 5 on n1"
+    table = DistTable([], note="Slurm job 5 on n1")
+    assert repr(table).endswith("\n\nSlurm job 5 on n1") and "<p>Slurm job 5 on n1</p>" in table._repr_html_()
