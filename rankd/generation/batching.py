@@ -555,11 +555,14 @@ class BatchScheduler:
         )
 
     def _fail_all(self, rows: list[_Running], why: str) -> None:
-        for seq in rows:
+        """Fail `rows`, every row of the last planned step and every waiting sequence: whatever raised (a step, a
+        broadcast that a failed follower never joined, the command around it), no submitter is left waiting."""
+        with self.lock:
+            planned, waiting = self.rows, self.waiting
+            self.waiting, self.running, self.rows = [], False, []
+        for seq in rows + planned:
             if not seq.finished:
                 self._finish(seq, "error", error=why)
-        with self.lock:
-            waiting, self.waiting, self.running, self.rows = self.waiting, [], False, []
         for handle in waiting:
             handle.complete(SequenceResult([], "", "error", len(handle.request.prompt_ids), error=why))
 

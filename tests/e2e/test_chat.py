@@ -298,7 +298,8 @@ def test_prompt_longer_than_the_context(loaded):
     assert loaded.run("%%chat --output text --max-new-tokens 3\nshort").status == "ok"
 
 
-def test_follower_failure_during_generation_names_the_rank(fresh_kernel, tiny, layout):
+@pytest.mark.parametrize("path", ["", "--no-batch"], ids=["batch", "single"])
+def test_follower_failure_during_generation_names_the_rank(fresh_kernel, tiny, layout, path):
     handle = fresh_kernel(SHARDBOOK_PG_TIMEOUT="6")
     load = f"%load_sharded --model.model_name_or_path {tiny} --parallel.decode {layout}"
     assert handle.run(load, timeout=120).status == "ok"
@@ -308,8 +309,7 @@ def test_follower_failure_during_generation_names_the_rank(fresh_kernel, tiny, l
         "handle = model.model.layers[0].register_forward_pre_hook(explode)"
     )
     assert handle.run(hook).status == "ok"
-    # --no-batch: on the batch, a follower that fails mid-step can leave the cell waiting (not fixed yet)
-    ex = handle.run("%%chat --no-batch --max-new-tokens 40\nhi", timeout=120)
+    ex = handle.run(f"%%chat {path} --max-new-tokens 40\nhi", timeout=120)
     text = ex.error_text() + ex.stderr()
     assert ex.status == "error"
     assert "rank 1" in text and "rank 1 broke at step 3" in text
