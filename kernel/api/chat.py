@@ -338,7 +338,7 @@ def settle(runtime: Runtime, timeout: float = 30) -> None:
 
 
 class BatchChatStream:
-    """A chat reply that joins the continuous batch (``%%chat --batch``, ``ChatModel.stream_chat(batch=True)``):
+    """A chat reply that joins the continuous batch (``%%chat``, the default; ``ChatModel.stream_chat(batch=True)``):
     iterate for text chunks; ``response`` is set once it is finished; :meth:`stop` stops it alone, the other
     sequences of the batch keep running. Same interface as :class:`ChatStream` for the views."""
 
