@@ -103,6 +103,7 @@ class ChatMagics(Magics):
 
     def _reply(self, text: str, args):
         # imported on first use: it brings in transformers, which the kernel's start need not wait for
+        from shardbook.kernel.api.batch import batch_refusal
         from shardbook.kernel.api.chat import (
             SETTINGS,
             BatchChatStream,
@@ -126,7 +127,7 @@ class ChatMagics(Magics):
         use_widget = args.output == "widget" or (args.output is None and widgets_available(self.shell))
         view = WidgetChatView() if use_widget else TextChatView()
         relay = RankRelay(frontend_for(self.shell), label_ranks=True)
-        if args.no_batch:
+        if args.no_batch or batch_refusal(runtime) is not None:  # the model or its interventions need one reply
             stream = ChatStream(runtime, request, on_notice=relay.notice, start=False)
         else:
             stream = BatchChatStream(runtime, request, on_notice=relay.notice, start=False)

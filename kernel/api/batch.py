@@ -63,6 +63,25 @@ def submit(
     return handle
 
 
+def batch_refusal(runtime: Runtime, *, interventions: bool = True) -> str | None:
+    """Why a reply should take the single-sequence path by default with the model loaded now, or None.
+
+    The batch cannot hold a cache that is not full attention on every layer (GLM-5's indexer, sliding
+    windows); and while `%intervene` functions are set (`interventions`), the single path is the one whose
+    stop button reaches a function that blocks inside the forward on its rank.
+    """
+    from shardbook.rankd.generation.batching import cache_refusal
+    from shardbook.rankd.inspection.interventions import registry
+
+    loaded = runtime.ctx0.state.get("loaded")
+    if loaded is None:
+        return None
+    refusal = cache_refusal(loaded.model)
+    if refusal is None and interventions and registry(loaded.model):
+        refusal = "interventions are set (%intervene)"
+    return refusal
+
+
 MODEL_CHANGED = "model_changed"
 """Starts the `error` of a sequence that waited while another model was loaded (never run on the new one)."""
 

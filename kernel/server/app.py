@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tornado.web
 
+from shardbook.kernel.api.batch import batch_refusal
 from shardbook.kernel.server.batched_chat import BatchedChatCompletionsHandler
 from shardbook.kernel.server.completions import (
     ChatCompletionsHandler,
@@ -17,6 +18,8 @@ from shardbook.kernel.server.text_completions import TextCompletionsHandler
 
 
 def make_app(server: ServerState) -> tornado.web.Application:
+    if server.options.batch and batch_refusal(server.runtime, interventions=False) is not None:
+        server.options.batch = False  # a model the batch cannot hold (GLM-5's indexer cache): replies take turns
     handlers = [
         (r"/health", HealthHandler, {"server": server}),
         (r"/v1/models", ModelsHandler, {"server": server}),

@@ -610,15 +610,27 @@ def _pad_left(tensor: torch.Tensor, columns: int) -> torch.Tensor:
     return torch.nn.functional.pad(tensor, (0, 0, columns, 0)) if columns else tensor
 
 
-def _check_full_attention(cache: Any) -> None:
+def cache_refusal(model: Any) -> str | None:
+    """Why `model` cannot join the continuous batch (its cache is not plain full attention on every layer: an
+    indexer's, a sliding window's), or None when it can. Read from the cache the model's config describes."""
+    from transformers import DynamicCache
+
+    return _layer_refusal(DynamicCache(config=model.config))
+
+
+def _layer_refusal(cache: Any) -> str | None:
     from transformers.cache_utils import DynamicLayer
 
-    for layer in cache.layers:
-        if type(layer) is not DynamicLayer:
-            raise NotImplementedError(
-                f"continuous batching needs a full-attention cache on every layer; this model has "
-                f"{type(layer).__name__} layers"
-            )
+    kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
+    if not kinds:
+        return None
+    return f"continuous batching needs a full-attention cache on every layer; this model has {', '.join(kinds)} layers"
+
+
+def _check_full_attention(cache: Any) -> None:
+    refusal = _layer_refusal(cache)
+    if refusal is not None:
+        raise NotImplementedError(refusal)
 
 
 def _broadcast(plan: StepPlan | None, device: torch.device, group: Any) -> StepPlan:
