@@ -59,6 +59,8 @@ def test_guidellm_synthetic_load_at_1_and_4_streams_has_no_failed_request(tmp_pa
         streams = [b["config"]["strategy"]["streams"] for b in benchmarks]
         totals = [b["scheduler_state"] for b in benchmarks]
         assert streams == [1, 4], streams
-        assert [(t["successful_requests"], t["errored_requests"]) for t in totals] == [(REQUESTS, 0)] * 2
+        # no request failed; guidellm's request limit may cancel the last one still in flight when it is reached
+        assert all(t["errored_requests"] == 0 for t in totals), totals
+        assert all(REQUESTS - 1 <= t["successful_requests"] <= REQUESTS for t in totals), totals
     finally:
         assert served.stop(signal.SIGTERM) == 0, "".join(served.stderr)
