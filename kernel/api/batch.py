@@ -31,7 +31,7 @@ def scheduler_for(runtime: Runtime) -> BatchScheduler:
     if loaded is None or config is None:
         raise PoolError("no model is loaded: run `%load_sharded configs/smollm2-135m.yaml` (or your config) first")
     scheduler = state.get("batch_scheduler")
-    if scheduler is None or getattr(scheduler, "loaded", None) is not loaded:
+    if scheduler is None or scheduler.loaded is not loaded:
         context = getattr(loaded.model.config.get_text_config(), "max_position_embeddings", None)
         scheduler = BatchScheduler(
             loaded.tokenizer,
@@ -40,8 +40,6 @@ def scheduler_for(runtime: Runtime) -> BatchScheduler:
             context=context,
         )
         scheduler.loaded = loaded
-        scheduler.driven = threading.Event()  # set while no batch command runs
-        scheduler.driven.set()
         state["batch_scheduler"] = scheduler
     return scheduler
 

@@ -328,6 +328,11 @@ class BatchScheduler:
         self.stats = {"steps": 0, "largest_batch": 0}
         self.failure: Any = None
         """What the last failed batch command left (rank 0's driver sets it: every rank's reply)."""
+        self.loaded: Any = None
+        """The loaded model this scheduler serves (rank 0's driver sets it; a reload makes a new scheduler)."""
+        self.driven = threading.Event()
+        """Set while no batch command runs on the ranks (rank 0's driver clears it for the command's span)."""
+        self.driven.set()
 
     def check(self, request: SequenceRequest) -> None:
         """Raise :class:`BatchLimitError` if `request` could never run."""
