@@ -12,8 +12,16 @@ over tokens commute with a split along features). `project` multiplies each capt
 matrix [features, k] first (a split capture is gathered whole on every rank for that). With `to`,
 rank 0 writes each batch's unreduced captures to a safetensors file and keeps none of them.
 
-After each batch every rank learns whether any was interrupted (one all-reduce), so all stop after
-the same batch and what finished is kept.
+A reduction under `gather` or `reshard` splits the prompts between the ranks: every rank holds
+(or all-gathers) the whole model and computes whole activations, and the only collectives in a
+forward are the weights' all-gathers, which do not depend on the input. So each rank runs its own
+batches (rank r the r-th of every round of world-size batches; a rank left without one runs a
+one-token forward, so every rank makes the same calls) and the partial sums, squares, counts and
+maxima are all-reduced once at the end. Under `tp` every rank must feed the same tokens, so the
+ranks run every batch together; so do traces whose captures go to rank 0 whole.
+
+After each round every rank learns whether any was interrupted (one all-reduce), so all stop after
+the same round and what finished is kept: always the first prompts, in order.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from shardbook.rankd.inspection.tracing import (
     match_modules,
     prompt_ids,
 )
-from shardbook.rankd.parallel.wholes import activation_split, all_gather_whole, whole_shape
+from shardbook.rankd.parallel.wholes import activation_split, all_gather_whole, tp_group, whole_shape
 
 REDUCTIONS = ("mean", "sum", "max", "var")
 DEFAULT_BATCH_SIZE = 8
@@ -148,24 +156,23 @@ def trace_many(
     files: list[str] = []
     stats = {"forward_s": 0.0, "bytes_to_rank0": 0, "batches": 0}
     started = time.perf_counter()
-    batches = range(0, len(prompts), batch_size)
-    progress = _progress(len(prompts), rank0 and len(batches) > 1)
-    interrupted, splits = False, None
+    world, me = (dist.get_world_size(), dist.get_rank()) if reducer and _ranks_split_prompts(model) else (1, 0)
+    stats["ranks_sharing_prompts"] = world
+    rounds = range(0, len(prompts), batch_size * world)
+    progress = _progress(len(prompts), rank0 and len(rounds) > 1)
+    interrupted, splits, done = False, None, 0
     try:
-        for start in batches:
-            chunk = ids[start : start + batch_size]
-            lengths = [len(t) for t in chunk]
-            batch = torch.full((len(chunk), max(lengths)), pad, dtype=torch.long)
-            mask = torch.zeros_like(batch)
-            for row, tokens in enumerate(chunk):
-                batch[row, : len(tokens)], mask[row, : len(tokens)] = tokens, 1
-            local, logits, seconds = _forward(model, names, inputs, batch.to(device), mask.to(device), logits_wanted)
+        for first in rounds:
+            start = first + me * batch_size
+            chunk = ids[start : start + batch_size] or [ids[0][:1]]  # a one-token forward when none is left here
+            batch, mask = _right_padded(chunk, pad, device)
+            local, logits, seconds = _forward(model, names, inputs, batch, mask, logits_wanted)
             stats["forward_s"] += seconds
             names = [n for n in names if n in local]
             if splits is None:
                 splits = {n: activation_split(model, n, inputs) for n in names}
             if reducer is not None:
-                reducer.add(local, splits, mask.to(device), start)
+                reducer.add(local, splits, mask, start if start < len(prompts) else None)
             else:
                 wholes = {}
                 for name in names:
@@ -179,14 +186,15 @@ def trace_many(
                         traces += per
             raise_failures(model)
             stats["batches"] += 1
-            progress.update(len(chunk))
-            if _any_rank_stopped(stop_event, device) and start + batch_size < len(prompts):
+            done = min(len(prompts), first + batch_size * world)
+            progress.update(done - first)
+            if _any_rank_stopped(stop_event, device) and done < len(prompts):
                 interrupted = True
                 break
     finally:
         progress.close()
-    done = min(len(prompts), stats["batches"] * batch_size)
     if reducer is not None:
+        stats["bytes_to_rank0"] += reducer.combine_ranks(world, names, model)
         values, nbytes = reducer.finish(splits or {}, done)
         stats["bytes_to_rank0"] += nbytes
     stats["total_s"] = time.perf_counter() - started
@@ -208,6 +216,21 @@ def trace_many(
     if out_dir is not None:
         stats["files"] = files
     return Traces(traces, total=len(prompts), interrupted=interrupted, stats=stats)
+
+
+def _ranks_split_prompts(model: nn.Module) -> bool:
+    """Whether the ranks may run different prompts: more than one rank and no tensor-parallel split (FSDP2)."""
+    return dist.is_initialized() and dist.get_world_size() > 1 and tp_group(model) is None
+
+
+def _right_padded(chunk: list[torch.Tensor], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch of prompts padded on the right, and its attention mask."""
+    lengths = [len(t) for t in chunk]
+    batch = torch.full((len(chunk), max(lengths)), pad, dtype=torch.long)
+    mask = torch.zeros_like(batch)
+    for row, tokens in enumerate(chunk):
+        batch[row, : len(tokens)], mask[row, : len(tokens)] = tokens, 1
+    return batch.to(device), mask.to(device)
 
 
 def _shared_matrix(model: nn.Module, namespace: dict[str, Any], name: str) -> torch.Tensor:
@@ -345,9 +368,11 @@ class _Reducer:
         self.squares: dict[str, torch.Tensor] = {}
         self.maxima: dict[str, torch.Tensor] = {}
 
-    def add(self, local: dict[str, torch.Tensor], splits: dict, mask: torch.Tensor, start: int) -> None:
-        rows = range(start, start + mask.shape[0])
-        self.counts[start : start + mask.shape[0]] = mask.sum(dim=1).cpu()
+    def add(self, local: dict[str, torch.Tensor], splits: dict, mask: torch.Tensor, start: int | None) -> None:
+        """Fold one batch in; `start` None for a rank's filler forward, which adds nothing but the entries."""
+        rows = range(start, start + mask.shape[0]) if start is not None else range(0)
+        if start is not None:
+            self.counts[rows.start : rows.stop] = mask.sum(dim=1).cpu()
         for name, x in local.items():
             split = splits[name]
             if self.project is not None:
@@ -368,11 +393,38 @@ class _Reducer:
         """Fold one batch's per-prompt values in: kept per prompt, or combined over prompts."""
         if self.per_prompt:
             if name not in into:
-                into[name] = per_row.new_zeros((len(self.counts), *per_row.shape[1:]))
-            into[name][rows.start : rows.stop] = per_row
+                empty = float("-inf") if combine is torch.maximum else 0.0
+                into[name] = per_row.new_full((len(self.counts), *per_row.shape[1:]), empty)
+            into[name][rows.start : rows.stop] = per_row[: len(rows)]
             return
         batch = per_row.amax(dim=0) if combine is torch.maximum else per_row.sum(dim=0)
         into[name] = batch if name not in into else combine(into[name], batch)
+
+    def combine_ranks(self, world: int, names: list[str], model: nn.Module) -> int:
+        """When the ranks ran different prompts: every rank gets the sums (maxima) over all of them; the bytes that
+        reached rank 0. A module that ran on some ranks' prompts only is refused on every rank."""
+        if world == 1:
+            return 0
+        everyone: list[list[str] | None] = [None] * world
+        dist.all_gather_object(everyone, names)
+        if any(theirs != names for theirs in everyone):
+            odd = sorted(set().union(*everyone) - set.intersection(*(set(n) for n in everyone)))
+            raise ValueError(
+                f"{odd} ran on some ranks' prompts only (the ranks split the prompts under this layout): reduce them "
+                "under decode: tp, or capture modules that every prompt runs through"
+            )
+        device = next(model.parameters()).device
+        total, most = dist.ReduceOp.SUM, dist.ReduceOp.MAX
+        parts = [(self.counts, total)]
+        for kept, op in ((self.sums, total), (self.squares, total), (self.maxima, most)):
+            parts += [(kept[name], op) for name in names if kept]
+        sent = 0
+        for tensor, op in parts:
+            moved = tensor.to(device)
+            dist.all_reduce(moved, op=op)
+            tensor.copy_(moved)
+            sent += tensor.numel() * tensor.element_size() * (world - 1)
+        return sent
 
     def finish(self, splits: dict, done: int) -> tuple[dict[str, torch.Tensor], int]:
         """The reduced tensors, whole on rank 0 (split ones gathered: the only bytes that move), and those bytes."""
