@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -624,10 +625,16 @@ def _pad_left(tensor: torch.Tensor, columns: int) -> torch.Tensor:
 
 def cache_refusal(model: Any) -> str | None:
     """Why `model` cannot join the continuous batch (its cache is not plain full attention on every layer: an
-    indexer's, a sliding window's), or None when it can. Read from the cache the model's config describes."""
+    indexer's, a sliding window's), or None when it can. Read from the cache the model's config describes, once
+    per model (the server asks on every request)."""
     from transformers import DynamicCache
 
-    return _layer_refusal(DynamicCache(config=model.config))
+    if model not in _REFUSALS:
+        _REFUSALS[model] = _layer_refusal(DynamicCache(config=model.config))
+    return _REFUSALS[model]
+
+
+_REFUSALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _layer_refusal(cache: Any) -> str | None:
