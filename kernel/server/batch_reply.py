@@ -1,7 +1,9 @@
 """The handler both OpenAI endpoints over the continuous batch share: admission (429), submission, the reply.
 
 A request is planned into sequences (``plan``, per endpoint), admitted if the batch and its waiting line
-have room, submitted to rank 0's scheduler, and answered as one JSON body or as server-sent events.
+have room, submitted to rank 0's scheduler, and answered as one JSON body or as server-sent events. While
+it is in flight the handler is one of the server's ``streams``, so stopping the server stops its sequences
+(and no other sequence of the batch, such as a ``%%chat`` cell's) and waits for its last chunk.
 The endpoints differ only in the shape of a choice (``text_choice``, ``finish_choice``, ``choices``) and
 of a chunk (``OBJECT``, ``CHUNK_OBJECT``). A client that leaves stops its sequences at the next step.
 """
@@ -16,7 +18,7 @@ from typing import Any
 
 from tornado.iostream import StreamClosedError
 
-from shardbook.kernel.api.batch import MODEL_CHANGED, scheduler_for, submit
+from shardbook.kernel.api.batch import MODEL_CHANGED, batch_refusal, scheduler_for, submit
 from shardbook.kernel.ranks.pool import PoolError
 from shardbook.kernel.server.completions import BodyHandler
 from shardbook.kernel.server.openai_api import FINISH_REASONS, ApiError
@@ -42,10 +44,18 @@ class BatchReplyHandler(BodyHandler):
             if self.too_large:
                 raise ApiError(413, "the request body is too large", code="request_too_large")
             request, planned = self.plan()
+            self.check_batch_serves()
             self.check_room(len(planned))
         except ApiError as e:
             self.send_api_error(e)
             return
+        self.server.streams.add(self)
+        try:
+            await self.submit_and_reply(request, planned)
+        finally:
+            self.server.streams.discard(self)
+
+    async def submit_and_reply(self, request, planned: list[tuple[int, SequenceRequest]]) -> None:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         for index, (_, sequence) in enumerate(planned):
@@ -60,8 +70,7 @@ class BatchReplyHandler(BodyHandler):
                 streamed = on_delta if request.stream else None
                 self.handles.append(submit(self.server.runtime, sequence, on_done=on_done, on_delta=streamed))
             except (BatchLimitError, ValueError, PoolError) as e:
-                for handle in self.handles:
-                    handle.stop()
+                self.stop()
                 self.send_api_error(ApiError(400, str(e)))
                 return
         self.server.metrics.submitted(len(planned), sum(len(s.prompt_ids) for _, s in planned))
@@ -74,6 +83,18 @@ class BatchReplyHandler(BodyHandler):
     def plan(self) -> tuple[Any, list[tuple[int, SequenceRequest]]]:
         """The checked request and its sequences, each with the index of its prompt; ApiError when wrong."""
         raise NotImplementedError
+
+    def check_batch_serves(self) -> None:
+        """ApiError 501 when the model loaded now has a cache the batch cannot hold (chat then takes turns)."""
+        refusal = batch_refusal(self.server.runtime, interventions=False)
+        if refusal is not None:
+            raise ApiError(
+                501,
+                f"{self.request.path} runs on the continuous batch, which cannot serve the model loaded now "
+                f"({refusal}); /v1/chat/completions answers it one request at a time",
+                type="server_error",
+                code="batch_unsupported",
+            )
 
     def check_room(self, count: int) -> None:
         """ApiError 429 when `count` more sequences would overfill the batch and its waiting line."""
@@ -115,8 +136,7 @@ class BatchReplyHandler(BodyHandler):
                 if request.stream:
                     await self.flush()
         except StreamClosedError:
-            for handle in self.handles:
-                handle.stop()
+            self.stop()
             return
         if request.stream:
             if request.include_usage:
@@ -180,9 +200,13 @@ class BatchReplyHandler(BodyHandler):
             body["usage"] = None
         self.write(f"data: {json.dumps(body)}\n\n")
 
-    def on_connection_close(self) -> None:
+    def stop(self) -> None:
+        """Stop this reply's sequences (the server stops): each ends with what it generated."""
         for handle in self.handles:
             handle.stop()
+
+    def on_connection_close(self) -> None:
+        self.stop()
 
 
 def rest_of(result: SequenceResult, streamed: int) -> StreamDelta:

@@ -86,17 +86,9 @@ class Server(ServerState):
         ready.set()
         await self._stopping.wait()
         http.stop()
-        for stream in list(self.streams):
+        for stream in list(self.streams):  # the replies in flight end, each with what it generated
             stream.stop()
-        batch = self.runtime.ctx0.state.get("batch_scheduler")
-        if batch is not None:  # the batched replies in flight end too, each with what it generated
-            batch.stop_all()
         deadline = time.monotonic() + STOP_GRACE_S
-        while (self.streams or _batch_busy(batch)) and time.monotonic() < deadline:
+        while self.streams and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        await asyncio.sleep(0.2)  # the handlers write the last chunks of the sequences that just ended
         await http.close_all_connections()
-
-
-def _batch_busy(batch) -> bool:
-    return batch is not None and (batch.occupancy() != (0, 0) or not batch.driven.is_set())

@@ -10,13 +10,12 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from shardbook.kernel.ranks.runtime import Runtime
 from shardbook.kernel.server.openai_api import ApiError
 
 if TYPE_CHECKING:
-    from shardbook.kernel.api.chat import AsyncChatStream
     from shardbook.rankd.loading.load_sharded import LoadedModel
 
 DEFAULT_PORT = 8000
@@ -70,6 +69,10 @@ def read_api_key(key: str | None, key_file: str | None) -> str | None:
         raise ValueError(f"cannot read the API key file {key_file}: {e.strerror}") from None
 
 
+class Stoppable(Protocol):
+    def stop(self) -> None: ...
+
+
 @dataclass
 class ServerStats:
     served: int = 0
@@ -90,8 +93,9 @@ class ServerState:
         self.stats = ServerStats()
         self.port = options.port
         self.started_at = int(time.time())
-        self.streams: set[AsyncChatStream] = set()
-        """Replies in flight or waiting (``AsyncChatStream``); touched on the server's loop only."""
+        self.streams: set[Stoppable] = set()
+        """Replies in flight or waiting (a chat stream, a batched reply): the server's stop stops each and waits
+        until they are gone; touched on the server's loop only."""
         if options.max_waiting is not None:
             runtime.generation_queue.max_waiting = options.max_waiting
 
@@ -167,12 +171,22 @@ class ServerState:
         return (
             f"serving {self.model_id() or '(no model loaded)'} at {self.url}\n"
             f"queue: {self.runtime.generation_queue.describe()}\n"
-            f"chat completions: {self.batch_text() if self.options.batch else 'one at a time (--no-batch)'}\n"
+            f"chat completions: {self.chat_text()}\n"
             f"requests: {s.served} served, {s.errors} errors, {s.in_flight} in flight"
             + ("" if self.options.api_key else "\nno API key: loopback clients only")
         )
 
-    def batch_text(self) -> str:
+    def chat_refusal(self) -> str | None:
+        """Why chat completions take turns instead of joining the batch now, or None when they batch: ``--no-batch``,
+        or a model loaded now whose cache the batch cannot hold (asked per request, so a later load counts)."""
+        from shardbook.kernel.api.batch import batch_refusal
+
+        return "--no-batch" if not self.options.batch else batch_refusal(self.runtime, interventions=False)
+
+    def chat_text(self) -> str:
+        refusal = self.chat_refusal()
+        if refusal is not None:
+            return f"one at a time ({refusal})"
         scheduler = self.runtime.ctx0.state.get("batch_scheduler")
         running, waiting = scheduler.occupancy() if scheduler is not None else (0, 0)
         return f"continuous batch, {running} sequences running, {waiting} waiting"

@@ -151,7 +151,8 @@ class InferenceConfig:
     max_batch_sequences: int = 8
     """Most sequences decoded together in one batch (continuous batching); more wait for a place."""
     max_step_tokens: int = 2048
-    """Most tokens one batch step forwards (decoding rows plus joining prompts); a longer prompt is refused."""
+    """Most tokens one batch step forwards (decoding rows plus the joining prompts padded to the longest); a longer
+    prompt is refused."""
 
     def __post_init__(self) -> None:
         coerce_fields(self, "inference")

@@ -10,18 +10,21 @@ logits: it samples every sequence's next token (each request with its own seeded
 token limits and stop requests, and streams text. Nothing a follower does depends on time,
 memory or randomness, so every rank's forwards have the same shapes by construction.
 
-The KV cache is one transformers `DynamicCache` of the running batch, left-padded: a joining
-request is prefilled alone (batch of one, its own cache), then its cache is left-padded or the
-batch's is, to the longer length, and the two are concatenated along the batch; a leaving
-sequence's row is dropped (`index_select`) and columns that are padding in every row are cut.
-Each row carries its own attention mask (0 on padding) and position ids (its own count of real
-tokens), so a row's attention sees exactly its own tokens, at its own positions.
+The KV cache is one transformers `DynamicCache` of the running batch, left-padded: the prompts
+joining at a step are prefilled together in one forward (left-padded to the longest, with their
+own cache), then that cache is left-padded or the batch's is, to the longer length, and the two are
+concatenated along the batch; a leaving sequence's row is dropped (`index_select`) and columns that
+are padding in every row are cut. Each row carries its own attention mask (0 on padding) and
+position ids (its own count of real tokens), so a row's attention sees exactly its own tokens, at
+its own positions. A padding query sees no key at all; PyTorch's attention gives such a row zeros
+(and eager attention a finite average), so nothing not-a-number reaches the cache.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -180,7 +183,8 @@ class StepPlan:
     decode: list[int]
     """The token each remaining row feeds, in row order."""
     join: list[tuple[list[int], bool]]
-    """Prompts prefilled alone then appended as new rows, each with whether all its logits are wanted."""
+    """Prompts prefilled together (one left-padded forward) then appended as new rows, each with whether all its
+    logits are wanted."""
     end: bool = False
     """The batch is empty and nothing waits: every rank leaves its loop."""
 
@@ -213,35 +217,28 @@ class BatchState:
             layer.values = layer.values.index_select(0, index)[:, :, first:]
         self.mask = self.mask[:, first:]
 
-    def append(self, cache: Any, length: int) -> None:
+    def append(self, cache: Any, mask: torch.Tensor) -> None:
+        """Add the rows of `cache` (a left-padded prefill; `mask` (rows, columns) is 1 on its real tokens)."""
         if self.cache is None:
-            self.cache = cache
-            self.mask = torch.ones(1, length, dtype=torch.long, device=self.device)
-            self.next_pos = torch.tensor([length], device=self.device)
+            self.cache, self.mask, self.next_pos = cache, mask, mask.sum(1)
             return
-        columns = max(self.mask.shape[1], length)
-        pad_batch, pad_new = columns - self.mask.shape[1], columns - length
+        columns = max(self.mask.shape[1], mask.shape[1])
+        pad_batch, pad_new = columns - self.mask.shape[1], columns - mask.shape[1]
         for mine, theirs in zip(self.cache.layers, cache.layers):
             mine.keys = torch.cat([_pad_left(mine.keys, pad_batch), _pad_left(theirs.keys, pad_new)])
             mine.values = torch.cat([_pad_left(mine.values, pad_batch), _pad_left(theirs.values, pad_new)])
-        new_mask = torch.ones(1, length, dtype=torch.long, device=self.device)
         self.mask = torch.cat(
-            [
-                torch.nn.functional.pad(self.mask, (pad_batch, 0)),
-                torch.nn.functional.pad(new_mask, (pad_new, 0)),
-            ]
+            [torch.nn.functional.pad(self.mask, (pad_batch, 0)), torch.nn.functional.pad(mask, (pad_new, 0))]
         )
-        self.next_pos = torch.cat([self.next_pos, torch.tensor([length], device=self.device)])
+        self.next_pos = torch.cat([self.next_pos, mask.sum(1)])
 
 
 def execute_step(state: BatchState, plan: StepPlan) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """Run one step on this rank: drop the leaving rows, decode the others, prefill the joining prompts.
 
-    Returns the decode rows' next-token logits (rows, vocab) and, per join, its logits (all positions
-    when wanted, else the last one). Every rank runs this with the same plan, so the forwards match.
+    Returns the decode rows' next-token logits (rows, vocab) and, per join, its logits (all its prompt's
+    positions when wanted, else the last one). Every rank runs this with the same plan, so the forwards match.
     """
-    from transformers import DynamicCache
-
     model, device = state.model, state.device
     state.drop(plan.leave)
     decoded = None
@@ -259,23 +256,34 @@ def execute_step(state: BatchState, plan: StepPlan) -> tuple[torch.Tensor | None
         )
         state.next_pos = state.next_pos + 1
         decoded = out.logits[:, -1].float()
-    joined = []
-    for prompt, all_logits in plan.join:
-        ids = torch.tensor(prompt, device=device).view(1, -1)
-        cache = DynamicCache(config=model.config)
-        out = model(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            position_ids=torch.arange(ids.shape[1], device=device).view(1, -1),
-            past_key_values=cache,
-            use_cache=True,
-            cache_position=torch.arange(ids.shape[1], device=device),
-            logits_to_keep=0 if all_logits else 1,
-        )
-        _check_full_attention(cache)
-        state.append(cache, ids.shape[1])
-        joined.append(out.logits[0].float())
-    return decoded, joined
+    return decoded, _prefill(state, plan.join) if plan.join else []
+
+
+def _prefill(state: BatchState, join: list[tuple[list[int], bool]]) -> list[torch.Tensor]:
+    """One forward for every joining prompt, left-padded to the longest; their cache joins the batch's."""
+    from transformers import DynamicCache
+
+    width = max(len(prompt) for prompt, _ in join)
+    ids = torch.zeros(len(join), width, dtype=torch.long)
+    mask = torch.zeros(len(join), width, dtype=torch.long)
+    for row, (prompt, _) in enumerate(join):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    ids, mask = ids.to(state.device), mask.to(state.device)
+    cache = DynamicCache(config=state.model.config)
+    out = state.model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+        past_key_values=cache,
+        use_cache=True,
+        cache_position=torch.arange(width, device=state.device),
+        logits_to_keep=0 if any(all_logits for _, all_logits in join) else 1,
+    )
+    _check_full_attention(cache)
+    state.append(cache, mask)
+    logits = out.logits.float()
+    return [logits[row, -len(prompt) if all_logits else -1 :] for row, (prompt, all_logits) in enumerate(join)]
 
 
 def follow_batch(model: Any, device: torch.device | str, group: Any = None) -> int:
@@ -426,17 +434,17 @@ class BatchScheduler:
         kept = [seq for i, seq in enumerate(rows) if i not in set(leave)]
         joining: list[_Running] = []
         with self.lock:
-            budget = self.max_step_tokens - len(kept)
+            budget, width = self.max_step_tokens - len(kept), 0  # the joiners' forward is padded to `width`
             while self.waiting and len(kept) + len(joining) < self.max_sequences:
                 handle = self.waiting[0]
                 if handle.stop_requested.is_set():  # left before it ran
                     self.waiting.pop(0)
                     handle.complete(SequenceResult([], "", "interrupted", len(handle.request.prompt_ids)))
                     continue
-                if len(handle.request.prompt_ids) > budget:
+                if (len(joining) + 1) * max(width, len(handle.request.prompt_ids)) > budget:
                     break
                 self.waiting.pop(0)
-                budget -= len(handle.request.prompt_ids)
+                width = max(width, len(handle.request.prompt_ids))
                 joining.append(_new_running(handle))
             end = not kept and not joining and not self.waiting
             self.rows = kept + joining
@@ -617,10 +625,16 @@ def _pad_left(tensor: torch.Tensor, columns: int) -> torch.Tensor:
 
 def cache_refusal(model: Any) -> str | None:
     """Why `model` cannot join the continuous batch (its cache is not plain full attention on every layer: an
-    indexer's, a sliding window's), or None when it can. Read from the cache the model's config describes."""
+    indexer's, a sliding window's), or None when it can. Read from the cache the model's config describes, once
+    per model (the server asks on every request)."""
     from transformers import DynamicCache
 
-    return _layer_refusal(DynamicCache(config=model.config))
+    if model not in _REFUSALS:
+        _REFUSALS[model] = _layer_refusal(DynamicCache(config=model.config))
+    return _REFUSALS[model]
+
+
+_REFUSALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _layer_refusal(cache: Any) -> str | None:

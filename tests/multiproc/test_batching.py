@@ -69,10 +69,30 @@ def _scenario_batch(
 ) -> Any:
     """Rank 0 submits `requests` (and each of `late` once request `after[0]` streamed `after[1]` chunks;
     request i is stopped after `stop_after[i]` chunks) and runs the loop; the follower follows."""
-    from shardbook.rankd.generation.batching import BatchScheduler, SequenceRequest, follow_batch
+    from shardbook.rankd.generation.batching import follow_batch
 
-    if rank != 0:
-        return {"steps": follow_batch(model, "cpu")}
+    forwards: list[tuple[int, int]] = []  # (rows, columns) of every forward's input ids, on this rank
+    hook = model.register_forward_pre_hook(
+        lambda _m, _a, kwargs: forwards.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    try:
+        if rank != 0:
+            return {"steps": follow_batch(model, "cpu"), "forwards": forwards}
+        return {**_lead_batch(model, tokenizer, requests, late, stop_after, limits), "forwards": forwards}
+    finally:
+        hook.remove()
+
+
+def _lead_batch(
+    model: Any,
+    tokenizer: Any,
+    requests: list[dict],
+    late: list[dict] | None,
+    stop_after: dict[int, int] | None,
+    limits: dict | None,
+) -> dict:
+    from shardbook.rankd.generation.batching import BatchScheduler, SequenceRequest
+
     scheduler = BatchScheduler(tokenizer, **(limits or {}))
     eos = [tokenizer.eos_token_id]
     handles: list[Any] = []
@@ -100,12 +120,14 @@ def _scenario_batch(
 
     def shape(h: Any) -> dict:
         r = h.result
-        return {"tokens": r.token_ids, "text": r.text, "finish_reason": r.finish_reason}
+        shaped = {"tokens": r.token_ids, "text": r.text, "finish_reason": r.finish_reason}
+        return shaped if r.prompt_logprobs is None else {**shaped, "prompt_logprobs": r.prompt_logprobs}
 
     return {
         "steps": steps,
         "results": [shape(h) for h in handles],
         "late": [shape(h) for h in late_handles],
+        "late_prompt_tokens": [len(h.request.prompt_ids) for h in late_handles],
         "largest_batch": scheduler.stats["largest_batch"],
     }
 
@@ -133,6 +155,7 @@ def batch_ranks(request: pytest.FixtureRequest, llama_path: Path, moe_path: Path
 def _run(ranks: Ranks, **kwargs: Any) -> dict:
     answers = ranks.run("batch", [kwargs] * WORLD_SIZE, deadline_s=240)
     assert answers[0]["steps"] == answers[1]["steps"]  # the follower ran every step rank 0 planned
+    assert answers[0]["forwards"] == answers[1]["forwards"]  # with the same shapes
     return answers[0]
 
 
@@ -162,6 +185,30 @@ def test_request_joins_mid_batch(batch_ranks: Ranks) -> None:
     answer = _run(batch_ranks, requests=specs, late=[{"after": (0, 1), "request": joining}])
     assert answer["largest_batch"] == 3
     assert answer["late"] == [_solo(batch_ranks, joining)]
+    assert answer["results"] == [_solo(batch_ranks, s) for s in specs]
+
+
+def test_prompts_joining_at_one_step_share_one_prefill_forward(batch_ranks: Ranks) -> None:
+    """Three prompts of different lengths arriving together mid-batch are prefilled in one left-padded forward
+    (one of them scoring its prompt, so every position's logits are kept), and each reply equals its solo one."""
+    specs = [{"prompt": p, "max_new_tokens": 10, "ignore_eos": True} for p in PROMPTS[:2]]
+    joining = [
+        {"prompt": PROMPTS[2], "max_new_tokens": 8},
+        {"prompt": PROMPTS[4], "max_new_tokens": 6, "prompt_logprobs": True, "logprobs": 0},
+        {"prompt": PROMPTS[7], "max_new_tokens": 9},
+    ]
+    answer = _run(batch_ranks, requests=specs, late=[{"after": (0, 1), "request": r} for r in joining])
+    prefills = [shape for shape in answer["forwards"] if shape[1] > 1]
+    lengths = answer["late_prompt_tokens"]
+    assert prefills[1:] == [(3, max(lengths))] and prefills[0][0] == 2, answer["forwards"]
+    assert len(set(lengths)) == 3  # the joiners have different lengths, so their forward was padded
+    assert answer["largest_batch"] == 5
+    for got, spec in zip(answer["late"], joining):
+        alone = _solo(batch_ranks, spec)
+        assert {**got, "prompt_logprobs": None} == {**alone, "prompt_logprobs": None}, spec
+        if spec.get("prompt_logprobs"):
+            assert got["prompt_logprobs"][0] is None and alone["prompt_logprobs"][0] is None
+            assert got["prompt_logprobs"][1:] == pytest.approx(alone["prompt_logprobs"][1:], abs=1e-4)
     assert answer["results"] == [_solo(batch_ranks, s) for s in specs]
 
 

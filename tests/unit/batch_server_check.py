@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def main(model_dir: str) -> None:
+def main(model_dir: str, sliding_dir: str) -> None:
     import openai
     import requests
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -182,7 +182,8 @@ def main(model_dir: str) -> None:
     out["chat_stream_equal"] = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == alone[1]
 
     out["model_changed"] = queued_across_a_load(runtime, port, name, messages[0])
-    server.stop()
+    out["refused_model_takes_turns"] = refused_model_takes_turns(runtime, server, name, messages[0], sliding_dir)
+    out["stop_spares_the_notebook"] = stop_spares_the_notebook(runtime, server, name)  # stops the server
 
     server = Server(runtime, ServeOptions(port=port, batch=False)).start()  # --no-batch: one at a time
     turns = client.chat.completions.create(messages=messages[0], **args)
@@ -220,6 +221,69 @@ def queued_across_a_load(runtime, port: int, name: str, messages: list) -> bool:
     return replies[0].status_code == 409 and error.get("code") == "model_changed" and served == 200
 
 
+def refused_model_takes_turns(runtime, server, name: str, messages: list, sliding_dir: str) -> bool:
+    """After a load, while the server runs, of a model whose cache the batch cannot hold (a sliding window here,
+    GLM-5's indexer in practice), chat requests take turns on the single path and /v1/completions is a clear 501."""
+    import requests
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    old = runtime.ctx0.state["loaded"]
+    model, tokenizer = (
+        AutoModelForCausalLM.from_pretrained(sliding_dir).eval(),
+        AutoTokenizer.from_pretrained(sliding_dir),
+    )
+    runtime.ctx0.state["loaded"] = types.SimpleNamespace(model=model, tokenizer=tokenizer)
+    try:
+        chat = requests.post(
+            f"{server.url}/chat/completions", json={"model": name, "messages": messages, "max_tokens": 4}, timeout=60
+        )
+        text = requests.post(f"{server.url}/completions", json={"model": name, "prompt": "Hi"}, timeout=60)
+        status = server.status_text()
+    finally:
+        runtime.ctx0.state["loaded"] = old
+    refused = text.json().get("error", {})
+    return (
+        chat.status_code == 200
+        and bool(chat.json()["choices"][0]["message"]["content"])
+        and (text.status_code, refused.get("code")) == (501, "batch_unsupported")
+        and "chat completions: one at a time (continuous batching needs a full-attention cache" in status
+    )
+
+
+def stop_spares_the_notebook(runtime, server, name: str) -> bool:
+    """Stopping the server ends its own streamed reply (with [DONE]) and leaves a notebook's sequence decoding in
+    the same batch running to its end."""
+    import requests
+
+    from shardbook.kernel.api.batch import sequence_request, submit
+
+    notebook_started, http_started, lines = threading.Event(), threading.Event(), []
+    settings = dict(max_new_tokens=150, ignore_eos=True, do_sample=False)
+    notebook = submit(
+        runtime, sequence_request(runtime, "Hello", chat=False, **settings), on_text=lambda _: notebook_started.set()
+    )
+    body = {"model": name, "prompt": "Numbers: 0 1", "max_tokens": 150, "ignore_eos": True, "stream": True}
+
+    def read() -> None:
+        with requests.post(f"{server.url}/completions", json=body, stream=True, timeout=60) as reply:
+            for line in reply.iter_lines():
+                lines.append(line.decode())
+                http_started.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert notebook_started.wait(60) and http_started.wait(60)
+    server.stop()
+    reader.join(60)
+    result = notebook.wait(60)
+    events = [line for line in lines if line.startswith("data: ")]
+    return (
+        events[-1] == "data: [DONE]"
+        and len(events) < 150  # the server's reply was cut short
+        and (result.finish_reason, result.generated_tokens) == ("length", 150)
+    )
+
+
 def stream_matches_whole(client, name: str, echo: bool) -> bool:
     """A streamed completion with `logprobs` (and `echo`) joins into the whole reply: text and every list."""
     fields = dict(model=name, prompt="Numbers: 0 1", max_tokens=6, temperature=0, logprobs=2, echo=echo)
@@ -234,4 +298,4 @@ def stream_matches_whole(client, name: str, echo: bool) -> bool:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

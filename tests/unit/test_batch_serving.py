@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny import make_tiny_llama
+from tiny import make_tiny_llama, make_tiny_lm
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -22,9 +22,10 @@ pytestmark = pytest.mark.timeout(300)
 def test_completions_over_the_batch(tmp_path: Path) -> None:
     pytest.importorskip("openai")
     model = make_tiny_llama(tmp_path / "tiny", hidden_size=72, num_heads=9, num_kv_heads=3)
+    sliding = make_tiny_lm(tmp_path / "sliding", family="mistral", sliding_window=8)  # a cache the batch cannot hold
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("batch_server_check.py")), str(model)],
+        [sys.executable, str(Path(__file__).with_name("batch_server_check.py")), str(model), str(sliding)],
         capture_output=True,
         text=True,
         timeout=280,
@@ -52,4 +53,6 @@ def test_completions_over_the_batch(tmp_path: Path) -> None:
     assert found["chat_concurrent_equal_alone"] and found["chat_equals_single_path"]  # %serve (batched by default)
     assert found["chat_n_logprobs"] and found["chat_stream_equal"] and found["chat_stream_logprobs_equal"]
     assert found["model_changed"]  # waited across a load: 409, never answered by the other model
+    assert found["refused_model_takes_turns"]  # decided per request: a model loaded after %serve may not batch
+    assert found["stop_spares_the_notebook"]  # the server's stop ends its replies, not a notebook's sequence
     assert found["no_batch_equal"] and found["no_batch_refuses_n"]  # %serve --no-batch: turns, as before
