@@ -48,9 +48,7 @@ def launch(args: argparse.Namespace, command: list[str] | None = None, graceful_
         env.pop(protocol.KEY_FILE_ENV, None)  # it would take precedence over the fresh key
         argv = [
             sys.executable,
-            "-m",
-            "shardbook.kernel.cli.torchrun",  # torchrun, minus its traceback when a rank has failed
-            *layout.torchrun_args(),
+            *layout.launcher_args(),  # one node: localrun, which names a rank ended by a signal in one line
             "-m",
             "shardbook",
             *(command or ["chat", *config_argv(args), *args.overrides]),
