@@ -238,6 +238,29 @@ def wait_for_every_rank(store: Any, world_size: int, rank: int | None = None) ->
         )
 
 
+def job_store(shape: JobShape) -> Any:
+    """The job's key-value store: torchrun's own (its agent hosts it), or one that rank 0 hosts.
+
+    Under shardbook's one-node launcher (``kernel/cli/localrun.py``) rank 0 hosts the store at
+    ``MASTER_ADDR:MASTER_PORT``. It does not wait there for the others to connect (torch's ``env://``
+    would, with no deadline a person sets): :func:`wait_for_every_rank` waits for them under the
+    start-up deadline and names a rank that never came.
+    """
+    import torch.distributed as dist
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return next(dist.rendezvous("env://"))[0]
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        shape.world_size,
+        is_master=shape.rank == 0,
+        timeout=process_group_timeout(),
+        wait_for_workers=False,
+        multi_tenant=True,
+    )
+
+
 def init_world(requested_device: str | None = None, shape: JobShape | None = None) -> World:
     """Detect the device, set it for this rank and join the default process group.
 
@@ -253,10 +276,14 @@ def init_world(requested_device: str | None = None, shape: JobShape | None = Non
     backend = BACKEND_FOR_DEVICE[device_type]
     if not dist.is_initialized():
         if shape.under_torchrun:
-            store, rank, world_size = next(dist.rendezvous("env://"))
-            wait_for_every_rank(store, world_size, rank)
+            store = job_store(shape)
+            wait_for_every_rank(store, shape.world_size, shape.rank)
             dist.init_process_group(
-                backend=backend, store=store, rank=rank, world_size=world_size, timeout=process_group_timeout()
+                backend=backend,
+                store=store,
+                rank=shape.rank,
+                world_size=shape.world_size,
+                timeout=process_group_timeout(),
             )
         else:
             dist.init_process_group(
