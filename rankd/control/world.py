@@ -244,13 +244,14 @@ def job_store(shape: JobShape) -> Any:
     Under shardbook's one-node launcher (``kernel/cli/localrun.py``) rank 0 hosts the store at
     ``MASTER_ADDR:MASTER_PORT``. It does not wait there for the others to connect (torch's ``env://``
     would, with no deadline a person sets): :func:`wait_for_every_rank` waits for them under the
-    start-up deadline and names a rank that never came.
+    start-up deadline and names a rank that never came. The store lives as long as the process, even
+    when start-up failed: a rank that arrives later must still find out that it was abandoned.
     """
     import torch.distributed as dist
 
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return next(dist.rendezvous("env://"))[0]
-    return dist.TCPStore(
+    store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
         shape.world_size,
@@ -259,6 +260,12 @@ def job_store(shape: JobShape) -> Any:
         wait_for_workers=False,
         multi_tenant=True,
     )
+    _stores_kept.append(store)
+    return store
+
+
+_stores_kept: list[Any] = []
+"""The store this process hosts (see :func:`job_store`): freeing it would stop its server."""
 
 
 def init_world(requested_device: str | None = None, shape: JobShape | None = None) -> World:
