@@ -256,7 +256,7 @@ def job_store(shape: JobShape) -> Any:
         int(os.environ["MASTER_PORT"]),
         shape.world_size,
         is_master=shape.rank == 0,
-        timeout=process_group_timeout(),
+        timeout=dist.constants.default_pg_timeout,  # as env:// had: a follower may start long before rank 0's store
         wait_for_workers=False,
         multi_tenant=True,
     )
