@@ -251,9 +251,12 @@ def job_store(shape: JobShape) -> Any:
 
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return next(dist.rendezvous("env://"))[0]
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if shape.rank != 0:
+        wait_for_listener(host, port)
     store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
+        host,
+        port,
         shape.world_size,
         is_master=shape.rank == 0,
         timeout=dist.constants.default_pg_timeout,  # as env:// had: a follower may start long before rank 0's store
@@ -262,6 +265,26 @@ def job_store(shape: JobShape) -> Any:
     )
     _stores_kept.append(store)
     return store
+
+
+def wait_for_listener(host: str, port: int, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Block until ``host:port`` accepts connections (polled every 20 ms), under the start-up deadline.
+
+    Followers start before rank 0's store is up (rank 0 also sets up the kernel). The store's own
+    client retries with a random back-off of up to seconds, which would add that to every start.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1.0).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"rank 0 did not open the job's store at {host}:{port} within SHARDBOOK_CONNECT_TIMEOUT "
+                    f"({timeout_s:.0f} s); check rank 0's log (the Jupyter server's) for why it did not start"
+                ) from None
+            time.sleep(0.02)
 
 
 _stores_kept: list[Any] = []
