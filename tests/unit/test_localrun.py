@@ -94,3 +94,25 @@ def test_sigterm_goes_to_every_rank(tmp_path):
     out, err = launcher.communicate(timeout=30)
     assert launcher.returncode == 128 + signal.SIGTERM, err
     assert "was ended by" not in err
+
+
+def test_a_follower_started_long_before_rank_0s_store_still_joins(monkeypatch):
+    """Under the launcher rank 0 hosts the store, and sets up the kernel first: a follower waits for it, whatever
+    the collective timeout (here 1 s; the store's client used to give up after it)."""
+    import threading
+
+    from shardbook.kernel.cli.localrun import free_port
+    from shardbook.rankd.control.world import JobShape, job_store
+
+    port = free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("SHARDBOOK_PG_TIMEOUT", "1")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    hosted = []
+    late = threading.Timer(2.0, lambda: hosted.append(job_store(JobShape(0, 2, 0, 2, under_torchrun=True))))
+    late.start()
+    follower = job_store(JobShape(1, 2, 1, 2, under_torchrun=True))
+    late.join()
+    follower.set("hello", "from rank 1")
+    assert hosted[0].get("hello") == b"from rank 1"
