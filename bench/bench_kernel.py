@@ -12,8 +12,8 @@ machine is noisy and only ratios taken together mean much.
 Systems (2 ranks / workers / engines each):
 
 * ``floor``       plain ipykernel from this (shardbook's) venv, world of one.
-* ``shardbook``   ``shardbook install --nproc 2`` kernelspec (torchrun, rank 0
-                  is the kernel); broadcast cells are ``%%all``.  Skipped with a
+* ``shardbook``   ``shardbook install --nproc 2`` kernelspec (its one-node
+                  launcher, rank 0 is the kernel); broadcast cells are ``%%all``.  Skipped with a
                   message while ``shardbook install`` does not work yet.
 * ``ipyparallel`` ipykernel + ``ipp.Cluster(n=2).start_and_connect_sync(
                   activate=True)``; broadcast cells are ``%%px``.
@@ -364,7 +364,7 @@ SYSTEMS = [
         lambda b: f"%%all\n{b}",
         parse_shardbook,
         rank_cells=["%%all\nimport os\nrank = int(os.environ['RANK'])"],
-        how="`shardbook install --nproc 2` kernelspec (torchrun); `%%all` cells",
+        how="`shardbook install --nproc 2` kernelspec (one-node launcher); `%%all` cells",
     ),
     System(
         "ipyparallel",
@@ -504,7 +504,7 @@ def descendants(pid: int) -> list:
 
 
 STARTUP_STEPS = [
-    ("launch (jupyter_client, torchrun and its import of torch)", "process"),
+    ("launch (jupyter_client, the ranks' launcher)", "process"),
     ("rank 0's interpreter and shardbook.kernel.app", "python_up"),
     ("import ipykernel", "ipykernel_imported"),
     ("IPKernelApp set-up, import of the magics (torch)", "magics_imported"),

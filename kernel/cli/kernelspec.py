@@ -1,4 +1,4 @@
-"""The shardbook kernelspec: a torchrun line whose rank 0 is the IPython kernel.
+"""The shardbook kernelspec: a launcher line (torchrun's job) whose rank 0 is the IPython kernel.
 
 ``"interrupt_mode": "message"`` matters: torchrun turns a SIGINT into a teardown of every worker,
 so Jupyter must send interrupts as messages (ipykernel then raises KeyboardInterrupt in rank 0,
@@ -45,11 +45,18 @@ class Layout:
                 "a multi-node kernel needs --master-addr HOST and --master-port PORT (reachable from every node)"
             )
 
-    def torchrun_args(self) -> list[str]:
-        """Single node: ``--standalone`` picks a free rendezvous port at each start, so kernels never collide."""
+    def launcher_args(self) -> list[str]:
+        """What follows ``python`` to start this node's ranks.
+
+        One node: ``shardbook.kernel.cli.localrun``, which does torchrun's one-node job without
+        importing torch (rank 0 is then the only import of torch on the start path) and picks a free
+        port at each start, so kernels never collide. Several nodes: torchrun, for its rendezvous.
+        """
         if self.nnodes == 1:
-            return ["--standalone", "--nnodes", "1", "--nproc_per_node", str(self.nproc)]
+            return ["-m", "shardbook.kernel.cli.localrun", "--nproc", str(self.nproc)]
         return [
+            "-m",
+            "torch.distributed.run",
             "--nnodes",
             str(self.nnodes),
             "--node_rank",
@@ -88,9 +95,7 @@ def kernelspec_dict(options: KernelSpecOptions) -> dict:
     layout = options.layout
     argv = [
         options.python,
-        "-m",
-        "torch.distributed.run",
-        *layout.torchrun_args(),
+        *layout.launcher_args(),
         "-m",
         "shardbook.kernel",
         "-f",

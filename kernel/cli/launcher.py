@@ -1,13 +1,13 @@
-"""``--nproc N`` for the terminal commands: start torchrun in a session of its own and relay Ctrl-C to rank 0.
+"""``--nproc N`` for the terminal commands: start the ranks' launcher in a session of its own, relay Ctrl-C to rank 0.
 
 (``--slurm`` goes to `launch_on_slurm`: the same ranks in an allocation, see ``kernel/slurm/launch.py``.)
 
-torchrun starts every worker in a session of its own, so a terminal's Ctrl-C reaches torchrun
-alone, which ends the whole job. ``shardbook chat --nproc N`` (and ``shardbook serve``) therefore
-start torchrun in a new session and relay Ctrl-C to rank 0 only, which decides what it means
-(clear the prompt, stop the reply). While the ranks start, before rank 0 has written its pid,
-Ctrl-C ends the job. Rank 0 has no controlling terminal there yet reads it as usual (a terminal
-checks job control only for the sessions it controls).
+The launcher (``localrun``, which does torchrun's one-node job) starts every rank in a session of
+its own, so a terminal's Ctrl-C reaches the launcher alone, which ends the whole job. ``shardbook
+chat --nproc N`` (and ``shardbook serve``) therefore start the launcher in a new session and relay
+Ctrl-C to rank 0 only, which decides what it means (clear the prompt, stop the reply). While the
+ranks start, before rank 0 has written its pid, Ctrl-C ends the job. Rank 0 has no controlling
+terminal there yet reads it as usual (a terminal checks job control only for the sessions it controls).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ PID_FILE_ENV = "SHARDBOOK_CHAT_PIDFILE"
 
 
 def launch(args: argparse.Namespace, command: list[str] | None = None, graceful_term: bool = False) -> int:
-    """Start torchrun in a session of its own, relay Ctrl-C to rank 0, and return torchrun's exit code.
+    """Start the launcher in a session of its own, relay Ctrl-C to rank 0, and return the launcher's exit code.
 
     Every rank runs ``python -m shardbook COMMAND`` (default: ``chat CONFIG OVERRIDES``); with
     ``graceful_term`` SIGTERM is relayed to rank 0 as well, which then ends the job itself.
@@ -48,9 +48,7 @@ def launch(args: argparse.Namespace, command: list[str] | None = None, graceful_
         env.pop(protocol.KEY_FILE_ENV, None)  # it would take precedence over the fresh key
         argv = [
             sys.executable,
-            "-m",
-            "shardbook.kernel.cli.torchrun",  # torchrun, minus its traceback when a rank has failed
-            *layout.torchrun_args(),
+            *layout.launcher_args(),  # one node: localrun, which names a rank ended by a signal in one line
             "-m",
             "shardbook",
             *(command or ["chat", *config_argv(args), *args.overrides]),

@@ -126,13 +126,13 @@ def startup_failure(error: Exception) -> str:
 
 
 def _on_sigterm(signum, frame) -> None:
-    """torchrun ends every worker when one dies: say which rank died in the running cell, then go."""
+    """The launcher ends every rank when one dies: say which rank died in the running cell, then go."""
     runtime = _runtime
     if runtime is not None:
         dead = runtime.pool.dead_ranks()
         reason = "; ".join(f"rank {s.rank} (pid {s.pid} on {s.host}): {s.dead_reason}" for s in dead)
         text = (
-            f"{reason or 'a worker of this job stopped'}. torchrun is ending every rank of the job, so this "
+            f"{reason or 'a worker of this job stopped'}. its launcher is ending every rank of the job, so this "
             "kernel is stopping too: restart the kernel to start a fresh pool."
         )
         log.error(text)

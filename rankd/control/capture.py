@@ -108,41 +108,48 @@ class SinkBuffer(io.RawIOBase):
 
 
 class SinkDisplayPublisher(DisplayPublisher):
-    """``display()`` sends a display message to the sink (after flushing pending prints)."""
+    """``display()`` sends a display message to the running cell's capture (after flushing pending prints)."""
 
-    def __init__(self, shell, sink: Sink, flush: Callable[[], None]):
-        super().__init__(shell=shell)
-        self._sink = sink
-        self._flush = flush
+    capture: CellCapture | None = None
 
     def publish(self, data, metadata=None, source=None, *, transient=None, update=False, **kwargs) -> None:
-        self._flush()
+        self.capture.flush()
         payload = {"data": data, "metadata": metadata or {}, "transient": transient or {}, "update": update}
-        self._sink(protocol.DISPLAY, payload)
+        self.capture.sink(protocol.DISPLAY, payload)
 
     def clear_output(self, wait: bool = False) -> None:
-        self._flush()
+        self.capture.flush()
 
 
 class SinkDisplayHook(DisplayHook):
-    """The cell's last value goes to the sink as a result message instead of ``Out[n]``."""
+    """The cell's last value goes to the running cell's capture as a result message instead of ``Out[n]``."""
 
-    def __init__(self, shell, sink: Sink, flush: Callable[[], None]):
-        super().__init__(shell=shell)
-        self._sink = sink
-        self._flush = flush
+    capture: CellCapture | None = None
 
     def start_displayhook(self) -> None:
-        self._flush()
+        self.capture.flush()
 
     def write_output_prompt(self) -> None:
         pass
 
     def write_format_data(self, format_dict, md_dict=None) -> None:
-        self._sink(protocol.RESULT, {"data": format_dict, "metadata": md_dict or {}})
+        self.capture.sink(protocol.RESULT, {"data": format_dict, "metadata": md_dict or {}})
 
     def finish_displayhook(self) -> None:
         pass
+
+
+def sink_parts(shell) -> tuple[SinkDisplayPublisher, SinkDisplayHook]:
+    """The shell's own publisher and display hook for captured cells, made once and reused by every cell.
+
+    IPython 9 registers a new publisher's callbacks on the shell's events and never removes them: a
+    publisher per cell made every later cell call one more callback per earlier cell (rank 0 ran 320
+    of them per event after 200 cells). Building the two traitlets objects also cost about 0.5 ms a cell.
+    """
+    parts = vars(shell).get("_shardbook_sink_parts")
+    if parts is None:
+        parts = shell._shardbook_sink_parts = (SinkDisplayPublisher(shell=shell), SinkDisplayHook(shell=shell))
+    return parts
 
 
 class CellCapture:
@@ -179,12 +186,14 @@ class CellCapture:
     def installed(self) -> Iterator[CellCapture]:
         """Swap the shell's output machinery for this capture, restoring it afterwards."""
         shell = self.shell
-        hook = SinkDisplayHook(shell, self.sink, self.flush)
+        publisher, hook = sink_parts(shell)
         saved = (sys.stdout, sys.stderr, shell.display_pub, shell.displayhook, shell.display_trap.hook)
+        saved_captures = (publisher.capture, hook.capture)  # a cell captured inside another gives it back
         had_own_showtraceback = "_showtraceback" in vars(shell)
         own_showtraceback = vars(shell).get("_showtraceback")
         sys.stdout, sys.stderr = self.stdout, self.stderr
-        shell.display_pub = SinkDisplayPublisher(shell, self.sink, self.flush)
+        publisher.capture = hook.capture = self
+        shell.display_pub = publisher
         shell.displayhook = shell.display_trap.hook = hook
         shell._showtraceback = self.show_traceback
         try:
@@ -192,6 +201,7 @@ class CellCapture:
         finally:
             self.flush()
             sys.stdout, sys.stderr, shell.display_pub, shell.displayhook, shell.display_trap.hook = saved
+            publisher.capture, hook.capture = saved_captures
             if had_own_showtraceback:
                 shell._showtraceback = own_showtraceback
             else:

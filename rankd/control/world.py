@@ -238,6 +238,59 @@ def wait_for_every_rank(store: Any, world_size: int, rank: int | None = None) ->
         )
 
 
+def job_store(shape: JobShape) -> Any:
+    """The job's key-value store: torchrun's own (its agent hosts it), or one that rank 0 hosts.
+
+    Under shardbook's one-node launcher (``kernel/cli/localrun.py``) rank 0 hosts the store at
+    ``MASTER_ADDR:MASTER_PORT``. It does not wait there for the others to connect (torch's ``env://``
+    would, with no deadline a person sets): :func:`wait_for_every_rank` waits for them under the
+    start-up deadline and names a rank that never came. The store lives as long as the process, even
+    when start-up failed: a rank that arrives later must still find out that it was abandoned.
+    """
+    import torch.distributed as dist
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return next(dist.rendezvous("env://"))[0]
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if shape.rank != 0:
+        wait_for_listener(host, port)
+    store = dist.TCPStore(
+        host,
+        port,
+        shape.world_size,
+        is_master=shape.rank == 0,
+        timeout=dist.constants.default_pg_timeout,  # as env:// had: a follower may start long before rank 0's store
+        wait_for_workers=False,
+        multi_tenant=True,
+    )
+    _stores_kept.append(store)
+    return store
+
+
+def wait_for_listener(host: str, port: int, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Block until ``host:port`` accepts connections (polled every 20 ms), under the start-up deadline.
+
+    Followers start before rank 0's store is up (rank 0 also sets up the kernel). The store's own
+    client retries with a random back-off of up to seconds, which would add that to every start.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1.0).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"rank 0 did not open the job's store at {host}:{port} within SHARDBOOK_CONNECT_TIMEOUT "
+                    f"({timeout_s:.0f} s); check rank 0's log (the Jupyter server's) for why it did not start"
+                ) from None
+            time.sleep(0.02)
+
+
+_stores_kept: list[Any] = []
+"""The store this process hosts (see :func:`job_store`): freeing it would stop its server."""
+
+
 def init_world(requested_device: str | None = None, shape: JobShape | None = None) -> World:
     """Detect the device, set it for this rank and join the default process group.
 
@@ -253,10 +306,14 @@ def init_world(requested_device: str | None = None, shape: JobShape | None = Non
     backend = BACKEND_FOR_DEVICE[device_type]
     if not dist.is_initialized():
         if shape.under_torchrun:
-            store, rank, world_size = next(dist.rendezvous("env://"))
-            wait_for_every_rank(store, world_size, rank)
+            store = job_store(shape)
+            wait_for_every_rank(store, shape.world_size, shape.rank)
             dist.init_process_group(
-                backend=backend, store=store, rank=rank, world_size=world_size, timeout=process_group_timeout()
+                backend=backend,
+                store=store,
+                rank=shape.rank,
+                world_size=shape.world_size,
+                timeout=process_group_timeout(),
             )
         else:
             dist.init_process_group(

@@ -16,10 +16,9 @@ def spec(**layout):
     return kernelspec.kernelspec_dict(kernelspec.KernelSpecOptions(kernelspec.Layout(**layout)))
 
 
-def test_single_node_argv_is_torchrun_with_a_fresh_port():
+def test_single_node_argv_is_the_local_launcher():
     d = spec(nproc=4)
-    assert d["argv"][:3] == [sys.executable, "-m", "torch.distributed.run"]
-    assert "--standalone" in d["argv"] and d["argv"][d["argv"].index("--nproc_per_node") + 1] == "4"
+    assert d["argv"][:5] == [sys.executable, "-m", "shardbook.kernel.cli.localrun", "--nproc", "4"]
     assert d["argv"][-4:] == ["-m", "shardbook.kernel", "-f", "{connection_file}"]
     assert d["interrupt_mode"] == "message"
     assert "4 ranks" in d["display_name"]
@@ -28,7 +27,7 @@ def test_single_node_argv_is_torchrun_with_a_fresh_port():
 def test_multi_node_argv_carries_the_rendezvous():
     d = spec(nproc=8, nnodes=2, master_addr="10.0.0.1", master_port=29500)
     argv = d["argv"]
-    assert "--standalone" not in argv
+    assert argv[1:3] == ["-m", "torch.distributed.run"]
     for flag, value in [
         ("--nnodes", "2"),
         ("--node_rank", "0"),
