@@ -18,21 +18,30 @@ def tiny(tmp_path_factory):
     return make_tiny_llama(tmp_path_factory.mktemp("chat") / "llama")
 
 
-@pytest.fixture(params=["gather", "tp"])
+@pytest.fixture(scope="module", params=["gather", "tp"])
 def layout(request) -> str:
-    """The forward layout each chat test runs in: FSDP2 keeping the gathered layers, or tensor parallel."""
+    """The forward layout each chat test runs in: FSDP2 keeping the gathered layers, or tensor parallel.
+
+    Module-scoped, so pytest runs the module's tests layout by layout and the model loads once per layout."""
     return request.param
 
 
-@pytest.fixture
-def loaded(kernel, tiny, layout):
+@pytest.fixture(scope="module")
+def loaded_once(kernel, tiny, layout):
+    """The shared kernel with the tiny model loaded in ``layout`` (tests undo what they add to the model)."""
     ex = kernel.run(
         f"%load_sharded --model.model_name_or_path {tiny} --inference.system_prompt none --parallel.decode {layout}",
         timeout=120,
     )
     assert ex.status == "ok", ex.error_text() + ex.stderr()
-    assert kernel.run("%chat --reset").status == "ok"
     return kernel
+
+
+@pytest.fixture
+def loaded(loaded_once):
+    """The loaded kernel with the conversation forgotten and no system prompt."""
+    assert loaded_once.run('%chat --reset --system ""').status == "ok"
+    return loaded_once
 
 
 def reply_widget_values(ex) -> list[str]:

@@ -39,17 +39,9 @@ def run_in_background(handle, code: str, timeout: float = 60):
     return thread, result, started
 
 
-def test_shutdown_ends_every_rank(fresh_kernel):
-    handle = fresh_kernel()
-    pids = handle.rank_pids()
-    launcher = handle.km.provisioner.process.pid
-    t0 = time.monotonic()
-    handle.stop()
-    assert wait_until(lambda: all(gone(p) for p in [*pids.values(), launcher]), timeout=5), "a rank outlived shutdown"
-    assert time.monotonic() - t0 < 5 + 1
-
-
-def test_restart_gives_a_working_pool_and_no_orphans(fresh_kernel):
+def test_restart_soft_then_hard_then_shutdown_leave_no_orphans(fresh_kernel):
+    """One kernel through all three: a restart gives a working pool of new ranks; restart(now=True) SIGKILLs
+    torchrun and the workers (own sessions) must still go away; shutdown ends every rank and the launcher."""
     handle = fresh_kernel()
     old = handle.rank_pids()
     handle.km.restart_kernel(now=False)
@@ -58,15 +50,17 @@ def test_restart_gives_a_working_pool_and_no_orphans(fresh_kernel):
     new = handle.rank_pids()
     assert set(new) == {0, 1} and not set(new.values()) & set(old.values())
 
-
-def test_hard_restart_leaves_no_orphans(fresh_kernel):
-    """restart(now=True) SIGKILLs torchrun; the workers (own sessions) must still go away."""
-    handle = fresh_kernel()
-    old = handle.rank_pids()
     handle.km.restart_kernel(now=True)
-    assert wait_until(lambda: all(gone(p) for p in old.values()), timeout=5), "orphaned ranks after a hard restart"
+    assert wait_until(lambda: all(gone(p) for p in new.values()), timeout=5), "orphaned ranks after a hard restart"
     handle.kc.wait_for_ready(timeout=90)
     assert handle.run("%%all\nprint('back')").stdout().count("back") == 2
+
+    pids = handle.rank_pids()
+    launcher = handle.km.provisioner.process.pid
+    t0 = time.monotonic()
+    handle.stop()
+    assert wait_until(lambda: all(gone(p) for p in [*pids.values(), launcher]), timeout=5), "a rank outlived shutdown"
+    assert time.monotonic() - t0 < 5 + 1
 
 
 def test_killed_follower_is_reported_then_restart_works(fresh_kernel):

@@ -1,4 +1,4 @@
-"""Tests of the generation engine: two spawned gloo ranks with a sharded tiny Llama, and its in-process parts.
+"""Tests of the generation engine: two gloo rank processes with a sharded tiny Llama, and its in-process parts.
 
 The two-rank tests run once per forward layout: `gather` (FSDP2 keeping the gathered layers) and
 `tp` (tensor parallel over each rank's slices, with the demo model's uneven 9/3 heads).
@@ -12,7 +12,6 @@ and the test fails, so a hang is a failure, never a stuck test run.
 from __future__ import annotations
 
 import datetime
-import multiprocessing
 import os
 import sys
 import threading
@@ -38,6 +37,7 @@ from shardbook.rankd.generation.engine import (
     generate,
 )
 from shardbook.rankd.generation.streaming import INCOMPLETE, TextDeltaStreamer
+from tests.ranks import rank_context
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -199,29 +199,24 @@ SCENARIOS: dict[str, Callable[..., dict]] = {
 
 
 class Ranks:
-    """Two spawned rank processes, driven through pipes; every exchange has a deadline."""
+    """Two rank processes, driven through pipes; every exchange has a deadline."""
 
     def __init__(
         self, model_path: Path, workdir: Path, *, pg_timeout_s: float, layout: str = "gather", target: Any = None
     ):
-        context = multiprocessing.get_context("spawn")
+        context = rank_context()
         self.conns = []
         self.procs = []
-        previous = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned ranks
-        try:
-            for rank in range(WORLD_SIZE):
-                parent, child = context.Pipe()
-                proc = context.Process(
-                    target=target or _rank_main,
-                    args=(rank, str(workdir / "pg-init"), str(model_path), layout, pg_timeout_s, child),
-                    daemon=True,
-                )
-                proc.start()
-                self.conns.append(parent)
-                self.procs.append(proc)
-        finally:
-            _restore_env("OMP_NUM_THREADS", previous)
+        for rank in range(WORLD_SIZE):
+            parent, child = context.Pipe()
+            proc = context.Process(
+                target=target or _rank_main,
+                args=(rank, str(workdir / "pg-init"), str(model_path), layout, pg_timeout_s, child),
+                daemon=True,
+            )
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
         started = self._receive_all(deadline_s=DEADLINE_S + 60, what="start-up")
         if any(answer is not None for answer in started):
             self.kill()
@@ -268,13 +263,6 @@ class Ranks:
                 pytest.fail(f"rank {rank} raised in {what!r}:\n{value}")
             answers.append(value)
         return answers
-
-
-def _restore_env(name: str, value: str | None) -> None:
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
 
 
 @pytest.fixture(scope="module")
