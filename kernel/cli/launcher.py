@@ -86,7 +86,7 @@ def relayed_signals(torchrun: subprocess.Popen, pid_file: Path, graceful_term: b
             return
         try:
             os.kill(pid, signum)
-        except ProcessLookupError:  # rank 0 has already left; torchrun is ending the others
+        except ProcessLookupError:  # rank 0 has already left; the launcher is ending the others
             pass
 
     def stop(signum, frame) -> None:

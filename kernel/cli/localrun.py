@@ -41,11 +41,14 @@ def rank_env(rank: int, nproc: int, port: int, run_id: str) -> dict[str, str]:
     env = dict(os.environ)
     if nproc > 1:
         env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default: ranks must not each take every core
-    for name in ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK"):
-        env[name] = "0" if name == "GROUP_RANK" else str(rank)
-    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "ROLE_WORLD_SIZE"):
-        env[name] = str(nproc)
     env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        ROLE_RANK=str(rank),
+        GROUP_RANK="0",
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        ROLE_WORLD_SIZE=str(nproc),
         GROUP_WORLD_SIZE="1",
         ROLE_NAME="default",
         MASTER_ADDR="127.0.0.1",

@@ -132,7 +132,7 @@ def _on_sigterm(signum, frame) -> None:
         dead = runtime.pool.dead_ranks()
         reason = "; ".join(f"rank {s.rank} (pid {s.pid} on {s.host}): {s.dead_reason}" for s in dead)
         text = (
-            f"{reason or 'a worker of this job stopped'}. its launcher is ending every rank of the job, so this "
+            f"{reason or 'a worker of this job stopped'}. Its launcher is ending every rank of the job, so this "
             "kernel is stopping too: restart the kernel to start a fresh pool."
         )
         log.error(text)
