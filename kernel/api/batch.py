@@ -38,6 +38,7 @@ def scheduler_for(runtime: Runtime) -> BatchScheduler:
             max_sequences=config.inference.max_batch_sequences,
             max_step_tokens=config.inference.max_step_tokens,
             context=context,
+            join_window=config.inference.join_window_ms / 1000,
         )
         scheduler.loaded = loaded
         state["batch_scheduler"] = scheduler

@@ -153,6 +153,9 @@ class InferenceConfig:
     max_step_tokens: int = 2048
     """Most tokens one batch step forwards (decoding rows plus the joining prompts padded to the longest); a longer
     prompt is refused."""
+    join_window_ms: float = 10.0
+    """When the batch is empty, rank 0 waits until no request has arrived for this long (at most ten times it)
+    before the first prefill, so requests sent together share one prefill forward; 0 does not wait."""
 
     def __post_init__(self) -> None:
         coerce_fields(self, "inference")
@@ -173,6 +176,7 @@ class InferenceConfig:
             self.max_batch_sequences >= 1, f"inference.max_batch_sequences must be >= 1; got {self.max_batch_sequences}"
         )
         require(self.max_step_tokens >= 1, f"inference.max_step_tokens must be >= 1; got {self.max_step_tokens}")
+        require(self.join_window_ms >= 0, f"inference.join_window_ms must be >= 0; got {self.join_window_ms}")
 
 
 @dataclass

@@ -322,13 +322,23 @@ class BatchScheduler:
     """Rank 0's side of continuous batching: the waiting requests, the running batch and its loop."""
 
     def __init__(
-        self, tokenizer: Any, *, max_sequences: int = 8, max_step_tokens: int = 2048, context: int | None = None
+        self,
+        tokenizer: Any,
+        *,
+        max_sequences: int = 8,
+        max_step_tokens: int = 2048,
+        context: int | None = None,
+        join_window: float = 0.0,
     ):
-        if max_sequences < 1 or max_step_tokens < 1:
-            raise ValueError("max_sequences and max_step_tokens must be >= 1")
+        if max_sequences < 1 or max_step_tokens < 1 or join_window < 0:
+            raise ValueError("max_sequences and max_step_tokens must be >= 1, join_window >= 0")
         self.tokenizer = tokenizer
         self.max_sequences, self.max_step_tokens, self.context = max_sequences, max_step_tokens, context
+        self.join_window = join_window
+        """Seconds without a new arrival that an empty batch waits for before its first prefill (see `_settle`)."""
         self.lock = threading.Lock()
+        self.arrived = threading.Condition(self.lock)
+        """Notified by `submit` (under `lock`), for `_settle`."""
         self.waiting: list[SequenceHandle] = []
         self.running = False
         self.rows: list[_Running] = []
@@ -371,6 +381,7 @@ class BatchScheduler:
             self.waiting.append(handle)
             handle.starts_loop = not self.running
             self.running = True
+            self.arrived.notify_all()
         return handle
 
     def run(
@@ -386,6 +397,8 @@ class BatchScheduler:
             while True:
                 if stop_event is not None and stop_event.is_set():
                     self.stop_all()
+                if not rows:
+                    self._settle()
                 try:
                     plan, rows, joining = self._plan(rows)
                 except BaseException:
@@ -411,6 +424,26 @@ class BatchScheduler:
                     self._fail_all(rows + joining, f"{type(exc).__name__}: {exc}")
                     _broadcast(StepPlan(list(range(state.rows)), [], [], end=True), device, group)
                     raise
+
+    def _settle(self) -> None:
+        """Before an empty batch's first prefill, wait until no request has arrived for `join_window` (at most
+        ten windows, or until the batch would be full).
+
+        Clients that send together reach rank 0 a few milliseconds apart (each request is parsed and tokenized
+        first). Without the wait the first is prefilled alone and the others join one prefill and one decode
+        step later; with it they share the first prefill forward. Only rank 0 waits (its plan is broadcast),
+        so the ranks stay in step whatever the clock says.
+        """
+        if self.join_window <= 0:
+            return
+        deadline = time.monotonic() + 10 * self.join_window
+        with self.arrived:
+            seen = len(self.waiting)
+            while 0 < seen < self.max_sequences:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.arrived.wait(min(self.join_window, left)) and len(self.waiting) == seen:
+                    return
+                seen = len(self.waiting)
 
     def occupancy(self) -> tuple[int, int]:
         """(sequences in the batch, sequences waiting to join it) now."""
