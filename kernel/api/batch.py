@@ -38,11 +38,21 @@ def scheduler_for(runtime: Runtime) -> BatchScheduler:
             max_sequences=config.inference.max_batch_sequences,
             max_step_tokens=config.inference.max_step_tokens,
             context=context,
+            cache_tokens=cache_budget(config.inference.max_cache_tokens, loaded.summary),
             join_window=config.inference.join_window_ms / 1000,
         )
         scheduler.loaded = loaded
         state["batch_scheduler"] = scheduler
     return scheduler
+
+
+def cache_budget(configured: int | None, summary: dict) -> tuple[int, str] | None:
+    """The batch's KV cache limit in tokens and where it comes from: the config's, else the load's measure."""
+    if configured is not None:
+        return configured, "inference.max_cache_tokens"
+    if "kv_cache_tokens" in summary:
+        return summary["kv_cache_tokens"], summary["kv_cache_tokens_reason"]
+    return None
 
 
 def submit(

@@ -40,10 +40,13 @@ def summary_table(summary: dict[str, Any]) -> Table:
     ]
     if "warm_up_s" in summary:  # gather: one forward inside the load gathered every layer
         facts.append(["warm-up forward", f"{summary['warm_up_s']:.2f} s (every layer gathered, kept)"])
-    if "replicated_param_bytes" in summary:  # the tp layout: what every rank keeps whole, and its cache per token
+    if "replicated_param_bytes" in summary:  # the tp layout: what every rank keeps whole
         facts.append(["kept whole on every rank", format_bytes(summary["replicated_param_bytes"]) + " per rank"])
+    if "kv_cache_bytes_per_token" in summary:
         per_token = ", ".join(format_bytes(b) for b in summary["kv_cache_bytes_per_token"])
-        facts.append(["KV cache per token", f"{per_token} (rank 0, 1, ...)"])
+        facts.append(["KV cache per token", per_token + (" (rank 0, 1, ...)" if summary["decode"] == "tp" else "")])
+    if "kv_cache_tokens" in summary:
+        facts.append(["batch KV cache", f"{summary['kv_cache_tokens']:,} tokens ({summary['kv_cache_tokens_reason']})"])
     if "config_source" in summary:
         facts.insert(0, ["config", summary["config_source"]])
     for rank, local in enumerate(summary["local_param_bytes"]):

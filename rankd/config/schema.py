@@ -153,6 +153,10 @@ class InferenceConfig:
     max_step_tokens: int = 2048
     """Most tokens one batch step forwards (decoding rows plus the joining prompts padded to the longest); a longer
     prompt is refused."""
+    max_cache_tokens: int | None = None
+    """Most tokens the batch's KV cache holds (sequences times the longest, each counted with its prompt and all
+    its max_tokens); a request that would exceed it waits, one that never fits is refused. null: what fits in
+    half of the smallest free memory of any rank after the load (the load's summary shows it)."""
     join_window_ms: float = 10.0
     """When the batch is empty, rank 0 waits until no request has arrived for this long (at most ten times it)
     before the first prefill, so requests sent together share one prefill forward; 0 does not wait."""
@@ -176,6 +180,10 @@ class InferenceConfig:
             self.max_batch_sequences >= 1, f"inference.max_batch_sequences must be >= 1; got {self.max_batch_sequences}"
         )
         require(self.max_step_tokens >= 1, f"inference.max_step_tokens must be >= 1; got {self.max_step_tokens}")
+        require(
+            self.max_cache_tokens is None or self.max_cache_tokens >= 1,
+            f"inference.max_cache_tokens must be >= 1 or null; got {self.max_cache_tokens}",
+        )
         require(self.join_window_ms >= 0, f"inference.join_window_ms must be >= 0; got {self.join_window_ms}")
 
 

@@ -328,12 +328,15 @@ class BatchScheduler:
         max_sequences: int = 8,
         max_step_tokens: int = 2048,
         context: int | None = None,
+        cache_tokens: tuple[int, str] | None = None,
         join_window: float = 0.0,
     ):
         if max_sequences < 1 or max_step_tokens < 1 or join_window < 0:
             raise ValueError("max_sequences and max_step_tokens must be >= 1, join_window >= 0")
         self.tokenizer = tokenizer
         self.max_sequences, self.max_step_tokens, self.context = max_sequences, max_step_tokens, context
+        self.cache_tokens = cache_tokens
+        """(most tokens the batch's KV cache may hold, where that limit comes from), or None for no limit."""
         self.join_window = join_window
         """Seconds without a new arrival that an empty batch waits for before its first prefill (see `_settle`)."""
         self.lock = threading.Lock()
@@ -359,6 +362,13 @@ class BatchScheduler:
             raise BatchLimitError(
                 f"the prompt has {n} tokens but a step may take at most {self.max_step_tokens} "
                 "(inference.max_step_tokens): shorten the prompt or raise the limit"
+            )
+        if self.cache_tokens is not None and _reach(request) > self.cache_tokens[0]:
+            raise BatchLimitError(
+                f"the prompt ({n} tokens) plus max_tokens ({request.max_new_tokens}) needs {_reach(request)} tokens "
+                f"of KV cache, but the batch may hold {self.cache_tokens[0]} ({self.cache_tokens[1]}): shorten the "
+                "prompt, lower max_tokens, or set inference.max_cache_tokens if the ranks have room",
+                param="max_tokens",
             )
         if self.context is not None and n + max(request.max_new_tokens, 1) > self.context + 1:
             raise BatchLimitError(
@@ -476,6 +486,8 @@ class BatchScheduler:
                     continue
                 if (len(joining) + 1) * max(width, len(handle.request.prompt_ids)) > budget:
                     break
+                if not self._cache_holds(kept + joining, handle.request):
+                    break
                 self.waiting.pop(0)
                 width = max(width, len(handle.request.prompt_ids))
                 joining.append(_new_running(handle))
@@ -490,6 +502,15 @@ class BatchScheduler:
             end=end,
         )
         return plan, kept, joining
+
+    def _cache_holds(self, rows: list[_Running], request: SequenceRequest) -> bool:
+        """Whether the batch's KV cache stays within `cache_tokens` with `request` joining `rows`, until each
+        row has its prompt and all its max_tokens. The cache is left-padded: it holds (rows) x (the longest row)
+        tokens, and no row grows beyond its reach. An empty batch takes any request `check` let through."""
+        if self.cache_tokens is None or not rows:
+            return True
+        longest = max(_reach(request), *(_reach(seq.handle.request) for seq in rows))
+        return (len(rows) + 1) * longest <= self.cache_tokens[0]
 
     def _prefilled(self, seq: _Running, logits: torch.Tensor) -> None:
         request = seq.handle.request
@@ -624,6 +645,11 @@ def _delta(seq: _Running, text: str) -> StreamDelta:
         seq.prompt_logprobs if first else None,
         seq.prompt_top_logprobs if first else None,
     )
+
+
+def _reach(request: SequenceRequest) -> int:
+    """The most tokens a sequence holds in the cache: its prompt and every token it may generate."""
+    return len(request.prompt_ids) + max(request.max_new_tokens, 1)
 
 
 def _new_running(handle: SequenceHandle) -> _Running:

@@ -31,13 +31,20 @@ import torch.distributed as dist
 from torch import nn
 
 from shardbook.rankd.loading.load_steps import LoadSteps
-from shardbook.rankd.loading.summary import full_param_bytes, load_summary, rank_figures, tp_figures
+from shardbook.rankd.loading.summary import (
+    full_param_bytes,
+    kv_cache_figures,
+    load_summary,
+    rank_figures,
+    tp_figures,
+)
 from shardbook.rankd.loading.weight_reading import plan_reads, read_shards, read_tp_slices
 from shardbook.rankd.parallel.expert_parallel import ExpertLayout, expert_layout_problem, num_experts
 from shardbook.rankd.parallel.layout import (
     apply_fsdp,
     choose_layout,
     expert_group,
+    free_memory_per_rank,
     fsdp_mesh_layout,
     gather_fits,
     init_mesh,
@@ -171,8 +178,10 @@ def _load(
     if layout == "gather" and steps.ok:  # every rank settled above: the warm-up's collectives line up
         report("warm-up", 0, 1)
         summary["warm_up_s"] = steps.run("warm-up", warm_up, model, ckpt, device)
-        steps.settle()
+    free = steps.settle(free_memory_per_rank(device))  # after the warm-up, which gathered every layer under gather
+    if layout == "gather":
         report("warm-up", 1, 1)
+    summary.update(kv_cache_figures(model, free, ckpt.mesh_shape[-1] if layout == "tp" else None))
     return LoadedModel(model=model, tokenizer=ckpt.tokenizer, summary=summary)
 
 

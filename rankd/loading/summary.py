@@ -30,6 +30,11 @@ def full_param_bytes(model: nn.Module) -> int:
     return sum(global_numel(p) * p.element_size() for p in model.parameters())
 
 
+KV_CACHE_SHARE = 0.5
+"""Share of a rank's free memory (after the load) the continuous batch's KV cache may take; the rest is for
+activations and everything else."""
+
+
 def rank_figures(model: nn.Module, device: torch.device, load_seconds: float) -> dict[str, Any]:
     """This rank's share of the summary: its parameter bytes, its memory and its load time."""
     return {"local_param_bytes": local_param_bytes(model), "seconds": load_seconds, **memory_in_use(str(device))}
@@ -67,23 +72,46 @@ def load_summary(
 
 
 def tp_figures(model: nn.Module, parts: int) -> dict[str, Any]:
-    """What the `tp` layout costs each rank beyond its slices: the modules kept whole, and the KV cache per token.
-
-    `replicated_bytes` groups the whole parameters by name with layer numbers as `*` (every rank
-    holds each of them in full); `kv_cache_bytes_per_token[r]` is what one more token of context
-    adds to rank r's cache over all layers.
-    """
+    """What the `tp` layout costs each rank beyond its slices: the modules kept whole (grouped by name with layer
+    numbers as `*`; every rank holds each of them in full)."""
     replicated: dict[str, int] = {}
     for name, param in model.named_parameters():
         if tp_shard_of(param) is None:
             key = ".".join("*" if part.isdigit() else part for part in name.split("."))
             replicated[key] = replicated.get(key, 0) + param.numel() * param.element_size()
-    size = next(model.parameters()).element_size()
-    splits = attention_splits(model, parts)
     return {
         "replicated_param_bytes": sum(replicated.values()),
         "replicated_bytes": dict(sorted(replicated.items(), key=lambda item: -item[1])),
-        "kv_cache_bytes_per_token": [kv_cache_bytes_per_token(model, splits, r, size) for r in range(parts)],
+    }
+
+
+def kv_cache_figures(model: nn.Module, free: list[int], tp_parts: int | None) -> dict[str, Any]:
+    """The KV cache one token adds on each rank, and how many tokens the continuous batch may hold.
+
+    `kv_cache_bytes_per_token[r]` covers every layer on rank r (under `tp` its heads, `tp_parts` ranks to a
+    tensor-parallel group; otherwise every head on every rank). `kv_cache_tokens` is the smallest, over the
+    ranks, of `KV_CACHE_SHARE` of the rank's free memory after the load (`free`, per rank) divided by its
+    bytes per token. Empty for a model whose layers shardbook cannot read this from (no budget beyond the
+    model's context then).
+    """
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        return {}
+    size = next(model.parameters()).element_size()
+    splits = attention_splits(model, tp_parts) if tp_parts else [None] * len(layers)
+    per_token = [kv_cache_bytes_per_token(model, splits, r, size) for r in range(tp_parts or 1)]
+    per_rank = [per_token[r % len(per_token)] for r in range(len(free))]
+    if not any(per_rank):  # no layer keeps a cache that grows (linear attention only)
+        return {"kv_cache_bytes_per_token": per_token}
+    tokens = [int(KV_CACHE_SHARE * f) // max(1, b) for f, b in zip(free, per_rank)]
+    least = min(range(len(tokens)), key=tokens.__getitem__)
+    return {
+        "kv_cache_bytes_per_token": per_token,
+        "kv_cache_tokens": tokens[least],
+        "kv_cache_tokens_reason": (
+            f"{KV_CACHE_SHARE:.0%} of rank {least}'s free memory after the load "
+            f"({free[least] / 2**30:.1f} GiB) at {per_rank[least]:,} bytes per token"
+        ),
     }
 
 

@@ -136,6 +136,21 @@ def test_fsdp_matches_single_process(ranks, tiny, tiny_reference):
         assert summary["decode"] == "gather" and "fits" in summary["decode_reason"]
         # the first forward's all-gather of every layer happened inside the load, not in the first reply
         assert all(result["gathered"].values()) and summary["warm_up_s"] > 0, result["gathered"]
+        # the batch's KV cache budget: what a real cache holds per token, against half of the free memory
+        assert summary["kv_cache_bytes_per_token"] == [cache_bytes_per_token(tiny)]
+        assert summary["kv_cache_tokens"] > 10_000 and "50% of rank" in summary["kv_cache_tokens_reason"]
+
+
+def cache_bytes_per_token(path: Path) -> int:
+    """Bytes a transformers `DynamicCache` holds per token after a one-process forward of 5 tokens."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.ones(1, 5, dtype=torch.long), past_key_values=cache, use_cache=True)
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    return held // 5
 
 
 def test_world_of_one_rank(ranks, tiny, tiny_reference):

@@ -33,7 +33,7 @@ def main(model_dir: str, sliding_dir: str) -> None:
     runtime = get_runtime(shell=object())
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    runtime.ctx0.state["loaded"] = types.SimpleNamespace(model=model, tokenizer=tokenizer)
+    runtime.ctx0.state["loaded"] = types.SimpleNamespace(model=model, tokenizer=tokenizer, summary={})
     runtime.ctx0.state["config"] = ShardbookConfig(model=ModelConfig(model_name_or_path=model_dir, dtype="float32"))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -182,6 +182,7 @@ def main(model_dir: str, sliding_dir: str) -> None:
     out["chat_stream_equal"] = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == alone[1]
 
     out["model_changed"] = queued_across_a_load(runtime, port, name, messages[0])
+    out["kv_budget_refuses"] = kv_budget_refuses(runtime, server, name)
     out["refused_model_takes_turns"] = refused_model_takes_turns(runtime, server, name, messages[0], sliding_dir)
     out["stop_spares_the_notebook"] = stop_spares_the_notebook(runtime, server, name)  # stops the server
 
@@ -213,12 +214,41 @@ def queued_across_a_load(runtime, port: int, name: str, messages: list) -> bool:
     while scheduler_for(runtime).occupancy()[1] != 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     old = runtime.ctx0.state["loaded"]
-    runtime.ctx0.state["loaded"] = types.SimpleNamespace(model=old.model, tokenizer=old.tokenizer)  # a reload
+    runtime.ctx0.state["loaded"] = types.SimpleNamespace(model=old.model, tokenizer=old.tokenizer, summary={})  # reload
     load.finish()
     waiting.join(60)
     error = replies[0].json().get("error", {})
     served = requests.post(url, json=body, timeout=60).status_code  # the new model answers a new request
     return replies[0].status_code == 409 and error.get("code") == "model_changed" and served == 200
+
+
+def kv_budget_refuses(runtime, server, name: str) -> bool:
+    """Loaded with the KV cache budget a load measures where a rank has room for 100 tokens of cache: a request
+    whose prompt and max_tokens need more is a 400 naming the budget before any forward; a smaller one runs."""
+    import requests
+
+    from shardbook.rankd.loading.summary import KV_CACHE_SHARE, kv_cache_figures
+
+    old = runtime.ctx0.state["loaded"]
+    per_token = kv_cache_figures(old.model, [0], None)["kv_cache_bytes_per_token"][0]
+    summary = kv_cache_figures(old.model, [int(100 * per_token / KV_CACHE_SHARE)], None)
+    runtime.ctx0.state["loaded"] = types.SimpleNamespace(model=old.model, tokenizer=old.tokenizer, summary=summary)
+    forwards: list[int] = []
+    hook = old.model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    try:
+        body = {"model": name, "prompt": "Numbers: 0 1", "max_tokens": 120}
+        too_big = requests.post(f"{server.url}/completions", json=body, timeout=60)
+        ran = len(forwards)
+        fits = requests.post(f"{server.url}/completions", json={**body, "max_tokens": 8}, timeout=60)
+    finally:
+        hook.remove()
+        runtime.ctx0.state["loaded"] = old
+    message = too_big.json().get("error", {}).get("message", "")
+    return (
+        summary["kv_cache_tokens"] == 100
+        and (too_big.status_code, ran, fits.status_code) == (400, 0, 200)
+        and "tokens of KV cache, but the batch may hold 100 (50% of rank 0's free memory" in message
+    )
 
 
 def refused_model_takes_turns(runtime, server, name: str, messages: list, sliding_dir: str) -> bool:
@@ -232,7 +262,7 @@ def refused_model_takes_turns(runtime, server, name: str, messages: list, slidin
         AutoModelForCausalLM.from_pretrained(sliding_dir).eval(),
         AutoTokenizer.from_pretrained(sliding_dir),
     )
-    runtime.ctx0.state["loaded"] = types.SimpleNamespace(model=model, tokenizer=tokenizer)
+    runtime.ctx0.state["loaded"] = types.SimpleNamespace(model=model, tokenizer=tokenizer, summary={})
     try:
         chat = requests.post(
             f"{server.url}/chat/completions", json={"model": name, "messages": messages, "max_tokens": 4}, timeout=60

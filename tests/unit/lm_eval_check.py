@@ -25,7 +25,7 @@ torch.set_num_threads(1)
 rt = get_runtime(shell=object())
 m = AutoModelForCausalLM.from_pretrained(model_dir).eval()
 t = AutoTokenizer.from_pretrained(model_dir)
-rt.ctx0.state["loaded"] = types.SimpleNamespace(model=m, tokenizer=t)
+rt.ctx0.state["loaded"] = types.SimpleNamespace(model=m, tokenizer=t, summary={})
 rt.ctx0.state["config"] = ShardbookConfig(model=ModelConfig(model_name_or_path=model_dir, dtype="float32"))
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))

@@ -50,6 +50,7 @@ def test_completions_over_the_batch(tmp_path: Path) -> None:
     # 200 requests at once (64 in flight): each answered or refused with 429, never lost or failed
     assert set(found["burst_statuses"]) <= {200, 429} and found["burst_answered"] + found["burst_refused"] == 200
     assert found["too_long"] == 400
+    assert found["kv_budget_refuses"]  # the load's KV cache budget: a request that can never fit is a 400 up front
     assert found["chat_concurrent_equal_alone"] and found["chat_equals_single_path"]  # %serve (batched by default)
     assert found["chat_n_logprobs"] and found["chat_stream_equal"] and found["chat_stream_logprobs_equal"]
     assert found["model_changed"]  # waited across a load: 409, never answered by the other model
