@@ -359,3 +359,14 @@ def random_biases(model) -> None:
 def make_tiny_tp_family(path: Path, family: str) -> Path:
     """Write a random float32 causal LM of `family` (see `TP_FAMILIES`)."""
     return make_tiny_lm(path, family=family, init=random_biases, **TP_FAMILIES[family])
+
+
+def cache_bytes_per_token(model) -> int:
+    """Bytes a transformers `DynamicCache` holds per token after a one-process forward of 5 tokens of `model`."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.ones(1, 5, dtype=torch.long), past_key_values=cache, use_cache=True)
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    return held // 5

@@ -106,14 +106,12 @@ def kv_cache_bytes_per_token(model: nn.Module, split: list[AttentionSplit | None
 
 def _attention_bytes(attn: nn.Module, heads: AttentionSplit | None, config, rank: int) -> int:
     """Values of KV cache one token adds to one attention module on `rank` (and its indexer's keys)."""
-    if heads is None and is_mla(attn):  # transformers' own forward caches every head's keys and values
-        values = attn.num_heads * (attn.qk_head_dim + attn.v_head_dim)
+    if is_mla(attn):  # the latent, whole on every rank (transformers' own forward caches it too)
+        values = config.kv_lora_rank + config.qk_rope_head_dim
     elif heads is None:  # every key/value head (configs that leave them out mean one per query head)
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(attn, "head_dim", None) or config.hidden_size // config.num_attention_heads
         values = 2 * kv_heads * head_dim
-    elif heads.head_dim is None:
-        values = config.kv_lora_rank + config.qk_rope_head_dim  # the latent, whole on every rank
     else:
         values = 2 * len(heads.shares[rank].kv_heads) * heads.head_dim
     indexer = getattr(attn, "indexer", None)

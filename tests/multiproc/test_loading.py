@@ -13,7 +13,7 @@ import platformdirs
 import pytest
 import torch
 
-from tests.tiny import make_tiny_llama, make_tiny_non_causal
+from tests.tiny import cache_bytes_per_token, make_tiny_llama, make_tiny_non_causal
 
 PROMPT = "What is the capital of France?"
 NUM_TOKENS = 20
@@ -109,6 +109,12 @@ def tiny_reference(tiny) -> dict:
     return single_process(tiny)
 
 
+def tiny_model(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
 def assert_same_as_reference(results: list[dict], reference: dict) -> None:
     for rank, result in enumerate(results):
         torch.testing.assert_close(result["logits"], reference["logits"], atol=1e-5, rtol=0, msg=f"rank {rank}")
@@ -137,20 +143,8 @@ def test_fsdp_matches_single_process(ranks, tiny, tiny_reference):
         # the first forward's all-gather of every layer happened inside the load, not in the first reply
         assert all(result["gathered"].values()) and summary["warm_up_s"] > 0, result["gathered"]
         # the batch's KV cache budget: what a real cache holds per token, against half of the free memory
-        assert summary["kv_cache_bytes_per_token"] == [cache_bytes_per_token(tiny)]
+        assert summary["kv_cache_bytes_per_token"] == [cache_bytes_per_token(tiny_model(tiny))]
         assert summary["kv_cache_tokens"] > 10_000 and "50% of rank" in summary["kv_cache_tokens_reason"]
-
-
-def cache_bytes_per_token(path: Path) -> int:
-    """Bytes a transformers `DynamicCache` holds per token after a one-process forward of 5 tokens."""
-    from transformers import AutoModelForCausalLM, DynamicCache
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(input_ids=torch.ones(1, 5, dtype=torch.long), past_key_values=cache, use_cache=True)
-    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-    return held // 5
 
 
 def test_world_of_one_rank(ranks, tiny, tiny_reference):
