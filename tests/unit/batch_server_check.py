@@ -12,6 +12,7 @@ import types
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -136,6 +137,7 @@ def main(model_dir: str, sliding_dir: str) -> None:
     server.stop()
 
     server = Server(runtime, ServeOptions(port=port, max_waiting=2)).start()
+    rss_before = psutil.Process().memory_info().rss
     with ThreadPoolExecutor(64) as pool:
         codes = list(
             pool.map(
@@ -152,6 +154,7 @@ def main(model_dir: str, sliding_dir: str) -> None:
     out["burst_statuses"] = sorted(set(codes))
     out["burst_answered"] = codes.count(200)
     out["burst_refused"] = codes.count(429)
+    out["burst_rss_growth_mib"] = (psutil.Process().memory_info().rss - rss_before) / 2**20
     server.stop()
 
     server = Server(runtime, ServeOptions(port=port)).start()  # chat completions batch by default

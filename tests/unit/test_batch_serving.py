@@ -49,6 +49,7 @@ def test_completions_over_the_batch(tmp_path: Path) -> None:
     assert found["metrics"]
     # 200 requests at once (64 in flight): each answered or refused with 429, never lost or failed
     assert set(found["burst_statuses"]) <= {200, 429} and found["burst_answered"] + found["burst_refused"] == 200
+    assert found["burst_rss_growth_mib"] < 100, found["burst_rss_growth_mib"]  # memory bounded: at most 6 wait
     assert found["too_long"] == 400
     assert found["kv_budget_refuses"]  # the load's KV cache budget: a request that can never fit is a 400 up front
     assert found["chat_concurrent_equal_alone"] and found["chat_equals_single_path"]  # %serve (batched by default)
