@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import html
 import json
+import threading
+import time
 
 import pytest
 
-from tests.driver import interrupt_when
+from tests.driver import interrupt_when, wait_for_interrupt_replies
 from tests.tiny import make_tiny_llama
 
 pytestmark = pytest.mark.timeout(240)
@@ -260,6 +262,90 @@ def test_an_interrupt_outside_the_wait_never_strands_the_reply(loaded, where):
     dist = loaded.run("%dist")
     assert dist.status == "ok", dist.error_text() + dist.stderr()
     assert dist.of_type("execute_result")[0]["content"]["data"]["text/plain"].count("idle") == 2
+
+
+TAIL = """
+import asyncio, threading, time
+kernel = get_ipython().kernel
+presses = threading.Semaphore(0)
+tail_hits, hold_armed = [], threading.Event()
+pressed_handlers = {{}}
+for table in (kernel.shell_handlers, kernel.control_handlers):
+    def counted(*args, _handler=table["interrupt_request"]):  # the stop button's handler, then a count
+        async def run():
+            result = _handler(*args)
+            if asyncio.iscoroutine(result):
+                await result
+            presses.release()
+        return run()
+    pressed_handlers[id(table)] = table["interrupt_request"]
+    table["interrupt_request"] = counted
+
+def arm(info):  # only a %%chat cell's end is held
+    if info.raw_cell.startswith("%%chat"):
+        hold_armed.set()
+
+def hold_the_cell_end():  # the end of a %%chat cell waits until the test has pressed {presses} times
+    if not hold_armed.is_set():
+        return
+    hold_armed.clear()
+    print("{mark}", flush=True)
+    try:
+        for _ in range({presses}):
+            presses.acquire(timeout=30)
+        time.sleep(0.2)  # a SIGINT the last press sent lands here (there should be none)
+    except KeyboardInterrupt:
+        tail_hits.append("KeyboardInterrupt at the end of the cell")
+
+get_ipython().events.register("pre_run_cell", arm)
+get_ipython().events.register("post_execute", hold_the_cell_end)
+"""
+UNTAIL = """
+get_ipython().events.unregister("pre_run_cell", arm)
+get_ipython().events.unregister("post_execute", hold_the_cell_end)
+for table in (kernel.shell_handlers, kernel.control_handlers):
+    table["interrupt_request"] = pressed_handlers[id(table)]
+"""
+TAIL_MARK = "the cell ends now"
+
+
+@pytest.mark.parametrize("flags", ["", "--no-batch"])
+def test_presses_after_the_turn_is_recorded_never_reach_the_cell(loaded, flags):
+    """Five presses while a %%chat reply streams, then one more as the cell ends (its turn already recorded),
+    on the batch and alone. Before, every press on the batch and every press after the reply became a SIGINT,
+    which raised KeyboardInterrupt wherever the main thread was (a busy machine widens these windows): in the
+    cell's end here, deterministically. Now the stop button stops the cell's reply directly and sends no SIGINT."""
+    assert loaded.run(TAIL.format(presses=6, mark=TAIL_MARK)).status == "ok"
+    try:
+        reply_seen, tail_seen, result = threading.Event(), threading.Event(), {}
+
+        def watch(msg):
+            if replying(msg):
+                reply_seen.set()
+            if msg["msg_type"] == "stream" and TAIL_MARK in msg["content"]["text"]:
+                tail_seen.set()
+
+        question = f"pressed at the end, {flags or 'batched'}"
+        code = f"%%chat {flags} --new --max-new-tokens 2000 --do-sample --temperature 2.0\n{question}"
+        thread = threading.Thread(target=lambda: result.update(ex=loaded.run(code, timeout=120, on_message=watch)))
+        thread.start()
+        assert reply_seen.wait(60), "the reply never streamed"
+        for press in range(5):
+            time.sleep(0.05 if press else 0)
+            loaded.km.interrupt_kernel()
+        assert tail_seen.wait(60), "the cell never reached its end"
+        loaded.km.interrupt_kernel()
+        thread.join(120)
+        wait_for_interrupt_replies(loaded.km, 6, deadline=time.monotonic() + 60)
+        ex = result["ex"]
+        assert ex.status == "ok", ex.error_text()
+        hits = loaded.run("print(tail_hits)").stdout()
+        assert hits.strip() == "[]", hits
+        assert f"[user] {question}\n[assistant (interrupted)] " in loaded.run("%chat --history").stdout()
+        dist = loaded.run("%dist").of_type("execute_result")[0]["content"]["data"]["text/plain"]
+        assert dist.count("idle") == 2, dist
+    finally:
+        loaded.run(UNTAIL)
 
 
 @pytest.mark.parametrize("text", ["caf\\udce9 au lait", "lone \\ud800 surrogate"])
