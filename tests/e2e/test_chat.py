@@ -348,6 +348,32 @@ def test_presses_after_the_turn_is_recorded_never_reach_the_cell(loaded, flags):
         loaded.run(UNTAIL)
 
 
+BATCH_MATE = """
+from shardbook.kernel.api.batch import scheduler_for, sequence_request, submit
+from shardbook.kernel.ranks.runtime import get_runtime
+mate = submit(get_runtime(), sequence_request(get_runtime(), "count", chat=True, max_new_tokens=200, ignore_eos=True))
+"""
+
+
+def test_the_stop_button_stops_the_cells_reply_not_its_batch_mates(loaded):
+    """A %%chat reply decoding in the batch beside another sequence (an HTTP request's, another cell's): the stop
+    button stops the cell's reply only. Before, it stopped every sequence of the batch (the batch's turn)."""
+    assert loaded.run(BUSY_STEP).status == "ok"
+    try:
+        mate = loaded.run(BATCH_MATE)
+        assert mate.status == "ok", mate.error_text()
+        code = "%%chat --new --max-new-tokens 2000 --do-sample --temperature 2.0\nramble on beside a batch mate"
+        ex, _ = interrupt_when(loaded, code, replying)
+        assert ex.status == "ok", ex.error_text()
+        assert "[assistant (interrupted)]" in loaded.run("%chat --history").stdout()
+        mate = loaded.run("print(mate.wait(120).finish_reason, scheduler_for(get_runtime()).driven.wait(30))")
+        assert mate.stdout().split() == ["length", "True"], mate.stdout() + mate.error_text()
+    finally:
+        loaded.run("%%all\nslow.remove()")
+    dist = loaded.run("%dist").of_type("execute_result")[0]["content"]["data"]["text/plain"]
+    assert dist.count("idle") == 2, dist
+
+
 @pytest.mark.parametrize("text", ["caf\\udce9 au lait", "lone \\ud800 surrogate"])
 def test_text_that_is_not_unicode_is_refused_before_any_rank_generates(loaded, tmp_path, text):
     """In a %%chat message (a frontend sends '\\ud800' escapes; surrogate-escaped bytes look alike)
