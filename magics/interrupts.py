@@ -69,7 +69,8 @@ def install_interrupt_hook(shell: Any, generation_queue: GenerationQueue) -> Non
 
 def _stop_reply_first(kernel: Any, original, generation_queue: GenerationQueue, activity: CellActivity):
     async def interrupt_request(stream, ident, parent):
-        if not (foreground.stop_foreground_reply() or activity.chat_replied):
+        replied = activity.chat_replied  # read first: a reply that starts meanwhile is stopped below, or by SIGINT
+        if not (foreground.stop_foreground_reply() or replied):
             stopped = generation_queue.stop_running()
             if activity.running and (stopped is None or stopped.source != CHAT_SOURCE):
                 result = original(stream, ident, parent)  # SIGINT for the cell's own code
