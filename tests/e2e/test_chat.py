@@ -352,7 +352,7 @@ def test_presses_after_the_turn_is_recorded_never_reach_the_cell(loaded, flags):
 BATCH_MATE = """
 from shardbook.kernel.api.batch import scheduler_for, sequence_request, submit
 from shardbook.kernel.ranks.runtime import get_runtime
-mate = submit(get_runtime(), sequence_request(get_runtime(), "count", chat=True, max_new_tokens=200, ignore_eos=True))
+mate = submit(get_runtime(), sequence_request(get_runtime(), "count", chat=True, max_new_tokens=120, ignore_eos=True))
 """
 
 
