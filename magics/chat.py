@@ -110,8 +110,8 @@ class ChatMagics(Magics):
             ChatModel,
             ChatStream,
             GenerationFailed,
-            sigint_calls,
         )
+        from shardbook.kernel.ranks.foreground import sigint_calls
 
         try:
             runtime = get_runtime(self.shell)

@@ -1,12 +1,14 @@
 """The kernel's stop button: the reply in flight stops directly; SIGINT only reaches cell code that needs it.
 
 ipykernel turns every ``interrupt_request`` into a SIGINT, which raises KeyboardInterrupt wherever
-rank 0's main thread happens to be: in the cell, but also in ipykernel's own code right after a
-cell when the button is pressed several times (the cell's reply is then never sent and the cell
-looks stuck), and not at all in an idle kernel (an HTTP reply would not stop). Here the handler
-first stops the reply in flight (a ``%%chat`` cell's, ``ChatModel``'s, an HTTP request's) through
-the generation queue, then sends the SIGINT only while a cell runs user code and what it stopped
-was not a chat reply, which ends by itself, its cell with it.
+rank 0's main thread happens to be: in the cell, but also in the code that records a chat turn, or in
+IPython's and ipykernel's own code right after a cell when the button is pressed several times (the
+cell then ends with a traceback, or its reply is never sent and it looks stuck), and not at all in an
+idle kernel (an HTTP reply would not stop). Here the handler stops the reply the cell waits for
+(``kernel/ranks/foreground.py``: a ``%%chat`` cell's, ``ChatModel``'s), on the batch or alone, and sends
+nothing else; without one, it stops the reply in flight through the generation queue (an HTTP
+request's), then sends the SIGINT only while a cell runs user code. A cell that is only a ``%%chat``
+magic runs no user code: once its reply has started, no press becomes a SIGINT there.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from shardbook.kernel.ranks import foreground
 from shardbook.kernel.ranks.generation_queue import CHAT_SOURCE, GenerationQueue
 
 
@@ -26,6 +29,9 @@ class CellActivity:
 
     def __init__(self, shell: Any):
         self.depth = 0
+        self.chat_cell = False
+        """The cell is a ``%%chat`` cell magic, with no code of the user's around it."""
+        self.replies_before = 0
         shell.events.register("pre_run_cell", self._started)
         shell.events.register("post_run_cell", self._ended)
 
@@ -33,7 +39,15 @@ class CellActivity:
     def running(self) -> bool:
         return self.depth > 0
 
+    @property
+    def chat_replied(self) -> bool:
+        """Whether the running cell is a ``%%chat`` cell whose reply has started (all that is left is its end)."""
+        return self.running and self.chat_cell and foreground.num_entered() > self.replies_before
+
     def _started(self, info: Any) -> None:
+        if self.depth == 0:
+            self.chat_cell = (getattr(info, "raw_cell", None) or "").lstrip().startswith("%%chat")
+            self.replies_before = foreground.num_entered()
         self.depth += 1
 
     def _ended(self, result: Any) -> None:
@@ -55,12 +69,14 @@ def install_interrupt_hook(shell: Any, generation_queue: GenerationQueue) -> Non
 
 def _stop_reply_first(kernel: Any, original, generation_queue: GenerationQueue, activity: CellActivity):
     async def interrupt_request(stream, ident, parent):
-        stopped = generation_queue.stop_running()
-        if activity.running and (stopped is None or stopped.source != CHAT_SOURCE):
-            result = original(stream, ident, parent)  # SIGINT for the cell's own code
-            if inspect.isawaitable(result):
-                await result
-            return
+        replied = activity.chat_replied  # read first: a reply that starts meanwhile is stopped below, or by SIGINT
+        if not (foreground.stop_foreground_reply() or replied):
+            stopped = generation_queue.stop_running()
+            if activity.running and (stopped is None or stopped.source != CHAT_SOURCE):
+                result = original(stream, ident, parent)  # SIGINT for the cell's own code
+                if inspect.isawaitable(result):
+                    await result
+                return
         kernel.session.send(stream, "interrupt_reply", {"status": "ok"}, parent, ident=ident)
 
     return interrupt_request

@@ -108,12 +108,13 @@ def interrupt_when(
     wait_s: float = 60.0,
     timeout: float = 120.0,
     times: int = 1,
-    every_s: float = 0.0,
+    every_s: float | Callable[[], float] = 0.0,
 ) -> tuple[Execution, float]:
     """Run ``code`` on ``handle`` (a started kernel with ``run`` and ``km``) and interrupt the kernel at
-    the first IOPub message ``seen`` accepts (``times`` interrupts, ``every_s`` apart, as a person
-    pressing the stop button again and again); returns the Execution and the seconds from the
-    first interrupt to its reply. Fails if that moment does not come within ``wait_s``."""
+    the first IOPub message ``seen`` accepts (``times`` interrupts, ``every_s`` apart, or as far apart
+    as each call of ``every_s`` says, as a person pressing the stop button again and again); returns the
+    Execution and the seconds from the first interrupt to its reply. Fails if that moment does not
+    come within ``wait_s``."""
     result: dict[str, Any] = {}
     spotted = threading.Event()
 
@@ -134,7 +135,7 @@ def interrupt_when(
         interrupted_at = time.monotonic()
         for i in range(times):
             if i:
-                time.sleep(every_s)
+                time.sleep(every_s() if callable(every_s) else every_s)
             handle.km.interrupt_kernel()
         thread.join(timeout)
         seconds = time.monotonic() - interrupted_at

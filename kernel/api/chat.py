@@ -8,24 +8,25 @@ they arrive; the consumer waits with a deadline.
 Interrupts stop every rank at its next step and the partial reply is returned
 (``finish_reason="interrupted"``). :meth:`ChatStream.stop` is idempotent and may come at
 any moment, even before the command has reached the ranks. Callers that must not lose the
-reply (the magic, the terminal chat, :meth:`ChatStream.wait`) hold :func:`sigint_calls` for as
-long as the stream lives, so no SIGINT raises KeyboardInterrupt in the middle of their own code;
-a consumer that leaves the iteration early (an exception, ``break``) stops the ranks too.
+reply (the magic, the terminal chat, :meth:`ChatStream.wait`) hold
+:func:`~shardbook.kernel.ranks.foreground.sigint_calls` for as long as the stream lives, so no
+interrupt raises KeyboardInterrupt in the middle of their own code and the kernel's stop button
+calls the stream's stop directly; a consumer that leaves the iteration early (an exception,
+``break``) stops the ranks too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import queue
-import signal
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
 from shardbook.kernel.api.conversation import with_system_prompt
+from shardbook.kernel.ranks.foreground import sigint_calls
 from shardbook.kernel.ranks.generation_queue import CHAT_SOURCE, Turn
 from shardbook.kernel.ranks.pool import Command, Outcome, PoolError
 from shardbook.kernel.ranks.runtime import Runtime, get_runtime
@@ -259,22 +260,6 @@ class ChatStream:
         return self.response
 
 
-@contextmanager
-def sigint_calls(fn: Callable[[], None]) -> Iterator[None]:
-    """Within the block, SIGINT calls ``fn`` instead of raising KeyboardInterrupt wherever the code happens to be.
-
-    Only the main thread receives signals; elsewhere this does nothing (no KeyboardInterrupt lands there).
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: fn())
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 class _LoopQueue:
     """What :class:`ChatStream`'s worker thread puts events into, handing them to an asyncio queue."""
 
@@ -414,8 +399,10 @@ class BatchChatStream:
             return
 
     def wait(self) -> ChatResponse:
-        for _ in self:
-            pass
+        """The finished reply; an interrupt meanwhile stops it (the partial reply is returned), as ChatStream.wait."""
+        with sigint_calls(self.stop):
+            for _ in self:
+                pass
         return self.response
 
     def _response(self, result: Any) -> ChatResponse:

@@ -394,7 +394,8 @@ class TerminalChat:
 
     def reply(self, text: str) -> None:
         """Stream the reply to ``text``; Ctrl-C meanwhile stops it on every rank and keeps what was written."""
-        from shardbook.kernel.api.chat import ChatStream, GenerationFailed, sigint_calls
+        from shardbook.kernel.api.chat import ChatStream, GenerationFailed
+        from shardbook.kernel.ranks.foreground import sigint_calls
 
         try:
             request = self.model.build_request(self.conversation.request_messages(text), system_prompt=None)

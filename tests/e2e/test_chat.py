@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import html
 import json
+import random
+import threading
+import time
 
 import pytest
 
-from tests.driver import interrupt_when
+from tests.driver import interrupt_when, wait_for_interrupt_replies
 from tests.tiny import make_tiny_llama
 
 pytestmark = pytest.mark.timeout(240)
@@ -262,6 +265,116 @@ def test_an_interrupt_outside_the_wait_never_strands_the_reply(loaded, where):
     assert dist.of_type("execute_result")[0]["content"]["data"]["text/plain"].count("idle") == 2
 
 
+TAIL = """
+import asyncio, threading, time
+kernel = get_ipython().kernel
+presses = threading.Semaphore(0)
+tail_hits, hold_armed = [], threading.Event()
+pressed_handlers = {{}}
+for table in (kernel.shell_handlers, kernel.control_handlers):
+    def counted(*args, _handler=table["interrupt_request"]):  # the stop button's handler, then a count
+        async def run():
+            result = _handler(*args)
+            if asyncio.iscoroutine(result):
+                await result
+            presses.release()
+        return run()
+    pressed_handlers[id(table)] = table["interrupt_request"]
+    table["interrupt_request"] = counted
+
+def arm(info):  # only a %%chat cell's end is held
+    if info.raw_cell.startswith("%%chat"):
+        hold_armed.set()
+
+def hold_the_cell_end():  # the end of a %%chat cell waits until the test has pressed {presses} times
+    if not hold_armed.is_set():
+        return
+    hold_armed.clear()
+    print("{mark}", flush=True)
+    try:
+        for _ in range({presses}):
+            presses.acquire(timeout=30)
+        time.sleep(0.2)  # a SIGINT the last press sent lands here (there should be none)
+    except KeyboardInterrupt:
+        tail_hits.append("KeyboardInterrupt at the end of the cell")
+
+get_ipython().events.register("pre_run_cell", arm)
+get_ipython().events.register("post_execute", hold_the_cell_end)
+"""
+UNTAIL = """
+get_ipython().events.unregister("pre_run_cell", arm)
+get_ipython().events.unregister("post_execute", hold_the_cell_end)
+for table in (kernel.shell_handlers, kernel.control_handlers):
+    table["interrupt_request"] = pressed_handlers[id(table)]
+"""
+TAIL_MARK = "the cell ends now"
+
+
+@pytest.mark.parametrize("flags", ["", "--no-batch"])
+def test_presses_after_the_turn_is_recorded_never_reach_the_cell(loaded, flags):
+    """Five presses while a %%chat reply streams, then one more as the cell ends (its turn already recorded),
+    on the batch and alone. Before, every press on the batch and every press after the reply became a SIGINT,
+    which raised KeyboardInterrupt wherever the main thread was (a busy machine widens these windows): in the
+    cell's end here, deterministically. Now the stop button stops the cell's reply directly and sends no SIGINT."""
+    assert loaded.run(TAIL.format(presses=6, mark=TAIL_MARK)).status == "ok"
+    try:
+        reply_seen, tail_seen, result = threading.Event(), threading.Event(), {}
+
+        def watch(msg):
+            if replying(msg):
+                reply_seen.set()
+            if msg["msg_type"] == "stream" and TAIL_MARK in msg["content"]["text"]:
+                tail_seen.set()
+
+        question = f"pressed at the end, {flags or 'batched'}"
+        code = f"%%chat {flags} --new --max-new-tokens 2000 --do-sample --temperature 2.0\n{question}"
+        thread = threading.Thread(target=lambda: result.update(ex=loaded.run(code, timeout=120, on_message=watch)))
+        thread.start()
+        assert reply_seen.wait(60), "the reply never streamed"
+        for press in range(5):
+            time.sleep(0.05 if press else 0)
+            loaded.km.interrupt_kernel()
+        assert tail_seen.wait(60), "the cell never reached its end"
+        loaded.km.interrupt_kernel()
+        thread.join(120)
+        wait_for_interrupt_replies(loaded.km, 6, deadline=time.monotonic() + 60)
+        ex = result["ex"]
+        assert ex.status == "ok", ex.error_text()
+        hits = loaded.run("print(tail_hits)").stdout()
+        assert hits.strip() == "[]", hits
+        assert f"[user] {question}\n[assistant (interrupted)] " in loaded.run("%chat --history").stdout()
+        dist = loaded.run("%dist").of_type("execute_result")[0]["content"]["data"]["text/plain"]
+        assert dist.count("idle") == 2, dist
+    finally:
+        loaded.run(UNTAIL)
+
+
+BATCH_MATE = """
+from shardbook.kernel.api.batch import scheduler_for, sequence_request, submit
+from shardbook.kernel.ranks.runtime import get_runtime
+mate = submit(get_runtime(), sequence_request(get_runtime(), "count", chat=True, max_new_tokens=120, ignore_eos=True))
+"""
+
+
+def test_the_stop_button_stops_the_cells_reply_not_its_batch_mates(loaded):
+    """A %%chat reply decoding in the batch beside another sequence (an HTTP request's, another cell's): the stop
+    button stops the cell's reply only. Before, it stopped every sequence of the batch (the batch's turn)."""
+    assert loaded.run(BUSY_STEP).status == "ok"
+    try:
+        mate = loaded.run(BATCH_MATE)
+        assert mate.status == "ok", mate.error_text()
+        code = "%%chat --new --max-new-tokens 2000 --do-sample --temperature 2.0\nramble on beside a batch mate"
+        ex, _ = interrupt_when(loaded, code, replying)
+        assert ex.status == "ok", ex.error_text()
+        assert "[assistant (interrupted)]" in loaded.run("%chat --history").stdout()
+        mate = loaded.run("print(mate.wait(120).finish_reason, scheduler_for(get_runtime()).driven.wait(30))")
+        assert mate.stdout().split() == ["length", "True"], mate.stdout() + mate.error_text()
+    finally:
+        loaded.run("%%all\nslow.remove()")
+    dist = loaded.run("%dist").of_type("execute_result")[0]["content"]["data"]["text/plain"]
+    assert dist.count("idle") == 2, dist
+
+
 @pytest.mark.parametrize("text", ["caf\\udce9 au lait", "lone \\ud800 surrogate"])
 def test_text_that_is_not_unicode_is_refused_before_any_rank_generates(loaded, tmp_path, text):
     """In a %%chat message (a frontend sends '\\ud800' escapes; surrogate-escaped bytes look alike)
@@ -336,20 +449,23 @@ def test_shards_after_a_reply_shows_the_shards_again(loaded, layout):
     assert loaded.run("%%chat --output text --max-new-tokens 5\nagain").status == "ok"
 
 
-@pytest.mark.parametrize("grace", ["3", "0.01"])
-def test_rapid_interrupts_keep_the_turn_every_time(fresh_kernel, tiny, grace):
-    """Five presses 50 ms apart during a reply, 12 times over: every time the cell ends normally and the partial
-    turn is in the history. Before, a follower that replied later than the interrupt grace after the stop (a busy
-    machine, a slow step: here a grace of 0.01 s) was reported stuck, and the turn was lost (1 trial in 12)."""
+@pytest.mark.parametrize(("flags", "grace"), [("", "3"), ("--no-batch", "0.01")])
+def test_rapid_interrupts_keep_the_turn_every_time(fresh_kernel, tiny, flags, grace):
+    """Eight presses 0-100 ms apart (at random, seeded) during a reply, 12 times over, on the batch and alone: every
+    time the cell ends normally and the partial turn is in the history. Before, a follower that replied later than
+    the interrupt grace after the stop (a busy machine, a slow step: here a grace of 0.01 s, which only the single
+    reply's command has) was reported stuck, and the turn was lost (1 trial in 12); and presses became SIGINTs
+    that could land in the cell's end (`test_presses_after_the_turn_is_recorded_never_reach_the_cell`)."""
     kernel = fresh_kernel(SHARDBOOK_INTERRUPT_GRACE=grace)
     load = f"%load_sharded --model.model_name_or_path {tiny} --inference.system_prompt none --parallel.decode gather"
     assert kernel.run(load, timeout=120).status == "ok"
     assert kernel.run(BUSY_STEP).status == "ok"
+    spacing = random.Random(f"{flags} {grace}")
     lost = []
     for trial in range(12):
         question = f"ramble on, trial {trial}"
-        code = f"%%chat --new --max-new-tokens 2000 --do-sample --temperature 2.0\n{question}"
-        ex, _ = interrupt_when(kernel, code, replying, times=5, every_s=0.05)
+        code = f"%%chat {flags} --new --max-new-tokens 2000 --do-sample --temperature 2.0\n{question}"
+        ex, _ = interrupt_when(kernel, code, replying, times=8, every_s=lambda: spacing.uniform(0, 0.1))
         history = kernel.run("%chat --history")
         if ex.status != "ok" or f"[user] {question}\n[assistant (interrupted)] " not in history.stdout():
             lost.append((trial, ex.status, ex.error_text(), history.stdout()))
