@@ -18,14 +18,14 @@ few warnings per interval, and the I/O thread goes on.
 
 from __future__ import annotations
 
+import _signal
 import collections
-import contextlib
 import logging
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -114,27 +114,31 @@ def _verification_failure(error: Exception) -> str:
     return f"failed verification (malformed: {type(error).__name__})"
 
 
-@contextlib.contextmanager
-def sigint_deferred() -> Iterator[None]:
+class DeferredSigint:
     """In the main thread, hold a SIGINT's Python handler back until the block ends, then run it.
 
     The handler raises KeyboardInterrupt (or sends an interrupt itself) wherever the main thread is;
     in the middle of a multipart send it would leave half a message on the socket, or wait forever
-    for the lock its own thread holds. Other threads never run Python signal handlers.
+    for the lock its own thread holds. Other threads never run Python signal handlers. ``_signal``
+    is ``signal`` without its enum conversions, which cost 29 us a send against 1.3 us.
     """
-    saved = signal.getsignal(signal.SIGINT)
-    if saved is None or threading.current_thread() is not threading.main_thread():
-        yield  # None: a handler installed outside Python, which this cannot put back
-        return
-    caught: list[Any] = []
-    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, saved)
-        if caught and callable(saved):
-            saved(signal.SIGINT, caught[0])
-        elif caught and saved == signal.SIG_DFL:
+
+    def __enter__(self) -> DeferredSigint:
+        self.saved = None
+        self.caught: list[Any] = []
+        if threading.get_ident() == threading.main_thread().ident:
+            self.saved = _signal.getsignal(signal.SIGINT)  # None: installed outside Python, cannot be put back
+            if self.saved is not None:
+                _signal.signal(signal.SIGINT, lambda signum, frame: self.caught.append(frame))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.saved is None:
+            return
+        _signal.signal(signal.SIGINT, self.saved)
+        if self.caught and callable(self.saved):
+            self.saved(signal.SIGINT, self.caught[0])
+        elif self.caught and self.saved == signal.SIG_DFL:
             signal.raise_signal(signal.SIGINT)
 
 
@@ -183,7 +187,7 @@ class Channel:
         Raises :class:`MessageTooLarge` when a frame is over the limit the peer enforces (it would
         drop the connection). A message that cannot go out at once waits in the outbox, in order.
         """
-        with sigint_deferred(), self._lock:
+        with DeferredSigint(), self._lock:
             frames = self._serialize(msg_type, content, ident)
             queued = bool(self._outbox) or not self._send_now(msg_type, frames, ident)
             if queued:

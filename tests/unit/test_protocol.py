@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from shardbook.rankd.control import protocol
-from shardbook.rankd.control.channel import Channel, MessageTooLarge, control_socket, sigint_deferred
+from shardbook.rankd.control.channel import Channel, DeferredSigint, MessageTooLarge, control_socket
 
 
 class Endpoint:
@@ -137,7 +137,7 @@ def test_a_sigint_during_a_send_is_handled_when_the_send_is_over():
 
     saved = signal.signal(signal.SIGINT, handler)
     try:
-        with sigint_deferred():
+        with DeferredSigint():
             signal.raise_signal(signal.SIGINT)
             assert handled == []
         assert handled == [signal.SIGINT]
