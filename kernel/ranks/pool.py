@@ -265,7 +265,7 @@ class Pool:
         with self._forward_interrupts(command):
             if 0 in command.targets:
                 if self.channel is not None and len(command.targets) > 1:
-                    self.channel.wait_sent()  # let the followers start before rank 0 takes the GIL
+                    self.channel.wait_sent()  # a command left waiting in the outbox: let the followers start first
                 self._run_own_part(command, args)
             return self._wait(command, timeout_s)
 

@@ -1,11 +1,15 @@
-"""A ZeroMQ socket owned by one I/O thread, which other threads send through thread-safely.
+"""A ZeroMQ socket that any thread sends on at once, and one I/O thread receives from.
 
 ZeroMQ sockets must not be used from two threads at once, yet both ends of the control plane
-need to send from one thread (the main thread running a cell) while another receives (to notice
-an interrupt or a dead peer). The I/O thread owns the socket; senders sign and serialise their
-message in their own thread (so a message too large fails there, with a clear error), append it
-to an outbox and wake the I/O thread through an inproc pipe. The same class serves rank 0 (a
-ROUTER) and followers (DEALERs).
+send from one thread (the main thread running a cell) while another receives (to notice an
+interrupt or a dead peer). Every use of the socket is therefore under one lock: a sender signs,
+serialises and sends its message in its own thread (a message too large fails there, with a
+clear error), with no hop to another thread; the I/O thread takes the lock only to receive, and
+sleeps on the socket's file descriptor, never inside the socket. As that descriptor only
+signals changes, whoever used the socket looks at its events afterwards and wakes the I/O thread
+when a message waits. A message that cannot go out at once (the peer's queue is full) waits in
+an outbox that the I/O thread sends in order. The same class serves rank 0 (a ROUTER) and
+followers (DEALERs).
 
 Whatever arrives is untrusted until verified: a message that is malformed, oversized, unsigned or
 badly signed is dropped and logged (kind, frame count and size only, never its bytes), at most a
@@ -14,8 +18,10 @@ few warnings per interval, and the I/O thread goes on.
 
 from __future__ import annotations
 
+import _signal
 import collections
 import logging
+import signal
 import sys
 import threading
 import time
@@ -108,8 +114,36 @@ def _verification_failure(error: Exception) -> str:
     return f"failed verification (malformed: {type(error).__name__})"
 
 
+class DeferredSigint:
+    """In the main thread, hold a SIGINT's Python handler back until the block ends, then run it.
+
+    The handler raises KeyboardInterrupt (or sends an interrupt itself) wherever the main thread is;
+    in the middle of a multipart send it would leave half a message on the socket, or wait forever
+    for the lock its own thread holds. Other threads never run Python signal handlers. ``_signal``
+    is ``signal`` without its enum conversions, which cost 29 us a send against 1.3 us.
+    """
+
+    def __enter__(self) -> DeferredSigint:
+        self.saved = None
+        self.caught: list[Any] = []
+        if threading.get_ident() == threading.main_thread().ident:
+            self.saved = _signal.getsignal(signal.SIGINT)  # None: installed outside Python, cannot be put back
+            if self.saved is not None:
+                _signal.signal(signal.SIGINT, lambda signum, frame: self.caught.append(frame))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.saved is None:
+            return
+        _signal.signal(signal.SIGINT, self.saved)
+        if self.caught and callable(self.saved):
+            self.saved(signal.SIGINT, self.caught[0])
+        elif self.caught and self.saved == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)
+
+
 class Channel:
-    """Signed send/receive on ``socket`` from a background thread, with a periodic tick."""
+    """Signed messages over ``socket``: sent from any thread at once, received by a background thread with a tick."""
 
     def __init__(
         self,
@@ -128,9 +162,10 @@ class Channel:
         self._on_tick = on_tick
         self._on_unreachable = on_unreachable
         self._tick_s = tick_s
+        self._lock = threading.Lock()  # every use of the socket, and Session's numbering of its messages
         self._outbox: collections.deque = collections.deque()
+        self._unreachable: collections.deque[bytes] = collections.deque()
         self._wake_lock = threading.Lock()
-        self._serialize_lock = threading.Lock()
         self.dropped = DropLog()
         ctx = socket.context
         address = f"inproc://{name}-{id(self)}"
@@ -147,17 +182,26 @@ class Channel:
         return self
 
     def send(self, msg_type: str, content: dict[str, Any], ident: bytes | None = None) -> None:
-        """Sign and queue a message for the I/O thread; safe from any thread.
+        """Sign and send a message from the calling thread; safe from any thread.
 
-        Raises :class:`MessageTooLarge` in the caller's thread when a frame is over the limit the
-        peer enforces (it would drop the connection).
+        Raises :class:`MessageTooLarge` when a frame is over the limit the peer enforces (it would
+        drop the connection). A message that cannot go out at once waits in the outbox, in order.
         """
-        with self._serialize_lock:  # Session numbers its messages; keep the numbers unique
-            try:
-                frames = self.session.serialize(self.session.msg(msg_type, content), ident)
-            except (TypeError, ValueError) as e:  # content that is not JSON must not take the sender down
-                log.warning("control plane: could not serialise a %s message: %s", msg_type, type(e).__name__)
-                frames = self.session.serialize(self.session.msg(*unsendable(msg_type, content, e)), ident)
+        with DeferredSigint(), self._lock:
+            frames = self._serialize(msg_type, content, ident)
+            queued = bool(self._outbox) or not self._send_now(msg_type, frames, ident)
+            if queued:
+                self._outbox.append((msg_type, frames, ident))
+            wake = queued or bool(self._unreachable) or self._message_waiting()
+        if wake:
+            self._wake()
+
+    def _serialize(self, msg_type: str, content: dict[str, Any], ident: bytes | None) -> list[bytes]:
+        try:
+            frames = self.session.serialize(self.session.msg(msg_type, content), ident)
+        except (TypeError, ValueError) as e:  # content that is not JSON must not take the sender down
+            log.warning("control plane: could not serialise a %s message: %s", msg_type, type(e).__name__)
+            frames = self.session.serialize(self.session.msg(*unsendable(msg_type, content, e)), ident)
         largest = max(len(f) for f in frames)
         if largest > MAX_MESSAGE_BYTES:
             raise MessageTooLarge(
@@ -165,15 +209,41 @@ class Channel:
                 f"{MAX_MESSAGE_BYTES / (1 << 20):.0f} MiB (SHARDBOOK_MAX_MESSAGE_MB): send less at once, or write "
                 "large data to a file and pass its path"
             )
-        self._outbox.append((msg_type, frames, ident))
+        return frames
+
+    def _send_now(self, msg_type: str, frames: list[bytes], ident: bytes | None) -> bool:
+        """Hand ``frames`` to ZeroMQ without blocking (the lock held); False when the peer's queue is full."""
+        try:
+            self.socket.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH and self._on_unreachable and ident is not None:
+                self._unreachable.append(ident)  # reported from the I/O thread, as everything it learns
+            else:
+                log.warning("control plane: could not send %s: %s", msg_type, e)
+        return True
+
+    def _message_waiting(self) -> bool:
+        """Whether a message waits to be received (the lock held). Any use of the socket may have consumed
+        the descriptor's signal the I/O thread sleeps on, so every user asks afterwards."""
+        try:
+            return bool(self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        except zmq.ZMQError:  # closed
+            return False
+
+    def _wake(self) -> None:
         with self._wake_lock:
-            self._wake_send.send(b"", zmq.NOBLOCK)
+            try:
+                self._wake_send.send(b"", zmq.NOBLOCK)
+            except zmq.Again:  # a thousand wake-ups wait already
+                pass
 
     def wait_sent(self, timeout_s: float = 0.05) -> None:
-        """Block until the I/O thread has sent everything queued (or ``timeout_s`` passes).
+        """Block until the outbox is empty (or ``timeout_s`` passes); at once when every send went out directly.
 
         A caller that goes on to compute holds the GIL, which would keep the I/O thread from
-        sending for up to a switch interval; rank 0 waits here so the followers start first.
+        sending what waits for up to a switch interval; rank 0 waits here so the followers start first.
         """
         with self._sent:
             self._sent.wait_for(lambda: not self._outbox, timeout_s)
@@ -181,64 +251,67 @@ class Channel:
     def close(self, linger_s: float = 1.0) -> None:
         """Send what is queued (up to ``linger_s``), stop the thread and close the sockets."""
         self._closing.set()
-        with self._wake_lock:
-            self._wake_send.send(b"", zmq.NOBLOCK)
+        self._wake()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(linger_s + 1.0)
-        self.socket.close(linger=int(linger_s * 1000))
+        with self._lock:
+            self.socket.close(linger=int(linger_s * 1000))
         self._wake_send.close(linger=0)
         self._wake_recv.close(linger=0)
 
     def _run(self) -> None:
+        with self._lock:
+            descriptor = self.socket.getsockopt(zmq.FD)
         poller = zmq.Poller()
-        poller.register(self.socket, zmq.POLLIN)
+        poller.register(descriptor, zmq.POLLIN)
         poller.register(self._wake_recv, zmq.POLLIN)
         next_tick = time.monotonic()
         while True:
-            events = dict(poller.poll(timeout=max(0.0, next_tick - time.monotonic()) * 1000))
-            if self._wake_recv in events:
-                self._drain_wakeups()
-            self._flush_outbox()
+            received, more = self._exchange()
+            for frames in received:
+                parsed = self._parse(frames)
+                if parsed is not None:
+                    self._dispatch(*parsed)
+            while self._unreachable:
+                self._on_unreachable(self._unreachable.popleft())
             if self._closing.is_set():
                 return
-            if self.socket in events:
-                self._receive_all()
             now = time.monotonic()
             self.dropped.flush(now)
             if now >= next_tick:
                 next_tick = now + self._tick_s
                 self._tick(now)
+            if not more and self._wake_recv in dict(poller.poll(max(0.0, next_tick - time.monotonic()) * 1000)):
+                self._drain_wakeups()
 
-    def _drain_wakeups(self) -> None:
-        while self._wake_recv.poll(0):
-            self._wake_recv.recv()
+    def _exchange(self) -> tuple[list[list[bytes]], bool]:
+        """Send what waits in the outbox, receive a batch, and say whether more is waiting, under the lock.
+
+        At most a batch: a flood must not keep sends and ticks from running.
+        """
+        received = []
+        with self._lock:
+            self._flush_outbox()
+            while len(received) < RECEIVE_BATCH:
+                try:
+                    received.append(self.socket.recv_multipart(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+            events = self.socket.getsockopt(zmq.EVENTS)
+        return received, bool(events & zmq.POLLIN or (self._outbox and events & zmq.POLLOUT))
 
     def _flush_outbox(self) -> None:
         while self._outbox:
             msg_type, frames, ident = self._outbox[0]
-            try:
-                self.socket.send_multipart(frames)
-            except zmq.ZMQError as e:
-                if e.errno == zmq.EHOSTUNREACH and self._on_unreachable and ident is not None:
-                    self._on_unreachable(ident)
-                else:
-                    log.warning("control plane: could not send %s: %s", msg_type, e)
+            if not self._send_now(msg_type, frames, ident):
+                return  # the peer's queue is full: the rest waits until the socket is writable
             self._outbox.popleft()
         with self._sent:
             self._sent.notify_all()
 
-    def _receive_all(self) -> None:
-        """Receive what is waiting, at most a batch: a flood must not keep sends and ticks from running."""
-        for _ in range(RECEIVE_BATCH):
-            if not self.socket.poll(0):
-                return
-            try:
-                frames = self.socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            parsed = self._parse(frames)
-            if parsed is not None:
-                self._dispatch(*parsed)
+    def _drain_wakeups(self) -> None:
+        while self._wake_recv.poll(0):
+            self._wake_recv.recv()
 
     def _parse(self, frames: list[bytes]) -> tuple[Message, bytes | None] | None:
         """The verified message in ``frames`` and its sender's identity, or None (dropped, logged)."""

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import logging
 import random
+import signal
 import threading
 
 import pytest
 import zmq
 
 from shardbook.rankd.control import protocol
-from shardbook.rankd.control.channel import Channel, MessageTooLarge, control_socket
+from shardbook.rankd.control.channel import Channel, DeferredSigint, MessageTooLarge, control_socket
 
 
 class Endpoint:
@@ -72,6 +73,77 @@ def test_router_to_dealer(router):
     _, msg = session.recv(sock, mode=zmq.NOBLOCK)
     assert protocol.Message.from_session_msg(msg).payload["args"] == {"code": "1"}
     sock.close(0)
+
+
+def test_a_send_goes_out_from_its_own_thread_while_the_io_thread_is_busy():
+    """No hop through the I/O thread: a command is on the wire while that thread is still held up in a handler."""
+    session = protocol.make_session(b"secret")
+    entered, release = threading.Event(), threading.Event()
+
+    def on_message(message, ident):
+        entered.set()
+        release.wait(10)
+
+    sock = control_socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    channel = Channel(sock, session, on_message, name="test-busy").start()
+    follower = dealer(port, b"rank-1")
+    try:
+        session.send(follower, protocol.HELLO, protocol.envelope({}, rank=1))
+        assert entered.wait(5)
+        channel.send(protocol.COMMAND, protocol.envelope({"kind": "exec", "args": {"code": "pass"}}), ident=b"rank-1")
+        assert follower.poll(2000), "the command waited for the I/O thread"
+        assert not release.is_set()
+    finally:
+        release.set()
+        follower.close(0)
+        channel.close(0)
+
+
+def test_sends_that_find_the_peer_queue_full_wait_and_keep_their_order():
+    """A peer that does not read fills its queue: later messages wait in the outbox and all arrive, in order."""
+    session = protocol.make_session(b"secret")
+    sock = control_socket(zmq.ROUTER)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.SNDHWM, 1)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    hello = threading.Event()
+    channel = Channel(sock, session, lambda message, ident: hello.set(), name="test-full").start()
+    follower = dealer(port, b"rank-1")
+    follower.setsockopt(zmq.RCVHWM, 1)
+    try:
+        session.send(follower, protocol.HELLO, protocol.envelope({}, rank=1))
+        assert hello.wait(5)
+        for i in range(60):  # 60 x 256 KiB: more than the socket buffers hold
+            channel.send(protocol.STREAM, protocol.envelope({"i": i, "text": "x" * (1 << 18)}), ident=b"rank-1")
+        assert channel._outbox, "the peer's queue never filled: the test sends too little"
+        got = []
+        while len(got) < 60 and follower.poll(5000):
+            _, msg = session.recv(follower, mode=zmq.NOBLOCK)
+            got.append(protocol.Message.from_session_msg(msg).payload["i"])
+        assert got == list(range(60))
+    finally:
+        follower.close(0)
+        channel.close(0)
+
+
+def test_a_sigint_during_a_send_is_handled_when_the_send_is_over():
+    """The main thread's SIGINT handler (KeyboardInterrupt, or an interrupt sent to the ranks) must not run in
+    the middle of a multipart send, nor wait for the lock its own thread holds."""
+    handled = []
+
+    def handler(signum, frame):
+        handled.append(signum)
+
+    saved = signal.signal(signal.SIGINT, handler)
+    try:
+        with DeferredSigint():
+            signal.raise_signal(signal.SIGINT)
+            assert handled == []
+        assert handled == [signal.SIGINT]
+        assert signal.getsignal(signal.SIGINT) is handler
+    finally:
+        signal.signal(signal.SIGINT, saved)
 
 
 @pytest.mark.parametrize("forger_key", [b"wrong-key", None])
