@@ -26,6 +26,7 @@ from shardbook.rankd.control.capture import make_follower_shell
 from shardbook.rankd.control.channel import Channel, control_socket
 from shardbook.rankd.control.dispatch import STOPPED_BY_EVENT, RankContext, dispatch
 from shardbook.rankd.control.heartbeat import ECHO_KEY, PINGER_KEY, Echo, Pinger, heartbeat_socket
+from shardbook.rankd.control.startup_marks import mark
 from shardbook.rankd.control.world import CONNECT_TIMEOUT_S, World, memory_in_use
 
 log = logging.getLogger(__name__)
@@ -52,9 +53,9 @@ def rank0_endpoints(world: World, timeout_s: float = CONNECT_TIMEOUT_S) -> dict[
 class Follower:
     """One follower rank: its channel to rank 0, its shell and its command loop."""
 
-    def __init__(self, world: World, session: Any, endpoints: dict[str, str]):
+    def __init__(self, world: World, session: Any, endpoints: dict[str, str], shell: Any = None):
         self.world = world
-        self.ctx = RankContext(world=world, shell=make_follower_shell())
+        self.ctx = RankContext(world=world, shell=shell or make_follower_shell())
         self.inbox: queue.Queue = queue.Queue()
         self.running_id: str | None = None
         self.running_kind: str | None = None
@@ -133,6 +134,7 @@ class Follower:
         signal.signal(signal.SIGINT, self._on_sigint)
         self.channel.start()
         self.send(protocol.HELLO, self.world.describe())
+        mark("hello")
         while True:
             message = self._next_command()
             if message is None:
@@ -173,6 +175,6 @@ class Follower:
             self.send(protocol.DONE, {"status": "error", "error": error}, message.id)
 
 
-def run_follower(world: World, session: Any) -> None:
-    """Connect to rank 0 and serve commands until told to stop."""
-    Follower(world, session, rank0_endpoints(world)).run()
+def run_follower(world: World, session: Any, shell: Any = None) -> None:
+    """Connect to rank 0 and serve commands until told to stop (in ``shell``, else a new follower shell)."""
+    Follower(world, session, rank0_endpoints(world), shell).run()
