@@ -38,7 +38,6 @@ def configure_logging(rank: int) -> None:
 
 def follower_main(connection_file: str | None = None, key_file: str | None = None) -> int:
     from shardbook.rankd import commands  # noqa: F401  (fills the command table the follower dispatches from)
-    from shardbook.rankd.control.capture import make_follower_shell
     from shardbook.rankd.control.follower import run_follower
     from shardbook.rankd.control.world import init_world
 
@@ -53,10 +52,9 @@ def follower_main(connection_file: str | None = None, key_file: str | None = Non
         return 2
     die_with_parent()
     exit_with_launcher()
-    # Everything that does not need the process group is made before joining it: rank 0 is still
-    # importing torch under ipykernel then, and what a follower does after the rendezvous delays its hello.
+    # The control session (jupyter_client's, 82 modules) is made before joining the process group, while
+    # rank 0 still imports torch under ipykernel: after the rendezvous rank 0 waits for this rank's hello.
     session = protocol.make_session(*control_key(connection_file, key_file))
-    shell = make_follower_shell()
     mark("imported")
     try:
         world = init_world(shape=shape)
@@ -64,7 +62,7 @@ def follower_main(connection_file: str | None = None, key_file: str | None = Non
     except StartupAbandoned as e:  # exit status 0: torchrun must not end the kernel, which reports the failure
         logging.getLogger(__name__).error("rank %d leaves: %s", shape.rank, e)
         return 0
-    run_follower(world, session, shell)
+    run_follower(world, session)
     return 0
 
 

@@ -53,9 +53,9 @@ def rank0_endpoints(world: World, timeout_s: float = CONNECT_TIMEOUT_S) -> dict[
 class Follower:
     """One follower rank: its channel to rank 0, its shell and its command loop."""
 
-    def __init__(self, world: World, session: Any, endpoints: dict[str, str], shell: Any = None):
+    def __init__(self, world: World, session: Any, endpoints: dict[str, str]):
         self.world = world
-        self.ctx = RankContext(world=world, shell=shell or make_follower_shell())
+        self.ctx = RankContext(world=world, shell=None)  # made after the hello (see run)
         self.inbox: queue.Queue = queue.Queue()
         self.running_id: str | None = None
         self.running_kind: str | None = None
@@ -135,6 +135,9 @@ class Follower:
         self.channel.start()
         self.send(protocol.HELLO, self.world.describe())
         mark("hello")
+        # Rank 0 waits for every hello, then still starts its kernel before it can send a command: the
+        # shell is made in that time, not before the hello.
+        self.ctx.shell = make_follower_shell()
         while True:
             message = self._next_command()
             if message is None:
@@ -175,6 +178,6 @@ class Follower:
             self.send(protocol.DONE, {"status": "error", "error": error}, message.id)
 
 
-def run_follower(world: World, session: Any, shell: Any = None) -> None:
-    """Connect to rank 0 and serve commands until told to stop (in ``shell``, else a new follower shell)."""
-    Follower(world, session, rank0_endpoints(world), shell).run()
+def run_follower(world: World, session: Any) -> None:
+    """Connect to rank 0 and serve commands until told to stop."""
+    Follower(world, session, rank0_endpoints(world)).run()
