@@ -27,7 +27,9 @@ Measured: (1) empty broadcast cell, (2) one line printed per rank, (3) 1000
 lines per rank, checked complete and in order per rank before the
 execute_reply, (4) kernel start (``start_kernel``) to the first broadcast
 cell's reply, each system started alone (median of ``--startup-reps`` 3
-fresh starts), and (5) the shutdown of each of those kernels
+fresh starts; shardbook's split from the marks its ranks write, and after each of its
+starts one ``import torch`` in a fresh interpreter: the floor's start-up plus that import is
+what shardbook's start-up is compared with), and (5) the shutdown of each of those kernels
 (``shutdown_kernel(now=False)``, which sends SIGTERM after 2.5 s).  Targets
 from the issue are printed as PASS/FAIL lines.
 

@@ -248,8 +248,9 @@ def iopub_text(kc, parent_id: str, timeout: float) -> str:
 
 
 def test_a_follower_only_connects_after_the_rendezvous(fresh_kernel, tmp_path):
-    """Its control session and shell are made before it joins the process group (while rank 0 still imports
-    torch under ipykernel), so between the rendezvous and its hello it imports nothing: rank 0 waits there."""
+    """Its control session is made before it joins the process group (while rank 0 still imports torch under
+    ipykernel) and its shell after its hello, so between the rendezvous and the hello, where rank 0 waits for
+    it, it imports nothing."""
     marks = tmp_path / "marks"
     handle = fresh_kernel(SHARDBOOK_STARTUP_MARKS=str(marks))
     assert set(handle.rank_pids()) == {0, 1}, "the first cell uses torch.distributed on every rank"
