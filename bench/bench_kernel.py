@@ -27,7 +27,9 @@ Measured: (1) empty broadcast cell, (2) one line printed per rank, (3) 1000
 lines per rank, checked complete and in order per rank before the
 execute_reply, (4) kernel start (``start_kernel``) to the first broadcast
 cell's reply, each system started alone (median of ``--startup-reps`` 3
-fresh starts), and (5) the shutdown of each of those kernels
+fresh starts; shardbook's split from the marks its ranks write, and after each of its
+starts one ``import torch`` in a fresh interpreter: the floor's start-up plus that import is
+what shardbook's start-up is compared with), and (5) the shutdown of each of those kernels
 (``shutdown_kernel(now=False)``, which sends SIGTERM after 2.5 s).  Targets
 from the issue are printed as PASS/FAIL lines.
 
@@ -271,7 +273,23 @@ def ks_floor(tmp: Path) -> dict:
     }
 
 
+def compile_shardbook() -> None:
+    """Write the bytecode of shardbook's sources, as pip does when it installs a wheel.
+
+    The floor and the anchors start from compiled packages. An editable install gets its bytecode written on
+    first import, except where ``PYTHONDONTWRITEBYTECODE`` is set (it is on these machines): then every rank
+    of every start compiled shardbook's 120 modules again (0.1-0.3 s of rank 0's start-up here).
+    """
+    import compileall
+    import importlib.util
+
+    for package in ("shardbook", "shardbook.kernel", "shardbook.magics", "shardbook.rankd"):
+        for folder in importlib.util.find_spec(package).submodule_search_locations:
+            compileall.compile_dir(folder, quiet=1)
+
+
 def ks_shardbook(tmp: Path) -> dict:
+    compile_shardbook()
     exe = Path(sys.executable).with_name("shardbook")
     if os.environ.get("SHARDBOOK_BENCH_CLI"):  # e.g. a stand-in, to test this harness
         cli = os.environ["SHARDBOOK_BENCH_CLI"].split()
@@ -507,30 +525,55 @@ STARTUP_STEPS = [
     ("launch (jupyter_client, the ranks' launcher)", "process"),
     ("rank 0's interpreter and shardbook.kernel.app", "python_up"),
     ("import ipykernel", "ipykernel_imported"),
-    ("IPKernelApp set-up, import of the magics (torch)", "magics_imported"),
+    ("IPKernelApp set-up (as a plain ipykernel's)", "kernel_app_set_up"),
+    ("import of the magics (torch, then shardbook's modules)", "magics_imported"),
     ("process group (torch.distributed rendezvous)", "process_group_up"),
-    ("followers connected (their start, hello)", "ranks_connected"),
+    ("followers connected (their hello)", "ranks_connected"),
 ]
+READY_STEP = "kernel_info answered (jupyter_client's wait_for_ready, incl. its 0.2 s IOPub flush)"
 
 
-def startup_parts(marks_file: Path, t0_wall: float, end_wall: float) -> list[tuple[str, float]]:
-    """Rank 0's start-up split at the marks the ranks wrote (``SHARDBOOK_STARTUP_MARKS``), in seconds.
-
-    ``t0_wall``: when ``start_kernel`` was called; ``end_wall``: when the first broadcast cell's reply
-    came. Each part runs from the mark before to its own; the last, to ``end_wall``.
-    """
-    marks: dict[str, float] = {}
+def read_marks(marks_file: Path) -> dict[str, dict[str, tuple[float, float]]]:
+    """``{rank: {mark: (unix time, CPU s of the rank)}}`` from the file the ranks wrote
+    (``SHARDBOOK_STARTUP_MARKS``); the first of each mark."""
+    marks: dict[str, dict[str, tuple[float, float]]] = {}
     for line in marks_file.read_text().splitlines() if marks_file.exists() else []:
-        rank, name, at = line.split()
-        if rank == "0":
-            marks.setdefault(name, float(at))
+        rank, name, at, _modules, cpu = line.split()
+        marks.setdefault(rank, {}).setdefault(name, (float(at), float(cpu)))
+    return marks
+
+
+def torch_import_s() -> float:
+    """Seconds ``import torch`` takes in a fresh interpreter of this venv (the import alone, not the teardown)."""
+    code = "import time; t = time.perf_counter(); import torch; print(time.perf_counter() - t)"
+    return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+
+
+def startup_parts(marks_file: Path, t0_wall: float, ready_wall: float, end_wall: float) -> list[tuple[str, float]]:
+    """Rank 0's start-up split at the marks the ranks wrote, in seconds.
+
+    ``t0_wall``: when ``start_kernel`` was called; ``ready_wall``: when ``wait_for_ready`` returned;
+    ``end_wall``: when the first broadcast cell's reply came. Each part runs from the mark before to its own.
+    """
+    marks = {name: at for name, (at, _cpu) in read_marks(marks_file).get("0", {}).items()}
     parts, before = [], t0_wall
-    for label, name in STARTUP_STEPS:
-        if name in marks:
-            parts.append((label, marks[name] - before))
-            before = marks[name]
-    parts.append(("kernel ready, first %%all cell", end_wall - before))
+    for label, at in [*((label, marks.get(name)) for label, name in STARTUP_STEPS), (READY_STEP, ready_wall)]:
+        if at is not None:
+            parts.append((label, at - before))
+            before = at
+    parts.append(("first %%all cell", end_wall - before))
     return parts
+
+
+def rank_lines(marks_file: Path, t0_wall: float) -> list[str]:
+    """Every rank's marks: seconds after ``start_kernel`` and, in brackets, the CPU seconds the rank had used.
+
+    A rank whose CPU seconds keep up with the wall clock was never waiting: its start-up is bound by its own work.
+    """
+    return [
+        f"rank {r}: " + ", ".join(f"{name} {at - t0_wall:.2f} ({cpu:.2f})" for name, (at, cpu) in marks.items())
+        for r, marks in sorted(read_marks(marks_file).items())
+    ]
 
 
 class Live:
@@ -556,12 +599,13 @@ class Live:
         self.kc = self.km.client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=startup_timeout)
-        t_ready = time.perf_counter() - t0
+        t_ready, ready_wall = time.perf_counter() - t0, time.time()
         for cell in self.system.startup_cells:
             run_ok(self.kc, cell, startup_timeout, self.system.error_re)
         run_ok(self.kc, self.system.broadcast(CELL_EMPTY), startup_timeout, self.system.error_re)
-        parts = startup_parts(marks, t0_wall, time.time()) if marks.exists() else []
-        return {"startup": time.perf_counter() - t0, "ready": t_ready, "parts": parts}
+        parts = startup_parts(marks, t0_wall, ready_wall, time.time()) if marks.exists() else []
+        ranks = rank_lines(marks, t0_wall) if marks.exists() else []
+        return {"startup": time.perf_counter() - t0, "ready": t_ready, "parts": parts, "ranks": ranks}
 
     def prepare(self) -> None:
         for cell in self.system.rank_cells:
@@ -698,6 +742,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- (4) start-up, each system alone ------------------------------------
     print("\n## start-up (each system started alone)", flush=True)
+    torch_imports: list[float] = []
     for rep in range(args.startup_reps):
         for s in systems[rep % max(1, len(systems)) :] + systems[: rep % max(1, len(systems))]:
             if s.key in failed:
@@ -715,6 +760,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 for label, seconds in t["parts"]:
                     print(f"      {seconds:6.2f} s  {label}", flush=True)
+                for line in t["ranks"]:
+                    print(f"      {line}", flush=True)
             except Exception as e:
                 start_fails.setdefault(s.key, []).append(str(e))
                 print(f"  FAIL {s.key} start {rep + 1}: {e}\n{live.log_tail()}", flush=True)
@@ -722,6 +769,9 @@ def main(argv: list[str] | None = None) -> int:
                 live.stop()
                 if live.shutdown_s is not None:
                     results[s.key]["shutdown"].append(live.shutdown_s)
+        if "shardbook" in names:  # the reference for shardbook's start-up, taken between its starts
+            torch_imports.append(torch_import_s())
+            print(f"  {'import torch':20s} {torch_imports[-1]:.2f} s (a fresh interpreter, same moment)", flush=True)
     for key, errs in start_fails.items():
         if not results[key]["startup"]:
             failed[key] = f"start-up failed {len(errs)}/{args.startup_reps}: {errs[0]}"
@@ -846,6 +896,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'':20s} {n} of {start_tries[key]} starts failed, e.g. {start_fails[key][0][:160]}")
     for key, why in skipped.items():
         print(f"{key:20s} SKIPPED: {why}")
+    if torch_imports and "floor" in summary and "shardbook" in summary:
+        torch_s, floor_s = statistics.median(torch_imports), summary["floor"]["startup_s"]
+        print(
+            f"\nshardbook start-up {summary['shardbook']['startup_s']:.2f} s against the floor's start-up plus one "
+            f"`import torch` measured in this run: {floor_s:.2f} + {torch_s:.2f} = {floor_s + torch_s:.2f} s"
+        )
 
     # side-by-side ratios against shardbook
     if "shardbook" in summary:

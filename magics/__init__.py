@@ -14,6 +14,9 @@ def load_ipython_extension(shell) -> None:
     so the kernel stays usable and the cause shows in the notebook rather than only in a server
     log; every frontend that connects also gets it on IOPub.
     """
+    from shardbook.rankd.control.startup_marks import mark
+
+    mark("kernel app set up")
     from shardbook.kernel.ranks.runtime import get_runtime
     from shardbook.magics.cells import RankMagics
     from shardbook.magics.chat import ChatMagics
@@ -22,7 +25,6 @@ def load_ipython_extension(shell) -> None:
     from shardbook.magics.inspection import InspectionMagics
     from shardbook.magics.loading import LoadMagics
     from shardbook.magics.serve import ServeMagics
-    from shardbook.rankd.control.startup_marks import mark
 
     mark("magics imported")
     shell.register_magics(RankMagics)

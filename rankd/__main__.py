@@ -52,7 +52,9 @@ def follower_main(connection_file: str | None = None, key_file: str | None = Non
         return 2
     die_with_parent()
     exit_with_launcher()
-    key, scheme = control_key(connection_file, key_file)
+    # The control session (jupyter_client's, 82 modules) is made before joining the process group, while
+    # rank 0 still imports torch under ipykernel: after the rendezvous rank 0 waits for this rank's hello.
+    session = protocol.make_session(*control_key(connection_file, key_file))
     mark("imported")
     try:
         world = init_world(shape=shape)
@@ -60,7 +62,7 @@ def follower_main(connection_file: str | None = None, key_file: str | None = Non
     except StartupAbandoned as e:  # exit status 0: torchrun must not end the kernel, which reports the failure
         logging.getLogger(__name__).error("rank %d leaves: %s", shape.rank, e)
         return 0
-    run_follower(world, protocol.make_session(key, scheme))
+    run_follower(world, session)
     return 0
 
 

@@ -26,6 +26,7 @@ from shardbook.rankd.control.capture import make_follower_shell
 from shardbook.rankd.control.channel import Channel, control_socket
 from shardbook.rankd.control.dispatch import STOPPED_BY_EVENT, RankContext, dispatch
 from shardbook.rankd.control.heartbeat import ECHO_KEY, PINGER_KEY, Echo, Pinger, heartbeat_socket
+from shardbook.rankd.control.startup_marks import mark
 from shardbook.rankd.control.world import CONNECT_TIMEOUT_S, World, memory_in_use
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class Follower:
 
     def __init__(self, world: World, session: Any, endpoints: dict[str, str]):
         self.world = world
-        self.ctx = RankContext(world=world, shell=make_follower_shell())
+        self.ctx = RankContext(world=world, shell=None)  # made after the hello (see run)
         self.inbox: queue.Queue = queue.Queue()
         self.running_id: str | None = None
         self.running_kind: str | None = None
@@ -133,6 +134,10 @@ class Follower:
         signal.signal(signal.SIGINT, self._on_sigint)
         self.channel.start()
         self.send(protocol.HELLO, self.world.describe())
+        mark("hello")
+        # Rank 0 waits for every hello, then still starts its kernel before it can send a command: the
+        # shell is made in that time, not before the hello.
+        self.ctx.shell = make_follower_shell()
         while True:
             message = self._next_command()
             if message is None:

@@ -1,13 +1,15 @@
 """Wall-clock marks of a rank's start-up, for ``bench/bench_kernel.py``'s split of the start-up time.
 
-Only when ``SHARDBOOK_STARTUP_MARKS`` names a file: each mark appends ``rank name unix_time`` to it
-(every rank of the job appends to the same file; a line is one small write). Otherwise nothing.
+Only when ``SHARDBOOK_STARTUP_MARKS`` names a file: each mark appends ``rank name unix_time modules
+cpu_s`` to it: how many modules the rank has imported so far and the CPU seconds it has used (every
+rank of the job appends to the same file; a line is one small write). Otherwise nothing.
 Nothing here imports more than the standard library: the marks must not cost what they measure.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 ENV = "SHARDBOOK_STARTUP_MARKS"
@@ -19,7 +21,8 @@ def mark(name: str, at: float | None = None) -> None:
     if not path:
         return
     rank = os.environ.get("RANK", "0")
-    line = f"{rank} {name.replace(' ', '_')} {time.time() if at is None else at:.6f}\n"
+    when = time.time() if at is None else at
+    line = f"{rank} {name.replace(' ', '_')} {when:.6f} {len(sys.modules)} {time.process_time():.3f}\n"
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:

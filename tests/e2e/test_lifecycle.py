@@ -247,6 +247,19 @@ def iopub_text(kc, parent_id: str, timeout: float) -> str:
     return text
 
 
+def test_a_follower_only_connects_after_the_rendezvous(fresh_kernel, tmp_path):
+    """Its control session is made before it joins the process group (while rank 0 still imports torch under
+    ipykernel) and its shell after its hello, so between the rendezvous and the hello, where rank 0 waits for
+    it, it imports nothing."""
+    marks = tmp_path / "marks"
+    handle = fresh_kernel(SHARDBOOK_STARTUP_MARKS=str(marks))
+    assert set(handle.rank_pids()) == {0, 1}, "the first cell uses torch.distributed on every rank"
+    modules = {
+        (rank, name): int(count) for rank, name, _at, count, _cpu in map(str.split, marks.read_text().splitlines())
+    }
+    assert modules[("1", "hello")] == modules[("1", "process_group_up")], modules
+
+
 def test_a_rank_that_never_starts_is_reported_at_once_by_every_magic(fresh_kernel, tmp_path):
     handle = fresh_kernel(**late_follower_env(tmp_path, 600, connect_timeout=15))
     try:
