@@ -4,9 +4,9 @@
 In one run, with the demo model (greedy, ``ignore_eos`` on ``/v1/completions`` so every reply has exactly
 ``--client-tokens`` tokens):
 
-* under ``gather`` then ``tp``: one client alone (the median of ``--clients`` lone runs), then ``--clients`` at once: aggregate tok/s (all generated
-  tokens / (last token - first send)), its ratio to the lone client's, the last client's time to first token,
-  and whether every concurrent reply equals the one it gets alone;
+* under ``gather`` then ``tp``: one client alone (the median of ``--clients`` lone runs), then ``--clients`` at
+  once: aggregate tok/s (all generated tokens / (last token - first send)), its ratio to the lone client's, the
+  last client's time to first token, and whether every concurrent reply equals the one it gets alone;
 * under ``gather``: ``--many`` clients at once: aggregate tok/s, TTFT p50/p90 and inter-token latency p50/p90
   (gaps between a client's successive chunks);
 * guidellm at 1 and ``--clients`` streams (synthetic prompts, the model's local tokenizer, offline): its
