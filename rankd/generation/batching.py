@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardbook.rankd.generation.cache_keyword import cache_keyword
 from shardbook.rankd.generation.streaming import find_stop
 
 DECODE_KWARGS = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
@@ -250,7 +251,7 @@ def execute_step(state: BatchState, plan: StepPlan) -> tuple[torch.Tensor | None
             input_ids=torch.tensor(plan.decode, device=device).view(-1, 1),
             attention_mask=state.mask,
             position_ids=state.next_pos.view(-1, 1),
-            past_key_values=state.cache,
+            **{cache_keyword(model): state.cache},
             use_cache=True,
             cache_position=torch.arange(columns, columns + 1, device=device),
         )
@@ -275,7 +276,7 @@ def _prefill(state: BatchState, join: list[tuple[list[int], bool]]) -> list[torc
         input_ids=ids,
         attention_mask=mask,
         position_ids=(mask.cumsum(1) - 1).clamp(min=0),
-        past_key_values=cache,
+        **{cache_keyword(state.model): cache},
         use_cache=True,
         cache_position=torch.arange(width, device=state.device),
         logits_to_keep=0 if any(all_logits for _, all_logits in join) else 1,

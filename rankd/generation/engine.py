@@ -40,6 +40,7 @@ from shardbook.rankd.control import user_calls
 from shardbook.rankd.control.agreement import agree
 from shardbook.rankd.control.text import check_valid
 from shardbook.rankd.control.world import set_current_device
+from shardbook.rankd.generation.cache_keyword import cache_keyword
 from shardbook.rankd.generation.streaming import StopTextFilter, TextDeltaStreamer, find_stop
 
 log = logging.getLogger(__name__)
@@ -446,7 +447,7 @@ class _GenerateThread(threading.Thread):
                     self.ended_at = self.first_step_at = time.perf_counter()
                     return _NoTokens(self.kwargs["inputs"])
                 if cache is not None:
-                    self.kwargs["past_key_values"] = cache
+                    self.kwargs[cache_keyword(self.model)] = cache
                     self.first_step_at = 0.0  # the first token comes from generate's forward
                 output = self.model.generate(**self.kwargs)
                 self.ended_at = time.perf_counter()
@@ -475,7 +476,7 @@ class _GenerateThread(threading.Thread):
             self.model(
                 input_ids=ids[:, start:end],
                 attention_mask=torch.ones_like(ids[:, :end]),
-                past_key_values=cache,
+                **{cache_keyword(self.model): cache},
                 use_cache=True,
                 cache_position=torch.arange(start, end, device=ids.device),
             )
