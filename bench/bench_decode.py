@@ -134,12 +134,14 @@ def syncs_per_decode_step(model) -> int:
     from torch.profiler import ProfilerActivity, profile
     from transformers import DynamicCache
 
+    from shardbook.rankd.generation.cache_keyword import cache_keyword
+
     ids = torch.tensor([[1, 2, 3, 4]])
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, **{cache_keyword(model): cache}, use_cache=True)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, -1:], **{cache_keyword(model): cache}, use_cache=True)
     return sum(event.name in SYNC_OPS for event in prof.events())
 
 

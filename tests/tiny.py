@@ -365,8 +365,10 @@ def cache_bytes_per_token(model) -> int:
     """Bytes a transformers `DynamicCache` holds per token after a one-process forward of 5 tokens of `model`."""
     from transformers import DynamicCache
 
+    from shardbook.rankd.generation.cache_keyword import cache_keyword
+
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=torch.ones(1, 5, dtype=torch.long), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.ones(1, 5, dtype=torch.long), **{cache_keyword(model): cache}, use_cache=True)
     held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     return held // 5

@@ -13,6 +13,7 @@ import re
 import pytest
 import torch
 
+from shardbook.rankd.generation.cache_keyword import cache_keyword
 from tests.multiproc.test_loading import prompt_ids
 from tests.tiny import make_tiny_moe
 
@@ -211,10 +212,10 @@ def decode_step_syncs(rank: int, path, parallel: dict) -> tuple[int, int]:
     )
     model = load_sharded(config, device="cpu").model
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
-    cache = DynamicCache(config=model.config)
+    cache = {cache_keyword(model): DynamicCache(config=model.config)}
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)  # the prompt; then one decode step, profiled
-        return count_syncs(model, lambda: model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True))
+        model(input_ids=ids, **cache, use_cache=True)  # the prompt; then one decode step, profiled
+        return count_syncs(model, lambda: model(input_ids=ids[:, -1:], **cache, use_cache=True))
 
 
 def test_experts_sync_with_the_host_once_per_layer(ranks, tmp_path):
@@ -271,9 +272,9 @@ def decode_step_all_reduces(rank: int, path, parallel: dict) -> dict:
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
 
     def step() -> tuple[list[int], torch.Tensor]:
-        cache, out = DynamicCache(config=model.config), []
-        model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
-        counts = count_all_reduces(model, lambda: out.append(model(input_ids=ids[:, -1:], past_key_values=cache)))
+        cache, out = {cache_keyword(model): DynamicCache(config=model.config)}, []
+        model(input_ids=ids[:, :-1], **cache, use_cache=True)
+        counts = count_all_reduces(model, lambda: out.append(model(input_ids=ids[:, -1:], **cache)))
         return counts, out[0].logits
 
     with torch.no_grad():
