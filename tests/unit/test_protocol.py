@@ -12,7 +12,13 @@ import pytest
 import zmq
 
 from shardbook.rankd.control import protocol
-from shardbook.rankd.control.channel import Channel, DeferredSigint, MessageTooLarge, control_socket
+from shardbook.rankd.control.channel import (
+    DEFERRED_SIGNALS,
+    Channel,
+    DeferredInterrupts,
+    MessageTooLarge,
+    control_socket,
+)
 
 
 class Endpoint:
@@ -127,23 +133,62 @@ def test_sends_that_find_the_peer_queue_full_wait_and_keep_their_order():
         channel.close(0)
 
 
-def test_a_sigint_during_a_send_is_handled_when_the_send_is_over():
-    """The main thread's SIGINT handler (KeyboardInterrupt, or an interrupt sent to the ranks) must not run in
-    the middle of a multipart send, nor wait for the lock its own thread holds."""
+@pytest.mark.parametrize("signum", DEFERRED_SIGNALS, ids=lambda s: signal.Signals(s).name)
+def test_an_interrupt_signal_during_a_send_is_handled_when_the_send_is_over(signum):
+    """The main thread's SIGINT or SIGUSR1 handler (KeyboardInterrupt, or an interrupt sent to the ranks) must
+    not run in the middle of a multipart send, nor wait for the lock its own thread holds."""
     handled = []
 
     def handler(signum, frame):
         handled.append(signum)
 
-    saved = signal.signal(signal.SIGINT, handler)
+    saved = signal.signal(signum, handler)
     try:
-        with DeferredSigint():
-            signal.raise_signal(signal.SIGINT)
+        with DeferredInterrupts():
+            signal.raise_signal(signum)
             assert handled == []
-        assert handled == [signal.SIGINT]
-        assert signal.getsignal(signal.SIGINT) is handler
+        assert handled == [signum]
+        assert signal.getsignal(signum) is handler
     finally:
-        signal.signal(signal.SIGINT, saved)
+        signal.signal(signum, saved)
+
+
+def test_a_sigusr1_handler_that_sends_runs_after_the_main_threads_own_send(router):
+    """`chat --slurm`'s Ctrl-C (SIGUSR1) stops the reply, and the stop sends an interrupt on the channel. Arriving
+    while the main thread is inside `Channel.send`, that handler would wait for the lock its own thread holds:
+    it must run once the send is over, and both messages go out in order."""
+    follower = dealer(router.port, b"rank-1")
+    session = protocol.make_session(b"secret")
+    session.send(follower, protocol.HELLO, protocol.envelope({}, rank=1))
+    assert router.got.wait(5)
+    channel, lock_held_in_handler = router.channel, []
+
+    def stop_the_reply(signum, frame):
+        lock_held_in_handler.append(channel._lock.locked())
+        if not channel._lock.locked():  # held: sending would deadlock this very thread
+            channel.send(protocol.COMMAND, protocol.envelope({"kind": "interrupt"}), ident=b"rank-1")
+
+    serialize = channel._serialize
+
+    def serialize_then_press(*args):
+        channel._serialize = serialize
+        signal.raise_signal(signal.SIGUSR1)  # the press lands inside the (first) send, under the lock
+        return serialize(*args)
+
+    saved = signal.signal(signal.SIGUSR1, stop_the_reply)
+    channel._serialize = serialize_then_press
+    try:
+        channel.send(protocol.COMMAND, protocol.envelope({"kind": "exec", "args": {"code": "pass"}}), ident=b"rank-1")
+    finally:
+        channel._serialize = serialize
+        signal.signal(signal.SIGUSR1, saved)
+    assert lock_held_in_handler == [False], "the handler ran inside the send"
+    kinds = []
+    while len(kinds) < 2 and follower.poll(5000):
+        _, msg = session.recv(follower, mode=zmq.NOBLOCK)
+        kinds.append(protocol.Message.from_session_msg(msg).payload["kind"])
+    assert kinds == ["exec", "interrupt"]
+    follower.close(0)
 
 
 @pytest.mark.parametrize("forger_key", [b"wrong-key", None])
