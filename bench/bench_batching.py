@@ -5,15 +5,20 @@ In one run, with the demo model (greedy, ``ignore_eos`` on ``/v1/completions`` s
 ``--client-tokens`` tokens):
 
 * under ``gather`` then ``tp``: one client alone (the median of ``--clients`` lone runs), then ``--clients`` at
-  once: aggregate tok/s (all generated tokens / (last token - first send)), its ratio to the lone client's, the
-  last client's time to first token, and whether every concurrent reply equals the one it gets alone;
+  once, three bursts: aggregate tok/s (all generated tokens / (last token - first send); the median burst's),
+  its ratio to the lone client's, the last client's time to first token (the median burst's), and whether
+  every concurrent reply equals the one it gets alone;
 * under ``gather``: ``--many`` clients at once: aggregate tok/s, TTFT p50/p90 and inter-token latency p50/p90
   (gaps between a client's successive chunks);
 * guidellm at 1 and ``--clients`` streams (synthetic prompts, the model's local tokenizer, offline): its
   output tok/s, TTFT and ITL medians as its JSON report gives them;
 * the anchor, after the kernel is gone: ``transformers serve`` on the same model in one process, 2 threads,
   with and without ``--continuous-batching``: one streamed chat client, then ``--clients`` at once, then
-  ``--many`` at once (tokens = content chunks, since it has no ``ignore_eos``).
+  ``--many`` at once (tokens = content chunks, since it has no ``ignore_eos``), measured as shardbook is;
+* the forward alone (``batch_ceiling.py``): rank 0's batch decode without server or process group, in two
+  processes at once with one thread each, as the two ranks compute under ``gather``: tok/s with one row
+  and with ``--clients`` rows. Their ratio is what the model's forward allows batching to gain on this
+  machine; it is printed beside the target, not a target.
 
 The targets (PASS/FAIL): every concurrent reply equals its solo one; no guidellm request errors; under
 ``gather`` and ``tp``, ``--clients`` at once give >= 4x the lone client's tok/s and the last client's first
@@ -39,6 +44,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+from batch_ceiling import ceiling
 from bench_chat import Kernel
 
 CONFIG = "configs/smollm2-135m.yaml"
@@ -105,19 +111,27 @@ def pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=10, method="inclusive")[int(q * 10) - 1] if len(values) > 1 else values[0]
 
 
-def alone_and_together(run, num: int) -> dict:
+def alone_and_together(run, num: int, bursts: int = 3) -> dict:
+    """One client alone (the median of ``num`` lone runs), then ``num`` at once (the median of ``bursts`` bursts)."""
     run(0)  # warm-up
     alone = [run(i) for i in range(num)]
-    many = together(run, num)
-    last = max(many, key=lambda r: r["sent"])
+    together_runs = [together(run, num) for _ in range(bursts)]
     one = statistics.median(tok_s([r]) for r in alone)  # the lone client's speed varies by 15% run to run here
+    many = [tok_s(burst) for burst in together_runs]
+    last_ttft = [_last_ttft_ms(burst) for burst in together_runs]
     return {
         "one_tok_s": one,
-        "many_tok_s": tok_s(many),
-        "ratio": tok_s(many) / one,
-        "last_ttft_ms": (last["arrivals"][0] - last["sent"]) * 1000,
-        "equal_alone": all(m["text"] == a["text"] for m, a in zip(many, alone)),
+        "many_tok_s": statistics.median(many),
+        "many_spread": (min(many), max(many)),
+        "ratio": statistics.median(many) / one,
+        "last_ttft_ms": statistics.median(last_ttft),
+        "equal_alone": all(m["text"] == a["text"] for burst in together_runs for m, a in zip(burst, alone)),
     }
+
+
+def _last_ttft_ms(burst: list[dict]) -> float:
+    last = max(burst, key=lambda r: r["sent"])
+    return (last["arrivals"][0] - last["sent"]) * 1000
 
 
 def latencies(url: str, num: int, n: int) -> dict:
@@ -213,6 +227,7 @@ def run(args) -> int:
         finally:
             kernel.stop()
     found["transformers"] = {cb: transformers_serve(cb, num, many, n) for cb in (False, True)}
+    found["ceiling"] = ceiling(num, n)
     return report(found, args)
 
 
@@ -222,10 +237,16 @@ def report(found: dict, args) -> int:
     print(f"{'layout':<8}{'1 client tok/s':>16}{f'{num} clients tok/s':>18}{'ratio':>8}{'last TTFT ms':>14}  equal")
     for layout in ("gather", "tp"):
         r = found[layout]
+        low, high = r["many_spread"]
         print(
             f"{layout:<8}{r['one_tok_s']:>16.2f}{r['many_tok_s']:>18.2f}{r['ratio']:>8.2f}"
-            f"{r['last_ttft_ms']:>14.0f}  {r['equal_alone']}"
+            f"{r['last_ttft_ms']:>14.0f}  {r['equal_alone']}   (bursts {low:.2f}-{high:.2f} tok/s)"
         )
+    c = found["ceiling"]
+    print(
+        f"the forward alone (rank 0's scheduler, no server; 2 processes at once, 1 thread each, as under gather): "
+        f"{c['one_tok_s']:.2f} tok/s with 1 row, {c['many_tok_s']:.2f} with {num} rows ({c['ratio']:.2f}x)"
+    )
     m = found["many"]
     print(
         f"{args.many} clients (gather): {m['tok_s']:.2f} tok/s; TTFT p50 {m['ttft_p50']:.0f} ms, p90 "
