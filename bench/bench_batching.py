@@ -12,9 +12,12 @@ In one run, with the demo model (greedy, ``ignore_eos`` on ``/v1/completions`` s
   (gaps between a client's successive chunks);
 * guidellm at 1 and ``--clients`` streams (synthetic prompts, the model's local tokenizer, offline): its
   output tok/s, TTFT and ITL medians as its JSON report gives them;
-* the anchor, after the kernel is gone: ``transformers serve`` on the same model in one process, 2 threads,
-  with and without ``--continuous-batching``: one streamed chat client, then ``--clients`` at once, then
-  ``--many`` at once (tokens = content chunks, since it has no ``ignore_eos``), measured as shardbook is;
+* the anchor: ``transformers serve`` on the same model in one process, 2 threads, with and without
+  ``--continuous-batching``: one streamed chat client, then ``--clients`` at once, then ``--many`` at once
+  (tokens = content chunks, since it has no ``ignore_eos``), measured as shardbook is. Both anchors stay up
+  beside the kernel (idle, they use under 1% of a core) and the three servers take turns, lone run by lone
+  run and burst by burst: this machine's speed drifts by tens of percent over minutes (one run measured the
+  anchor 30% faster than earlier the same day once the kernel was gone), and in turns all three see it;
 * the forward alone (``batch_ceiling.py``): rank 0's batch decode without server or process group, in two
   processes at once with one thread each, as the two ranks compute under ``gather``: tok/s with one row
   and with ``--clients`` rows. Their ratio is what the model's forward allows batching to gain on this
@@ -31,6 +34,7 @@ large, so no client gets a 429.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -41,6 +45,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -111,21 +116,35 @@ def pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=10, method="inclusive")[int(q * 10) - 1] if len(values) > 1 else values[0]
 
 
-def alone_and_together(run, num: int, bursts: int = 3) -> dict:
-    """One client alone (the median of ``num`` lone runs), then ``num`` at once (the median of ``bursts`` bursts)."""
-    run(0)  # warm-up
-    alone = [run(i) for i in range(num)]
-    together_runs = [together(run, num) for _ in range(bursts)]
+def side_by_side(runs: dict, num: int, bursts: int = 3) -> dict:
+    """Each system's lone client and ``num`` clients at once, the systems taking turns run by run.
+
+    The machine's speed drifts by tens of percent over minutes; measured in turns, every system sees
+    the same drift. Per system: the median of ``num`` lone runs, and of ``bursts`` bursts of ``num`` at once.
+    """
+    for run in runs.values():
+        run(0)  # warm-up
+    alone: dict = {key: [] for key in runs}
+    at_once: dict = {key: [] for key in runs}
+    for i in range(num):
+        for key, run in runs.items():
+            alone[key].append(run(i))
+    for _ in range(bursts):
+        for key, run in runs.items():
+            at_once[key].append(together(run, num))
+    return {key: _alone_and_together(alone[key], at_once[key]) for key in runs}
+
+
+def _alone_and_together(alone: list[dict], bursts: list[list[dict]]) -> dict:
     one = statistics.median(tok_s([r]) for r in alone)  # the lone client's speed varies by 15% run to run here
-    many = [tok_s(burst) for burst in together_runs]
-    last_ttft = [_last_ttft_ms(burst) for burst in together_runs]
+    many = [tok_s(burst) for burst in bursts]
     return {
         "one_tok_s": one,
         "many_tok_s": statistics.median(many),
         "many_spread": (min(many), max(many)),
         "ratio": statistics.median(many) / one,
-        "last_ttft_ms": statistics.median(last_ttft),
-        "equal_alone": all(m["text"] == a["text"] for burst in together_runs for m, a in zip(burst, alone)),
+        "last_ttft_ms": statistics.median(_last_ttft_ms(burst) for burst in bursts),
+        "equal_alone": all(m["text"] == a["text"] for burst in bursts for m, a in zip(burst, alone)),
     }
 
 
@@ -174,8 +193,9 @@ def guidellm(url: str, streams: list[int], requests: int, n: int, out: Path) -> 
     return rows
 
 
-def transformers_serve(continuous: bool, num: int, many: int, n: int) -> dict:
-    """``transformers serve`` on the demo model in one process, 2 threads; the anchor."""
+@contextlib.contextmanager
+def transformers_serve(continuous: bool) -> Iterator[str]:
+    """``transformers serve`` on the demo model in one process, 2 threads (the anchor); yields its URL."""
     port = 8700 + continuous
     argv = [str(Path(sys.executable).parent / "transformers"), "serve", str(MODEL_DIR), "--port", str(port)]
     argv += [
@@ -187,7 +207,6 @@ def transformers_serve(continuous: bool, num: int, many: int, n: int) -> dict:
     ]
     env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": "2"}
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}/v1"
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -199,34 +218,43 @@ def transformers_serve(continuous: bool, num: int, many: int, n: int) -> dict:
             except OSError:
                 assert time.monotonic() < deadline and proc.poll() is None, "transformers serve did not start"
                 time.sleep(1)
-
-        def run(i: int) -> dict:
-            return chat_chunks(url, str(MODEL_DIR), i, n)
-
-        return {**alone_and_together(run, num), "most_tok_s": tok_s(together(run, many))}
+        yield f"http://127.0.0.1:{port}/v1"
     finally:
         proc.terminate()
         proc.wait(60)
 
 
 def run(args) -> int:
+    """shardbook under ``gather`` and the two anchors measured in turns (all three servers up), then ``tp``."""
     n, num, many = args.client_tokens, args.clients, args.many
     found: dict = {}
-    with tempfile.TemporaryDirectory(prefix="bench-batching-") as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-batching-") as tmp,
+        transformers_serve(False) as plain,
+        transformers_serve(True) as batching,
+    ):
         kernel = Kernel(Path(tmp))
         try:
             load = f"%load_sharded {CONFIG} --inference.max_batch_sequences {max(many, num)}"
             kernel.ok(load)
             served = kernel.ok(f"%serve --port 0 --max-waiting {max(many, num)}").stdout()
             url = re.search(r"at (http://\S+/v1)", served).group(1)
-            found["gather"] = alone_and_together(lambda i: completion(url, i, n), num)
+            runs = {
+                "gather": lambda i: completion(url, i, n),
+                False: lambda i: chat_chunks(plain, str(MODEL_DIR), i, n),
+                True: lambda i: chat_chunks(batching, str(MODEL_DIR), i, n),
+            }
+            measured = side_by_side(runs, num)
+            found["gather"] = measured["gather"]
             found["many"] = latencies(url, many, n)
+            found["transformers"] = {
+                cb: {**measured[cb], "most_tok_s": tok_s(together(runs[cb], many))} for cb in (False, True)
+            }
             found["guidellm"] = guidellm(url, [1, num], args.guidellm_requests, n, Path(tmp))
             kernel.ok(load + " --parallel.decode tp")
-            found["tp"] = alone_and_together(lambda i: completion(url, i, n), num)
+            found["tp"] = side_by_side({"tp": lambda i: completion(url, i, n)}, num)["tp"]
         finally:
             kernel.stop()
-    found["transformers"] = {cb: transformers_serve(cb, num, many, n) for cb in (False, True)}
     found["ceiling"] = ceiling(num, n)
     return report(found, args)
 
