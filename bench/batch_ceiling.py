@@ -19,14 +19,12 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
-
-MODEL_DIR = Path.home() / ".cache" / "shardbook" / "models" / "smollm2-135m-instruct"
-PROMPT = "Tell me about the city of Paris, client {i}:"
 
 
 def batch_tok_s(model, tokenizer, rows: int, tokens: int) -> float:
     """Generated tokens per second of one batch of ``rows`` requests decoded together to ``tokens`` each."""
+    from bench_batching import PROMPT  # here, not at the top: bench_batching imports this module
+
     from shardbook.rankd.generation.batching import BatchScheduler, SequenceRequest
 
     scheduler = BatchScheduler(tokenizer)
@@ -46,6 +44,7 @@ def batch_tok_s(model, tokenizer, rows: int, tokens: int) -> float:
 
 def measure(rows: int, tokens: int, repeats: int) -> dict:
     import torch
+    from bench_batching import MODEL_DIR
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(1)

@@ -137,11 +137,11 @@ def syncs_per_decode_step(model) -> int:
     from shardbook.rankd.generation.cache_keyword import cache_keyword
 
     ids = torch.tensor([[1, 2, 3, 4]])
-    cache = DynamicCache(config=model.config)
+    cache = {cache_keyword(model): DynamicCache(config=model.config)}
     with torch.no_grad():
-        model(input_ids=ids, **{cache_keyword(model): cache}, use_cache=True)
+        model(input_ids=ids, **cache, use_cache=True)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            model(input_ids=ids[:, -1:], **{cache_keyword(model): cache}, use_cache=True)
+            model(input_ids=ids[:, -1:], **cache, use_cache=True)
     return sum(event.name in SYNC_OPS for event in prof.events())
 
 
