@@ -9,8 +9,10 @@ its peak memory is its own. Each run is greedy with `synced_gpus` on the ranks, 
 time of every generated token through a stopping criterion: time to first token (prefill and
 the first token) and decode ms/token (the tokens after it). Memory is the peak resident set
 above what the process held before loading, per rank. For `tp` the share of decode time spent
-in collectives (time inside `all_reduce`/`all_gather`, waiting for the other rank included) is
-reported too. Ratios printed at the end compare the layouts measured side by side.
+in collectives (time inside `all_reduce`/`all_gather` and shared-memory sums, waiting for the other
+rank included) is reported too, and the sharded layout runs a second time with its sums over gloo
+(`tp-gloo`, `SHARDBOOK_HOST_SUM=0`) instead of shared memory. Ratios printed at the end compare the
+layouts measured side by side.
 
 It ends with a cost model: bytes each rank sends per generated token, and the tok/s bound that
 the link implies, for `reshard` (every layer's weights all-gathered per token) against `tp`
@@ -33,6 +35,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Write a long story about a dragon who learns to fly."
+GLOO_SUMS = "-gloo"
+"""Suffix of a sharded run whose sums go over gloo instead of shared memory (`SHARDBOOK_HOST_SUM=0`)."""
 
 
 # ----------------------------------------------------------------------------- one measured run
@@ -68,15 +72,17 @@ def timed_generate(model, tokenizer, tokens: int, synced: bool) -> dict:
 
 
 class CollectiveClock:
-    """Time spent inside torch.distributed's all_reduce and all_gather (tp's collectives and synced_gpus' flag)."""
+    """Time spent inside torch.distributed's all_reduce and all_gather and in shared-memory sums (tp's collectives
+    and synced_gpus' flag)."""
 
     def __init__(self) -> None:
         import torch.distributed as dist
 
+        from shardbook.rankd.parallel.host_sum import HostSum
+
         self.seconds = 0.0
-        self.originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather")}
-        for name, fn in self.originals.items():
-            setattr(dist, name, self._timed(fn))
+        for owner, name in ((dist, "all_reduce"), (dist, "all_gather"), (HostSum, "sum_")):
+            setattr(owner, name, self._timed(getattr(owner, name)))
 
     def _timed(self, fn):
         def timed(*args, **kwargs):
@@ -157,7 +163,9 @@ def run_layout(path: str, layout: str, tokens: int) -> dict | None:
     dist.init_process_group("gloo")
     warm_imports(path)
     before = rss_bytes()
-    # "tp+ep": the tp layout with the experts of a MoE model split over every rank (ep_size = ranks)
+    # "tp+ep": the tp layout with the experts of a MoE model split over every rank (ep_size = ranks);
+    # "...-gloo": the same with every sum over gloo (measure() turned shared-memory sums off)
+    layout = layout.removesuffix(GLOO_SUMS)
     parallel = (
         ParallelConfig(decode="tp", ep_size=dist.get_world_size())
         if layout == "tp+ep"
@@ -206,7 +214,7 @@ def measure(path: Path, what: str, tokens: int, nproc: int) -> dict:
         launcher = (
             [] if what == "single" else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
         )
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDBOOK_HOST_SUM": "0" if what.endswith(GLOO_SUMS) else "1"}
         subprocess.run([sys.executable, *launcher, *worker], check=True, env=env, cwd=ROOT)
         return json.loads(Path(out.name).read_text())
 
@@ -287,7 +295,7 @@ def print_model(name: str, figures: dict[str, dict], tokens: dict[str, int], sha
     for what, f in figures.items():
         memory = " / ".join(f"{m / 2**20:.0f}" for m in f["memory"])
         # FSDP2's all-gathers go through other functions: only tp's share is complete
-        share = f"{f['collective_share']:.0%}" if what == sharded else "-"
+        share = f"{f['collective_share']:.0%}" if what.startswith(sharded) else "-"
         print(
             f"| {what} | {tokens[what]} | {f['ttft_ms']:.0f} | {f['decode_ms']:.1f} | {1e3 / f['decode_ms']:.1f} "
             f"| {f['decode_ms'] / single['decode_ms']:.2f}x | {memory} | {share} | {f.get('syncs_per_step', '-')} |"
@@ -300,6 +308,8 @@ def print_model(name: str, figures: dict[str, dict], tokens: dict[str, int], sha
         f"{max(tp['memory']) / max(gather['memory']):.2f} (target <= 0.6)"
     )
     print(f"{sharded} ms/token / single-process ms/token = {tp['decode_ms'] / single['decode_ms']:.2f} (target <= 2.5)")
+    over_gloo = figures[sharded + GLOO_SUMS]["decode_ms"] / tp["decode_ms"]
+    print(f"{sharded} with gloo sums ms/token / with shared-memory sums = {over_gloo:.2f}")
 
 
 # ----------------------------------------------------------------------------- the cost model
@@ -474,6 +484,8 @@ def main() -> None:
         "gather": args.tokens,
         "tp": args.tokens,
         "tp+ep": args.tokens,
+        "tp-gloo": args.tokens,
+        "tp+ep-gloo": args.tokens,
         "reshard": args.tokens_reshard,
     }
     if args.cost_only:
@@ -482,7 +494,7 @@ def main() -> None:
         return
     print(f"{args.nproc} ranks, gloo, 1 thread per process; prompt {PROMPT!r}; greedy")
     for name, path, sharded in model_paths(args.models.split(",")):
-        runs = ("single", "gather", sharded, "reshard")
+        runs = ("single", "gather", sharded, sharded + GLOO_SUMS, "reshard")
         figures = {what: measure(path, what, tokens[what], args.nproc) for what in runs}
         print_model(name, figures, tokens, sharded)
     print_cost_model(args.link_gbs, args.latency_us)

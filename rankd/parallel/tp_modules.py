@@ -23,6 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from shardbook.rankd.parallel.host_sum import host_sum_for
+
 
 @dataclass(frozen=True)
 class TPShard:
@@ -88,9 +90,14 @@ def become(module: nn.Module, cls: type, group: dist.ProcessGroup, **attributes)
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Sum `tensor` in place over `group` (nothing to do in a group of one)."""
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(tensor, group=group)
+    """Sum `tensor` in place over `group` (nothing to do in a group of one): through shared memory where the
+    group's ranks share a CPU host (`host_sum`), else through the group's backend."""
+    if dist.get_world_size(group) == 1:
+        return tensor
+    host_sum = host_sum_for(group)
+    if host_sum is not None and host_sum.fits(tensor):
+        return host_sum.sum_(tensor)
+    dist.all_reduce(tensor, group=group)
     return tensor
 
 

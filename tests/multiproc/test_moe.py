@@ -227,16 +227,22 @@ def test_experts_sync_with_the_host_once_per_layer(ranks, tmp_path):
 
 
 def count_all_reduces(model, step) -> list[int]:
-    """All-reduces run inside each MoE block (a layer's `mlp` holding experts) during ``step()``, per block."""
+    """All-reduces run inside each MoE block (a layer's `mlp` holding experts) during ``step()``, per block: over
+    the backend or through shared memory (`HostSum`), whichever the group uses."""
     import torch.distributed as dist
 
-    blocks = [m for name, m in model.named_modules() if name.endswith(".mlp") and hasattr(m, "experts")]
-    counts, real = [], dist.all_reduce
+    from shardbook.rankd.parallel.host_sum import HostSum
 
-    def counting(*args, **kwargs):
-        if inside[0]:
-            counts[-1] += 1
-        return real(*args, **kwargs)
+    blocks = [m for name, m in model.named_modules() if name.endswith(".mlp") and hasattr(m, "experts")]
+    counts, real, real_host_sum = [], dist.all_reduce, HostSum.sum_
+
+    def counted(fn):
+        def counting(*args, **kwargs):
+            if inside[0]:
+                counts[-1] += 1
+            return fn(*args, **kwargs)
+
+        return counting
 
     def enter(module, args):
         counts.append(0)
@@ -248,11 +254,11 @@ def count_all_reduces(model, step) -> list[int]:
     inside, handles = [0], []
     for block in blocks:  # hooks on the block itself see its summed output, so they leave its one sum in place
         handles += [block.register_forward_pre_hook(enter), block.register_forward_hook(leave)]
-    dist.all_reduce = counting
+    dist.all_reduce, HostSum.sum_ = counted(real), counted(real_host_sum)
     try:
         step()
     finally:
-        dist.all_reduce = real
+        dist.all_reduce, HostSum.sum_ = real, real_host_sum
         for handle in handles:
             handle.remove()
     return counts
