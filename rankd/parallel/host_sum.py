@@ -30,16 +30,17 @@ import time
 import uuid
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from shardbook.rankd.control.lifetime import pid_alive
 from shardbook.rankd.control.world import process_group_timeout
 
 SLOT_BYTES = 4 << 20
 """Largest tensor summed here: a decode step's activations and 512-token prefill chunks of a 2k-wide model."""
 COUNTER_STRIDE = 64
 """Each rank's counter sits on its own cache line, so one rank's writes do not slow another's spinning."""
+COUNTER_WORDS = COUNTER_STRIDE // 8
 SPIN_S = 50e-6
 """Pure spinning before yielding the core: a peer in the same forward usually arrives within this."""
 YIELD_S = 5e-3
@@ -61,7 +62,8 @@ class HostSum:
         self.rank, self.pids, self.world = rank, pids, len(pids)
         self._mapping = mapping
         header = COUNTER_STRIDE * self.world
-        self.counters = np.ndarray((self.world,), dtype=np.int64, buffer=mapping, strides=(COUNTER_STRIDE,))
+        self._words = memoryview(mapping).cast("q")  # 8-byte words; rank r's counter is word r * COUNTER_WORDS
+        self._mine = self.rank * COUNTER_WORDS
         slots = torch.frombuffer(mapping, dtype=torch.uint8, offset=header, count=2 * self.world * SLOT_BYTES)
         self.slots = slots.view(2, self.world, SLOT_BYTES)
         self._lock = threading.Lock()
@@ -74,10 +76,10 @@ class HostSum:
         """Sum `tensor` in place over the group: the same bits on every rank."""
         flat = tensor.view(-1)
         with self._lock:
-            call = int(self.counters[self.rank]) + 1
+            call = self._words[self._mine] + 1
             buffer = self.slots[call % 2]
             buffer[self.rank, : tensor.nbytes].copy_(flat.view(torch.uint8))
-            self.counters[self.rank] = call
+            self._words[self._mine] = call
             self._wait_for(call)
             parts = [buffer[r, : tensor.nbytes].view(tensor.dtype) for r in range(self.world)]
             torch.add(parts[0], parts[1], out=flat)
@@ -86,13 +88,12 @@ class HostSum:
         return tensor
 
     def _wait_for(self, call: int) -> None:
-        counters = self.counters
-        if counters.min() >= call:
+        if self._slowest() >= call:
             return
         start = time.perf_counter()
         deadline = start + process_group_timeout().total_seconds()
         next_check = start + LIVENESS_EVERY_S
-        while counters.min() < call:
+        while self._slowest() < call:
             now = time.perf_counter()
             if now - start < SPIN_S:
                 continue
@@ -104,26 +105,21 @@ class HostSum:
                 next_check = now + LIVENESS_EVERY_S
             time.sleep(min(1e-3, max(50e-6, (now - start) / 100)))
 
+    def _slowest(self) -> int:
+        """The lowest counter: every rank has published at least this many sums."""
+        words = self._words
+        return min(words[r * COUNTER_WORDS] for r in range(self.world))
+
     def _check_peers(self, call: int, timed_out: bool) -> None:
-        late = [r for r in range(self.world) if self.counters[r] < call]
-        dead = [r for r in late if not _alive(self.pids[r])]
+        late = [r for r in range(self.world) if self._words[r * COUNTER_WORDS] < call]
+        dead = [r for r in late if not pid_alive(self.pids[r])]
         if dead or timed_out:
             why = f"rank(s) {dead} of the group have exited" if dead else f"rank(s) {late} never arrived"
             raise PeerGone(
-                f"a shared-memory sum over the tensor-parallel group failed: {why} (call {call}, waited up to "
-                f"{process_group_timeout().total_seconds():.0f} s, SHARDBOOK_PG_TIMEOUT). The group cannot go on: "
-                "restart the kernel (or the job). Set SHARDBOOK_HOST_SUM=0 to sum over gloo instead."
+                f"a shared-memory sum over the tensor-parallel group failed: {why} (sum number {call}; a late "
+                f"rank is waited for up to SHARDBOOK_PG_TIMEOUT, {process_group_timeout().total_seconds():.0f} s). "
+                "The group cannot go on: restart the kernel (or the job). SHARDBOOK_HOST_SUM=0 sums over gloo instead."
             )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 _SUMS: dict[int, tuple[dist.ProcessGroup, HostSum | None]] = {}
