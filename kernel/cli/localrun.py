@@ -18,22 +18,52 @@ Several nodes and Slurm keep torchrun (its rendezvous across hosts is the part w
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 STOP_GRACE_S = 30.0
 """How long the other ranks may take to end after SIGTERM before they get SIGKILL (torchrun's default)."""
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
+PORTS_BELOW_EPHEMERAL = 10_000
+"""How many ports under the ephemeral range the store's port is drawn from."""
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free loopback port under the system's ephemeral range, for rank 0's store.
+
+    Rank 0 binds it seconds after it is picked (after its imports). A port from the ephemeral
+    range (binding port 0) can be taken in between by any outgoing connection on the machine, and
+    by every other program that picks ports that way (Jupyter's own): one kernel start in five
+    failed with EADDRINUSE while five kernels and their clients ran on this machine. Under that
+    range, only a program that binds this very port can take it.
+    """
+    low = ephemeral_range_start()
+    candidates = range(max(1024, low - PORTS_BELOW_EPHEMERAL), low)
+    for port in random.sample(candidates, min(64, len(candidates))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every one taken: the ephemeral range, as before
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def ephemeral_range_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def rank_env(rank: int, nproc: int, port: int, run_id: str) -> dict[str, str]:

@@ -116,3 +116,18 @@ def test_a_follower_started_long_before_rank_0s_store_still_joins(monkeypatch):
     late.join()
     follower.set("hello", "from rank 1")
     assert hosted[0].get("hello") == b"from rank 1"
+
+
+def test_the_store_port_is_free_and_under_the_ephemeral_range():
+    """Outgoing connections and port-0 binds (Jupyter's own ports) take ports from the ephemeral range, so a port
+    picked there can be gone by the time rank 0 binds it (EADDRINUSE at start-up, seen with five kernels)."""
+    import socket
+
+    from shardbook.kernel.cli.localrun import PORTS_BELOW_EPHEMERAL, ephemeral_range_start, free_port
+
+    low = ephemeral_range_start()
+    for _ in range(20):
+        port = free_port()
+        assert low - PORTS_BELOW_EPHEMERAL <= port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
