@@ -28,6 +28,7 @@ import pytest
 from nbformat.v4 import new_code_cell
 
 from shardbook.kernel.api.fetch import demo_model_dir, is_built
+from tests.prerequisites import require
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts"
@@ -53,24 +54,20 @@ MID_STREAM_CHARS = 150
 """The streaming screenshot is taken once the reply is this long (the whole greedy story is about 390)."""
 SMOLLM2 = demo_model_dir("smollm2-135m-instruct")
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.timeout(900),
-    pytest.mark.skipif(
-        not is_built(SMOLLM2), reason=f"demo model not built at {SMOLLM2} (run `shardbook fetch smollm2-135m-instruct`)"
-    ),
-]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture
 def sync_playwright():
-    """playwright's sync API; a skip naming what is missing when the browser or the package is not installed."""
+    """playwright's sync API; a skip (under CI a failure) naming what is missing: model, browser or package."""
+    if not is_built(SMOLLM2):
+        require(f"demo model not built at {SMOLLM2} (run `shardbook fetch smollm2-135m-instruct`)")
     if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} is missing: `apt-get install -y chromium` (.ci/setup does it)")
+        require(f"{CHROMIUM} is missing: `apt-get install -y chromium` (.ci/setup does it)")
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
-        pytest.skip("the playwright package is missing: `pip install -e .[test]` (.ci/setup does it)")
+        require("the playwright package is missing: `pip install -e .[test]` (.ci/setup does it)")
     return sync_playwright
 
 
