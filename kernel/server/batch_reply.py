@@ -21,7 +21,7 @@ from tornado.iostream import StreamClosedError
 from shardbook.kernel.api.batch import MODEL_CHANGED, batch_refusal, scheduler_for, submit
 from shardbook.kernel.ranks.pool import PoolError
 from shardbook.kernel.server.completions import BodyHandler
-from shardbook.kernel.server.openai_api import FINISH_REASONS, ApiError
+from shardbook.kernel.server.openai_api import FINISH_REASONS, ApiError, generation_failed
 from shardbook.rankd.generation.batching import BatchLimitError, SequenceRequest, SequenceResult, StreamDelta
 
 
@@ -119,6 +119,11 @@ class BatchReplyHandler(BodyHandler):
         try:
             while len(results) < len(planned):
                 kind, index, value = await events.get()
+                if request.stream and not opened and kind == "done" and value.finish_reason == "error":
+                    self.stop()  # failed before anything was sent: a plain error reply, with its status
+                    self.server.metrics.finished(value)
+                    self.send_api_error(failure(value))
+                    return
                 if request.stream and not opened:
                     self.open_stream(ids, request)
                     opened = True
@@ -127,7 +132,7 @@ class BatchReplyHandler(BodyHandler):
                     self.server.metrics.finished(value)
                     if request.stream:
                         choice = self.stream_choice(request, planned, index, rest_of(value, self.streamed[index]))
-                        choice["finish_reason"] = self.FINISH.get(value.finish_reason, "length")
+                        choice["finish_reason"] = self.FINISH[value.finish_reason]
                         self.send_chunk(ids, request, [choice], self.usage(planned, results))
                 elif request.stream:
                     choice = self.stream_choice(request, planned, index, value)
@@ -138,21 +143,22 @@ class BatchReplyHandler(BodyHandler):
         except StreamClosedError:
             self.stop()
             return
+        failed = next((r for r in results.values() if r.finish_reason == "error"), None)
         if request.stream:
             if request.include_usage:
                 self.write(
                     f"data: {json.dumps({**self.chunk(ids, request, []), 'usage': self.usage(planned, results)})}\n\n"
                 )
+            if failed is not None:  # the event OpenAI's clients raise on, after the choices that say "error"
+                self.server.stats.errors += 1
+                self.write(f"data: {json.dumps(failure(failed).body())}\n\n")
+            else:
+                self.server.stats.served += 1
             self.write("data: [DONE]\n\n")
-            self.server.stats.served += 1
             self.finish()
             return
-        errors = [r.error or "" for r in results.values() if r.finish_reason == "error"]
-        if errors and errors[0].startswith(MODEL_CHANGED):  # never answered by a model it did not ask for
-            self.send_api_error(ApiError(409, errors[0].split(": ", 1)[1], param="model", code=MODEL_CHANGED))
-            return
-        if errors:
-            self.send_api_error(ApiError(500, f"generation failed: {errors[0]}", type="server_error"))
+        if failed is not None:
+            self.send_api_error(failure(failed))
             return
         self.set_header("X-Shardbook-Queue-Wait-Ms", f"{max(r.queue_s for r in results.values()) * 1000:.0f}")
         self.server.stats.served += 1
@@ -207,6 +213,15 @@ class BatchReplyHandler(BodyHandler):
 
     def on_connection_close(self) -> None:
         self.stop()
+
+
+def failure(result: SequenceResult) -> ApiError:
+    """The error a failed sequence answers with: 409 when it waited while another model was loaded (never
+    answered by a model it did not ask for), else 500 naming what failed (a rank's error, a dead rank)."""
+    error = result.error or "no error was reported"
+    if error.startswith(MODEL_CHANGED):
+        return ApiError(409, error.split(": ", 1)[-1], param="model", code=MODEL_CHANGED)
+    return generation_failed(f"generation failed: {error}")
 
 
 def rest_of(result: SequenceResult, streamed: int) -> StreamDelta:

@@ -14,7 +14,7 @@ from typing import Any
 
 from shardbook.kernel.api.batch import scheduler_for, sequence_request
 from shardbook.kernel.server.batch_reply import BatchReplyHandler
-from shardbook.kernel.server.openai_api import FINISH_REASONS, ApiError, parse_request
+from shardbook.kernel.server.openai_api import FINISH_REASONS, ApiError, load_body, parse_request
 from shardbook.kernel.server.text_completions import MAX_N
 from shardbook.rankd.generation.batching import BatchLimitError, SequenceRequest, SequenceResult, StreamDelta
 
@@ -34,10 +34,7 @@ class ChatBatchRequest:
 
 def split_body(raw: bytes) -> tuple[bytes, dict[str, Any]]:
     """The body without the fields only the batched path handles (for ``parse_request``), and those fields."""
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-        return raw, {}  # parse_request names the error
+    body = load_body(raw)
     if not isinstance(body, dict):
         return raw, {}
     extra = {k: body.pop(k) for k in EXTRA if k in body}
@@ -102,7 +99,7 @@ class BatchedChatCompletionsHandler(BatchReplyHandler):
             {
                 "index": index,
                 "message": {"role": "assistant", "content": results[index].text},
-                "finish_reason": FINISH_REASONS.get(results[index].finish_reason, "length"),
+                "finish_reason": FINISH_REASONS[results[index].finish_reason],
                 "logprobs": {"content": chat_logprobs(tokenizer, results[index])} if request.logprobs else None,
             }
             for index in range(len(planned))

@@ -9,7 +9,6 @@ Every response says how long the request waited in line (``X-Shardbook-Queue-Wai
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 from typing import Any
@@ -17,14 +16,23 @@ from typing import Any
 import tornado.web
 from tornado.iostream import StreamClosedError
 
-from shardbook.kernel.api.chat import AsyncChatStream, ChatModel, LeftQueue, ModelChanged
+from shardbook.kernel.api.chat import AsyncChatStream, ChatModel, GenerationFailed, LeftQueue, ModelChanged
 from shardbook.kernel.ranks.generation_queue import QueueFull
 from shardbook.kernel.ranks.pool import PoolError
+from shardbook.kernel.server.access import (
+    CORS_HEADERS,
+    CORS_METHODS,
+    check_api_key,
+    check_host,
+    check_json_body,
+    check_origin,
+)
 from shardbook.kernel.server.openai_api import (
     ApiError,
     check_fits_context,
     chunk_body,
     completion_body,
+    generation_failed,
     models_body,
     new_completion_id,
     parse_request,
@@ -39,25 +47,36 @@ beyond, the connection closes."""
 
 
 class ApiHandler(tornado.web.RequestHandler):
-    """JSON in and out, errors in OpenAI's shape, the API key checked when the server has one."""
+    """JSON in and out, errors in OpenAI's shape; who may ask is checked first (``access``): the Host and a
+    browser page's Origin, then the API key when the server has one (except for ``/health``)."""
 
     def initialize(self, server: ServerState) -> None:
         self.server = server
+        self.origin_allowed = False
 
     def prepare(self) -> None:
-        key = self.server.options.api_key
-        if key is None or self.request.path == "/health":
-            return
-        auth = self.request.headers.get("Authorization", "")
-        if not auth.startswith("Bearer "):
-            raise ApiError(
-                401,
-                "missing API key: send the header 'Authorization: Bearer KEY'",
-                code="invalid_api_key",
-                type="authentication_error",
-            )
-        if not hmac.compare_digest(auth[len("Bearer ") :].strip().encode(), key.encode()):
-            raise ApiError(401, "invalid API key", code="invalid_api_key", type="authentication_error")
+        options = self.server.options
+        check_host(self.request.host, options.host, options.allowed_hosts, self.server.url)
+        check_origin(self.request.headers.get("Origin"), options.allowed_origins)
+        self.origin_allowed = True
+        self.maybe_allow_origin()
+        if self.request.path != "/health" and self.request.method != "OPTIONS":  # a CORS preflight has no key
+            check_api_key(options.api_key, self.request.headers.get("Authorization", ""))
+
+    def maybe_allow_origin(self) -> None:
+        """CORS headers for a page whose origin was allowed (``--allowed-origin``), so its browser lets it read."""
+        origin = self.request.headers.get("Origin")
+        if origin is not None and self.origin_allowed:
+            self.set_header("Access-Control-Allow-Origin", origin)
+            self.set_header("Vary", "Origin")
+
+    def options(self, *args: str) -> None:
+        """A browser's CORS preflight, from an allowed origin (``prepare`` refused the others)."""
+        self.set_header("Access-Control-Allow-Methods", CORS_METHODS)
+        self.set_header("Access-Control-Allow-Headers", CORS_HEADERS)
+        self.set_header("Access-Control-Max-Age", "600")
+        self.set_status(204)
+        self.finish()
 
     def write_json(self, body: dict[str, Any], status: int = 200) -> None:
         self.set_status(status)
@@ -77,6 +96,7 @@ class ApiHandler(tornado.web.RequestHandler):
                 status_code, self._reason, type="server_error" if status_code >= 500 else "invalid_request_error"
             )
         self.clear()
+        self.maybe_allow_origin()  # an allowed page may read why it was refused
         self.send_api_error(error)
 
     def log_exception(self, typ, value, tb) -> None:
@@ -110,6 +130,7 @@ class BodyHandler(ApiHandler):
 
     def prepare(self) -> None:
         super().prepare()
+        check_json_body(self.request.method, self.request.headers.get("Content-Type"))
         self.body = bytearray()
         self.too_large = False
 
@@ -198,11 +219,21 @@ class ChatCompletionsHandler(BodyHandler):
             if not sent_any:
                 self.fail(e)
                 return
-            self.server.stats.errors += 1
-            self.send_event(ApiError(500, f"generation failed: {e}", type="server_error").body())
-            self.finish()
+            self.fail_stream(request, completion_id, e)
             return
         self.finish_stream(request, stream, completion_id, sent_any)
+
+    def fail_stream(self, request, completion_id: str, error: Exception) -> None:
+        """An error once chunks were sent: the choice ends with ``finish_reason: "error"``, then the error event
+        OpenAI's clients raise on, then ``[DONE]`` (never a reply that looks cut at max_tokens)."""
+        if self.client_left():
+            return
+        log.warning("chat completion failed mid-stream: %s", error)
+        self.server.stats.errors += 1
+        self.send_event(chunk_body(completion_id, request.model, {}, "error", include_usage=request.include_usage))
+        self.send_event(failure_error(error).body())
+        self.write("data: [DONE]\n\n")
+        self.finish()
 
     def finish_stream(self, request, stream: AsyncChatStream, completion_id: str, sent_any: bool) -> None:
         if self.client_left():
@@ -237,14 +268,7 @@ class ChatCompletionsHandler(BodyHandler):
         if isinstance(error, ModelChanged):  # never answered by a model other than the one it asked for
             self.send_api_error(ApiError(409, str(error), param="model", code="model_changed"))
             return
-        if isinstance(error, PoolError):  # e.g. a %%all cell holds the ranks
-            self.send_api_error(
-                ApiError(
-                    503, f"the ranks cannot generate now: {error}", type="server_error", headers={"Retry-After": "5"}
-                )
-            )
-        else:
-            self.send_api_error(ApiError(500, f"generation failed: {error}", type="server_error"))
+        self.send_api_error(failure_error(error))
 
     def client_left(self) -> bool:
         stream = getattr(self.request.connection, "stream", None)
@@ -253,6 +277,16 @@ class ChatCompletionsHandler(BodyHandler):
     def on_connection_close(self) -> None:
         if self.stream is not None:
             self.stream.stop()
+
+
+def failure_error(error: Exception) -> ApiError:
+    """The error a reply that failed on the ranks answers with: 503 when the ranks cannot generate now (a
+    ``%%all`` cell holds them, a rank is dead), else 500 naming every failed rank's error."""
+    if isinstance(error, PoolError):
+        return ApiError(
+            503, f"the ranks cannot generate now: {error}", type="server_error", headers={"Retry-After": "5"}
+        )
+    return generation_failed(str(error) if isinstance(error, GenerationFailed) else f"generation failed: {error}")
 
 
 def prompt_length(tokenizer: Any, messages: list[dict[str, str]]) -> int:

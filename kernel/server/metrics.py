@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import tornado.web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from shardbook.kernel.server.completions import ApiHandler
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -71,9 +72,9 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-class MetricsHandler(tornado.web.RequestHandler):
-    def initialize(self, server: Any) -> None:
-        self.server = server
+class MetricsHandler(ApiHandler):
+    """Checked as every endpoint but ``/health`` is: with an API key, a scrape sends it (Prometheus'
+    ``authorization: {credentials: KEY}``)."""
 
     def get(self) -> None:
         scheduler = self.server.runtime.ctx0.state.get("batch_scheduler")

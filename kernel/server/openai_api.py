@@ -48,8 +48,12 @@ HARMLESS_DEFAULTS = {
 }
 """Fields accepted only at a value that asks for nothing (``None`` always passes)."""
 MAX_STOP_STRINGS = 4
-FINISH_REASONS = {"stop": "stop", "length": "length", "interrupted": "length"}
-"""The engine's finish reasons in OpenAI's words: a reply stopped early (stop button, shutdown) was cut short."""
+MAX_INT_DIGITS = 4300
+"""Longest integer literal a body may hold: Python's own limit on converting one (whatever
+``sys.set_int_max_str_digits`` says), far beyond any field's range, so every field names its own."""
+FINISH_REASONS = {"stop": "stop", "length": "length", "interrupted": "length", "error": "error"}
+"""The engine's finish reasons in OpenAI's words: a reply stopped early (stop button, shutdown) was cut short;
+one that failed (a rank died, a step raised) says ``error``, as vLLM does, never ``length``."""
 
 
 class ApiError(Exception):
@@ -72,6 +76,17 @@ class ApiError(Exception):
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
 
 
+def generation_failed(cause: str) -> ApiError:
+    """The 500 of a reply that failed on the ranks (``cause`` names what failed), whole or as a stream's last event."""
+    return ApiError(
+        500,
+        f"{cause}. The reply is incomplete; send the request again once /health says 'ok' (a dead rank needs "
+        "the kernel, or `shardbook serve`, restarted).",
+        type="server_error",
+        code="generation_failed",
+    )
+
+
 @dataclass(frozen=True)
 class CompletionRequest:
     """A checked chat-completions request: what ``ChatModel.build_request`` takes, and how to answer."""
@@ -84,14 +99,29 @@ class CompletionRequest:
     include_usage: bool
 
 
-def parse_request(raw: bytes) -> CompletionRequest:
-    """The request in ``raw`` (a JSON body), or ApiError(400) naming the first thing wrong with it."""
+def load_body(raw: bytes) -> Any:
+    """A request body's JSON, or ApiError(400) saying why it is not JSON this server can read."""
     try:
-        body = json.loads(raw)
+        return json.loads(raw, parse_int=_parse_int)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     except RecursionError:
-        raise ApiError(400, "the request body is nested too deeply to be a chat request") from None
+        raise ApiError(400, "the request body is nested too deeply to be an API request") from None
+
+
+def _parse_int(literal: str) -> int:
+    if len(literal.lstrip("-")) > MAX_INT_DIGITS:
+        raise ApiError(
+            400,
+            f"the request body has an integer of {len(literal.lstrip('-'))} digits; no field takes one of more "
+            f"than {MAX_INT_DIGITS} digits (a seed, say, is below 2**63): send the number the field needs",
+        )
+    return int(literal)
+
+
+def parse_request(raw: bytes) -> CompletionRequest:
+    """The request in ``raw`` (a JSON body), or ApiError(400) naming the first thing wrong with it."""
+    body = load_body(raw)
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object with 'model' and 'messages'")
     check_fields(body)

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 import socket
 import time
 from dataclasses import dataclass
@@ -37,6 +38,12 @@ class ServeOptions:
     batch: bool = True
     """Chat completions decode together in the continuous batch; False (``--no-batch``) takes turns through
     transformers' ``generate`` instead. ``/v1/completions`` always batches."""
+    allowed_hosts: tuple[str, ...] = ()
+    """Names a request's ``Host`` may give besides localhost and the address listened on (a reverse proxy's,
+    a tunnel's; ``--allowed-host``); ``*`` allows any."""
+    allowed_origins: tuple[str, ...] = ()
+    """Web pages (``Origin``, as ``https://app.example:8080``) whose requests are answered, with CORS headers
+    (``--allowed-origin``); ``*`` allows any. Requests from any other page are refused."""
 
     def check(self) -> None:
         """ValueError naming the fix when the server must not start with these options."""
@@ -48,6 +55,18 @@ class ServeOptions:
                 "the model. Give --api-key KEY or --api-key-file FILE (clients then send 'Authorization: Bearer KEY'), "
                 "or serve on 127.0.0.1 (the default) and reach it through an SSH tunnel."
             )
+        for name in self.allowed_hosts:
+            if not name.strip() or "/" in name:
+                raise ValueError(
+                    f"--allowed-host {name!r} is not a host name: give a name as clients write it in their URL, "
+                    "without scheme or path (say --allowed-host llm.example.org), or * to allow any"
+                )
+        for origin in self.allowed_origins:
+            if origin not in ("*", "null") and not re.fullmatch(r"https?://[^/\s]+", origin.rstrip("/")):
+                raise ValueError(
+                    f"--allowed-origin {origin!r} is not a web origin: give the page's scheme, host and port as "
+                    "the browser sends them (say --allowed-origin https://app.example.org:8443), or * to allow any"
+                )
 
 
 def is_loopback(host: str) -> bool:

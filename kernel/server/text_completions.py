@@ -16,7 +16,7 @@ from typing import Any
 
 from shardbook.kernel.api.batch import scheduler_for
 from shardbook.kernel.server.batch_reply import BatchReplyHandler
-from shardbook.kernel.server.openai_api import ApiError, parse_stop
+from shardbook.kernel.server.openai_api import ApiError, load_body, parse_stop
 from shardbook.rankd.generation.batching import BatchLimitError, SequenceRequest, SequenceResult, StreamDelta
 
 FIELDS = {
@@ -65,10 +65,7 @@ class TextCompletionRequest:
 
 def parse_text_request(raw: bytes) -> TextCompletionRequest:
     """The checked body of a ``/v1/completions`` request, or ApiError(400) naming what is wrong."""
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    body = load_body(raw)
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object with 'model' and 'prompt'")
     unknown = sorted(set(body) - FIELDS)
