@@ -9,13 +9,22 @@ runs the follower loop and reads the same connection file for the control-plane 
 from __future__ import annotations
 
 import atexit
+import errno
+import json
 import os
+import socket
 import sys
+import time
 from typing import NoReturn
 
 from shardbook.rankd.control.lifetime import die_with_parent, exit_with_launcher
+from shardbook.rankd.control.protocol import positive_number_env
 from shardbook.rankd.control.startup_marks import mark, mark_process_start
 from shardbook.rankd.control.world import JobShape
+
+KERNEL_PORTS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
+PORT_WAIT_S = positive_number_env("SHARDBOOK_PORT_WAIT", 30.0)
+"""How long rank 0 waits for a port of its connection file that is still in use (a restart's old kernel ending)."""
 
 
 def connection_file_from(argv: list[str]) -> str | None:
@@ -35,12 +44,68 @@ def launch_kernel(argv: list[str]) -> None:
 
     die_with_parent()
     exit_with_launcher()
+    maybe_wait_for_ports(connection_file_from(argv))
     try:
         IPKernelApp.launch_instance(argv=[*argv, "--ext=shardbook.magics"])
     except SystemExit as e:
         if e.code not in (None, 0):
             raise
     exit_without_teardown()
+
+
+def maybe_wait_for_ports(connection_file: str | None, timeout_s: float = PORT_WAIT_S) -> None:
+    """Wait (under ``timeout_s``) until every TCP port of the connection file can be bound; nothing if all can.
+
+    A restart reuses the connection file's ports (jupyter_client's default, and JupyterLab's), and
+    the old kernel may still hold them: the old rank 0 ends on the launcher's SIGTERM, which takes
+    its time on a busy machine (its exit handlers close the pool), while the new rank 0 is up in a
+    second. ipykernel binds a fixed port once and dies of EADDRINUSE; waiting here, before it binds,
+    lets the restart go through. A port still taken at the deadline is left to ipykernel's error.
+    """
+    try:
+        with open(connection_file or "") as f:
+            info = json.load(f)
+    except (OSError, ValueError):  # no file yet: ipykernel picks the ports and writes it
+        return
+    if info.get("transport", "tcp") != "tcp":
+        return
+    host = {"*": "0.0.0.0", "": "127.0.0.1"}.get(info.get("ip", ""), info.get("ip", ""))
+    deadline, said = time.monotonic() + timeout_s, False
+    for name in KERNEL_PORTS:
+        port = info.get(name)
+        while isinstance(port, int) and port > 0 and port_in_use(host, port):
+            if not said:
+                said = True
+                mark("kernel ports busy")
+                log_to_stderr(
+                    f"port {port} ({name}) of {connection_file} is still in use, probably by the kernel this one "
+                    f"restarts, which is still ending; waiting up to {timeout_s:.0f} s (SHARDBOOK_PORT_WAIT)"
+                )
+            if time.monotonic() > deadline:
+                log_to_stderr(
+                    f"port {port} ({name}) is still in use after {timeout_s:.0f} s; the kernel cannot bind it"
+                )
+                return
+            time.sleep(0.1)
+    if said:
+        mark("kernel ports free")
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """True when another socket listens on ``host:port`` (bound as zmq binds: SO_REUSEADDR, so TIME_WAIT is free)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
+
+
+def log_to_stderr(text: str) -> None:
+    """One line on the process's stderr: the Jupyter server's log (ipykernel has not replaced sys.stderr yet)."""
+    print(f"[shardbook rank 0] {text}", file=sys.__stderr__, flush=True)
 
 
 def exit_without_teardown() -> NoReturn:
