@@ -103,15 +103,6 @@ def moe_intermediate(config) -> int:
     return int(getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
 
 
-def init_expert_group(layout: ExpertLayout, tp_group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """This rank's expert-set group (a collective over the world when sets are smaller than the TP group)."""
-    if layout.set_size == layout.parts:
-        return tp_group
-    world, size = dist.get_world_size(), layout.set_size  # TP groups, and so expert sets, are consecutive ranks
-    mine, _ = dist.new_subgroups_by_enumeration([list(range(start, start + size)) for start in range(0, world, size)])
-    return mine
-
-
 def experts_plan(name: str, experts: nn.Module, layout: ExpertLayout) -> dict[str, TPShard]:
     """The slices of one fused experts module (`gate_up_proj`, `down_proj`) by `layout`.
 

@@ -69,10 +69,7 @@ def test_a_bad_switch_value_names_the_variable(monkeypatch):
 
 def lonely_sum(tmp_path, peer_pid: int) -> HostSum:
     """A HostSum for rank 0 of 2 whose rank 1 (`peer_pid`) never publishes anything."""
-    path = tmp_path / "segment"
-    size = host_sum.COUNTER_STRIDE * 2 + 2 * 2 * SLOT_BYTES
-    host_sum._create(path, size)
-    return HostSum(host_sum._map(str(path), size), 0, [os.getpid(), peer_pid])
+    return HostSum(host_sum._create(tmp_path / "segment", host_sum.segment_bytes(2)), 0, [os.getpid(), peer_pid])
 
 
 def test_a_peer_that_exited_is_named_within_a_second(tmp_path):

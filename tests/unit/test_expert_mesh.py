@@ -1,7 +1,7 @@
 """The expert mesh (edp, efsdp, ep), EP innermost, for the flagship layout: 32 ranks, ep_size 16, ep_fsdp_size 2.
 
 Built on torch's fake process group (one process plays every rank, no communication), so the
-rank groups `init_expert_group` makes can be read for any rank of a large job.
+rank groups `layout.expert_group` makes can be read for any rank of a large job.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from shardbook.rankd.parallel.expert_parallel import ExpertLayout, init_expert_group
+from shardbook.rankd.parallel.expert_parallel import ExpertLayout
 
 
 @pytest.fixture
@@ -38,22 +38,6 @@ def test_seed_command_layout_positions():
 
 def test_defaults_split_each_expert_over_the_whole_group():
     assert ExpertLayout.of(4, 1, 1) == ExpertLayout(parts=4, ep=1, efsdp=4)
-
-
-@pytest.mark.parametrize("rank", [0, 5, 21, 31])
-def test_expert_sets_of_a_32_rank_job(fake_world, rank):
-    """ep 8 x ep_fsdp 2 in one 32-rank tensor-parallel group: edp = 2 sets of 16 consecutive ranks."""
-    fake_world(rank, 32)
-    layout = ExpertLayout.of(32, 8, 2)
-    group = init_expert_group(layout, dist.group.WORLD)
-    first = rank // 16 * 16
-    assert dist.get_process_group_ranks(group) == list(range(first, first + 16))
-
-
-def test_expert_set_spanning_the_group_is_the_group_itself(fake_world):
-    fake_world(3, 32)
-    layout = ExpertLayout.of(32, 16, 2)
-    assert init_expert_group(layout, dist.group.WORLD) is dist.group.WORLD
 
 
 @pytest.mark.parametrize("rank", [0, 21])
