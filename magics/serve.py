@@ -26,6 +26,20 @@ class ServeMagics(Magics):
         action="store_true",
         help="chat completions take turns through transformers' generate instead of decoding together",
     )
+    @argument(
+        "--allowed-host",
+        action="append",
+        metavar="NAME",
+        help="a name clients may reach the server by besides localhost and --host (a reverse proxy's or tunnel's; "
+        "repeatable; * allows any): requests naming another Host are refused (DNS rebinding)",
+    )
+    @argument(
+        "--allowed-origin",
+        action="append",
+        metavar="ORIGIN",
+        help="a web page's origin (https://app.example.org:8443) whose browser requests are answered, with CORS "
+        "headers (repeatable; * allows any); requests from other pages are refused",
+    )
     @argument("--stop", action="store_true", help="stop the server")
     @argument("--status", action="store_true", help="show the URL, the queue, requests served and errors")
     @line_magic("serve")
@@ -67,7 +81,13 @@ class ServeMagics(Magics):
             key = read_api_key(args.api_key, args.api_key_file)
             port = DEFAULT_PORT if args.port is None else args.port
             options = ServeOptions(
-                host=args.host, port=port, api_key=key, max_waiting=args.max_waiting, batch=not args.no_batch
+                host=args.host,
+                port=port,
+                api_key=key,
+                max_waiting=args.max_waiting,
+                batch=not args.no_batch,
+                allowed_hosts=tuple(args.allowed_host or ()),
+                allowed_origins=tuple(args.allowed_origin or ()),
             )
             server = Server(runtime, options).start()
         except ValueError as e:

@@ -147,7 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-VALUE_FLAGS = frozenset({"--nproc", "--port", "--host", "--api-key", "--api-key-file", "--max-waiting"})
+VALUE_FLAGS = frozenset(
+    {"--nproc", "--port", "--host", "--api-key", "--api-key-file", "--max-waiting"}
+    | {"--allowed-host", "--allowed-origin"}
+)
 """The flags of ``shardbook chat`` and ``shardbook serve`` that take a value."""
 
 

@@ -53,6 +53,22 @@ def add_serve_flags(parser: argparse.ArgumentParser, default=None) -> None:
         default=default or False,
         help="chat completions take turns through transformers' generate instead of decoding together",
     )
+    parser.add_argument(
+        "--allowed-host",
+        action="append",
+        default=default,
+        metavar="NAME",
+        help="a name clients may reach the server by besides localhost and --host (a reverse proxy's or "
+        "tunnel's; repeatable; * allows any): requests naming another Host are refused (DNS rebinding)",
+    )
+    parser.add_argument(
+        "--allowed-origin",
+        action="append",
+        default=default,
+        metavar="ORIGIN",
+        help="a web page's origin (https://app.example.org:8443) whose browser requests are answered, with "
+        "CORS headers (repeatable; * allows any); requests from other pages are refused",
+    )
 
 
 def add_serve_parser(sub) -> None:
@@ -77,6 +93,9 @@ def split_flags(args: argparse.Namespace) -> None:
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     add_serve_flags(parser, default=argparse.SUPPRESS)
     flags, args.overrides = parser.parse_known_args(args.overrides)
+    for name in ("allowed_host", "allowed_origin"):  # repeatable: those before CONFIG count too
+        if name in vars(flags):
+            vars(flags)[name] = (getattr(args, name, None) or []) + vars(flags)[name]
     vars(args).update(vars(flags))
 
 
@@ -86,7 +105,13 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         raise ValueError("give either --api-key or --api-key-file, not both")
     key = read_api_key(args.api_key, args.api_key_file) or os.environ.get(API_KEY_ENV) or None
     options = ServeOptions(
-        host=args.host, port=args.port, api_key=key, max_waiting=args.max_waiting, batch=not args.no_batch
+        host=args.host,
+        port=args.port,
+        api_key=key,
+        max_waiting=args.max_waiting,
+        batch=not args.no_batch,
+        allowed_hosts=tuple(args.allowed_host or ()),
+        allowed_origins=tuple(args.allowed_origin or ()),
     )
     options.check()
     return options
@@ -107,6 +132,8 @@ def run_serve(args: argparse.Namespace) -> int:
     flags = ["--host", options.host, "--port", str(options.port)]
     flags += ["--max-waiting", str(args.max_waiting)] if args.max_waiting is not None else []
     flags += ["--no-batch"] if args.no_batch else []
+    flags += [f"--allowed-host={name}" for name in options.allowed_hosts]
+    flags += [f"--allowed-origin={origin}" for origin in options.allowed_origins]
     command = ["serve", *flags, *config_argv(args), *args.overrides]
     if args.slurm:  # the same ranks on an allocation; rank 0 (the server) on its first node
         return launch_on_slurm(args, command, "shardbook-serve")
