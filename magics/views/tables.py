@@ -38,6 +38,8 @@ def summary_table(summary: dict[str, Any]) -> Table:
         ["decode", f"{summary['decode']} — {summary['decode_reason']}"],
         ["load time", f"{summary['load_seconds']:.2f} s"],
     ]
+    if summary.get("quantized_tensors"):
+        facts.append(["checkpoint", quantized_line(summary)])
     if "warm_up_s" in summary:  # gather: one forward inside the load gathered every layer
         facts.append(["warm-up forward", f"{summary['warm_up_s']:.2f} s (every layer gathered, kept)"])
     if "replicated_param_bytes" in summary:  # the tp layout: what every rank keeps whole
@@ -56,6 +58,16 @@ def summary_table(summary: dict[str, Any]) -> Table:
         )
         facts.append([f"rank {rank}", f"local params {format_bytes(local)}; {memory}"])
     return Table(["", "loaded " + summary["model_path"]], facts)
+
+
+def quantized_line(summary: dict[str, Any]) -> str:
+    """The quantized formats read, what they became, and the bytes on disk against the bytes each rank holds."""
+    formats = "; ".join(f"{n} tensor(s) in {name}" for name, n in summary["quantized_tensors"].items())
+    held = ", ".join(format_bytes(b) for b in summary["local_param_bytes"])
+    return (
+        f"{formats}, dequantized to {summary['dtype']}; {format_bytes(summary['checkpoint_bytes'])} on disk, "
+        f"{format_bytes(summary['full_param_bytes'])} dequantized, held per rank: {held}"
+    )
 
 
 def shards_table(rows: list[dict[str, Any]], world_size: int, prefix: str) -> Table:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shardbook.rankd.loading.dequantize import QuantizedTensor
 from shardbook.rankd.loading.safetensors_files import MappedFiles, StoredTensor
 
 Selection = tuple  # per dim: a tuple of ranges to keep (joined in order), or None for the whole dim
@@ -28,7 +29,7 @@ Selection = tuple  # per dim: a tuple of ranges to keep (joined in order), or No
 class ExpertStack:
     """A fused expert tensor: `parts[p][e]` stored per expert, stacked on dim 0, the parts joined on `concat_dim`."""
 
-    parts: tuple[tuple[StoredTensor, ...], ...]
+    parts: tuple[tuple[StoredTensor | QuantizedTensor, ...], ...]
     concat_dim: int | None
     """The fused tensor's dim the parts are concatenated on (gate then up), None for a single part."""
 
@@ -53,23 +54,33 @@ class ExpertStack:
         return torch.stack([self._expert(files, e, inner, dtype, device) for e in experts])
 
     def _expert(self, files: MappedFiles, expert: int, inner: Selection, dtype, device) -> torch.Tensor:
-        views = [files.view(part[expert]) for part in self.parts]
+        stored = [part[expert] for part in self.parts]
         axis = 0 if self.concat_dim is None else self.concat_dim - 1
-        pieces = _concat_pieces(views, axis, inner[axis])
-        others = tuple(None if dim == axis else sel for dim, sel in enumerate(inner))
-        return torch.cat([select(piece, others).to(device=device, dtype=dtype) for piece in pieces], dim=axis)
+        pieces = []
+        for part, rows in _concat_pieces([s.shape[axis] for s in stored], inner[axis]):
+            selection = tuple((rows,) if dim == axis else sel for dim, sel in enumerate(inner))
+            pieces.append(read_part(files, stored[part], selection, dtype, device))
+        return torch.cat(pieces, dim=axis)
 
 
-def _concat_pieces(views: list[torch.Tensor], axis: int, ranges: tuple[range, ...] | None) -> list[torch.Tensor]:
-    """The slices of `views` along `axis` that `ranges` (in the concatenated tensor's coordinates) cover, in order."""
-    sizes = [view.shape[axis] for view in views]
+def read_part(
+    files: MappedFiles, stored: StoredTensor | QuantizedTensor, selection: Selection, dtype, device
+) -> torch.Tensor:
+    """`selection` of one stored tensor (dequantized when it is quantized), on `device` in `dtype`."""
+    if isinstance(stored, QuantizedTensor):
+        return stored.read(files, selection, dtype, device)
+    return select(files.view(stored), selection).to(device=device, dtype=dtype)
+
+
+def _concat_pieces(sizes: list[int], ranges: tuple[range, ...] | None) -> list[tuple[int, range]]:
+    """(part, its rows) that `ranges` (in the concatenated parts' coordinates) cover, in order."""
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     pieces = []
     for wanted in ranges if ranges is not None else (range(sum(sizes)),):
-        for view, start, size in zip(views, starts, sizes):
+        for part, (start, size) in enumerate(zip(starts, sizes)):
             low, high = max(wanted.start, start), min(wanted.stop, start + size)
             if low < high:
-                pieces.append(view.narrow(axis, low - start, high - low))
+                pieces.append((part, range(low - start, high - start)))
     return pieces
 
 

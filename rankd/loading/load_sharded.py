@@ -32,6 +32,7 @@ from torch import nn
 
 from shardbook.rankd.loading.load_steps import LoadSteps
 from shardbook.rankd.loading.summary import (
+    checkpoint_figures,
     full_param_bytes,
     kv_cache_figures,
     load_summary,
@@ -154,7 +155,8 @@ def _load(
     layout, reason, ep_sizes = _decide_layout(config.parallel, ckpt, views)
     mesh = init_mesh(device.type, ckpt.mesh_shape, ckpt.mesh_axes)
     if layout == "tp":
-        reason += _shard_and_read_tp(steps, report, model, mesh, ckpt, device, ep_sizes)
+        targets, experts = _shard_and_read_tp(steps, report, model, mesh, ckpt, device, ep_sizes)
+        reason += experts
     else:
         steps.run("shard", apply_fsdp, model, mesh, layout == "reshard", steps.progress(report, "shard"))
         targets = steps.run("plan", plan_reads, model, ckpt.path)
@@ -173,6 +175,8 @@ def _load(
         decode=layout,
         decode_reason=reason,
     )
+    if steps.ok:
+        summary.update(checkpoint_figures(targets))
     if layout == "tp" and steps.ok:
         summary.update(tp_figures(model, ckpt.mesh_shape[-1]))
     if layout == "gather" and steps.ok:  # every rank settled above: the warm-up's collectives line up
@@ -214,10 +218,10 @@ def check_layout(parallel: Any, ckpt: _Checkpoint) -> None:
 
 def _shard_and_read_tp(
     steps: LoadSteps, report: _Reporter, model: nn.Module, mesh, ckpt: _Checkpoint, device, ep_sizes
-) -> str:
+) -> tuple[dict, str]:
     """The `tp` layout's shard and read steps: slice the layers, then read each rank's pieces of every weight.
 
-    Returns what the reason should add about the experts (empty for a dense model).
+    Returns the read plan and what the reason should add about the experts (empty for a dense model).
     """
     experts, experts_group = None, None
     if num_experts(ckpt.hf_config.get_text_config()):
@@ -230,7 +234,7 @@ def _shard_and_read_tp(
         report("shard", 1, 1)
     rank = mesh.get_local_rank("shard")
     steps.run("read", read_tp_slices, model, targets, plan, rank, device, steps.progress(report, "read"))
-    return f"; {experts.describe()}" if experts is not None else ""
+    return targets, f"; {experts.describe()}" if experts is not None else ""
 
 
 def _memory_view(model: nn.Module, device: torch.device) -> tuple[bool, str]:

@@ -24,6 +24,7 @@ SAFETENSORS_DTYPES = {
     "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,
     "I64": torch.int64,
     "I32": torch.int32,
     "I16": torch.int16,

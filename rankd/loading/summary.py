@@ -7,6 +7,7 @@ the kernel shows rank 0's.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -15,6 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from shardbook.rankd.control.world import memory_in_use
+from shardbook.rankd.loading.checkpoint_names import ExpertStack
+from shardbook.rankd.loading.dequantize import QuantizedTensor
 from shardbook.rankd.parallel.attention_split import kv_cache_bytes_per_token
 from shardbook.rankd.parallel.tensor_parallel import attention_splits
 from shardbook.rankd.parallel.tp_modules import global_numel, tp_shard_of
@@ -69,6 +72,24 @@ def load_summary(
         "decode": decode,
         "decode_reason": decode_reason,
     }
+
+
+def checkpoint_figures(targets: dict[str, Any]) -> dict[str, Any]:
+    """What the files hold against what the ranks hold: the bytes read from disk, and the quantized weights by format.
+
+    `targets` are `weight_reading.plan_reads`' (stored tensors, quantized ones and expert stacks of either).
+    """
+    on_disk, formats = 0, {}
+    for target in targets.values():
+        stored = target.stored
+        parts = [p for part in stored.parts for p in part] if isinstance(stored, ExpertStack) else [stored]
+        for part in parts:
+            if isinstance(part, QuantizedTensor):
+                on_disk += part.stored_bytes
+                formats[part.format] = formats.get(part.format, 0) + 1
+            else:
+                on_disk += math.prod(part.shape) * part.dtype.itemsize
+    return {"checkpoint_bytes": on_disk, "quantized_tensors": formats}
 
 
 def tp_figures(model: nn.Module, parts: int) -> dict[str, Any]:

@@ -28,6 +28,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardbook.rankd.loading.checkpoint_names import ExpertStack, Selection, checkpoint_sources, select
+from shardbook.rankd.loading.dequantize import QuantizedTensor
+from shardbook.rankd.loading.quantized_formats import dequantizing_index
 from shardbook.rankd.loading.safetensors_files import MappedFiles, StoredTensor, read_index
 from shardbook.rankd.parallel.layout import chunk_rows
 from shardbook.rankd.parallel.tp_modules import TPShard
@@ -39,7 +41,7 @@ PROGRESS_STEPS = 50
 class Target:
     """One stored tensor and the model tensor it fills (under every name it has, when tied)."""
 
-    stored: StoredTensor | ExpertStack
+    stored: StoredTensor | QuantizedTensor | ExpertStack
     tensor: torch.Tensor
     names: list[str]
 
@@ -50,7 +52,7 @@ def plan_reads(model: nn.Module, path: Path) -> dict[str, Target]:
     Names go through transformers' conversion mapping first (`checkpoint_names`), so the fused
     experts of a mixture-of-experts model are matched to their per-expert tensors.
     """
-    index = checkpoint_sources(model, read_index(path))
+    index = checkpoint_sources(model, dequantizing_index(read_index(path), model.config))
     by_tensor: dict[int, list[str]] = {}
     tensors: dict[int, torch.Tensor] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
@@ -129,7 +131,7 @@ def _readers(targets: dict[str, Target], on_progress: Callable[[int, int], None]
     every = max(1, len(targets) // PROGRESS_STEPS)
     for done, target in enumerate(targets.values(), start=1):
         stored = target.stored
-        if isinstance(stored, ExpertStack):
+        if isinstance(stored, (ExpertStack, QuantizedTensor)):
             yield target, functools.partial(stored.read, files)
         else:
             yield target, functools.partial(_read_stored, files.view(stored))

@@ -1,0 +1,203 @@
+"""Quantized checkpoints on 2 gloo ranks, in the formats the official weights ship (see `tests.quantized`).
+
+Each checkpoint's reference is its float32 twin (every quantized weight replaced by the exact dequantization of
+its codes) loaded by transformers in one process: logits within |a - b| <= 1e-4 (1 + |b|) on every rank under
+`gather`, `reshard`, `tp` and `tp` with `ep_size 2`. The FP8 blocks are 32 x 32 on weights of 24, 80, ... rows, so
+grids are rounded up (partial last blocks) and the ranks' slices start and end inside blocks: 5 query heads split
+3 and 2 under `tp`, FSDP2 splits rows in halves, experts split 4 and 4.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.multiproc.test_loading import prompt_ids
+from tests.multiproc.test_mla import close
+from tests.multiproc.test_reload import rank_context
+from tests.quantized import write_quantized
+from tests.tiny import make_tiny_lm, make_tiny_mla, make_tiny_tp_family
+
+pytestmark = pytest.mark.timeout(600)
+
+CHECKPOINTS = {
+    # name: (how the float32 model is made, its format, whether it has experts, a weight to gather whole)
+    "llama-fp8-blocks": (
+        lambda p: make_tiny_lm(p, family="llama", hidden_size=80, num_heads=5, num_kv_heads=1),
+        "fp8-blocks",
+        False,
+        "model.layers.0.self_attn.q_proj.weight",
+    ),
+    "deepseek-v3.1-fp8-ue8m0": (
+        lambda p: make_tiny_mla(p, "deepseek_v3"),
+        "fp8-ue8m0",
+        True,
+        "model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
+    ),
+    "minimax-m2-fp8": (
+        lambda p: make_tiny_tp_family(p, "minimax_m2"),
+        "fp8-minimax",
+        True,
+        "model.layers.1.mlp.experts.gate_up_proj",
+    ),
+    "gpt-oss-mxfp4": (
+        lambda p: make_tiny_tp_family(p, "gpt_oss"),
+        "mxfp4",
+        True,
+        "model.layers.1.mlp.experts.down_proj",
+    ),
+    "kimi-k2-thinking-int4": (
+        lambda p: make_tiny_mla(p, "deepseek_v3"),
+        "int4-pack",
+        True,
+        "model.layers.1.mlp.experts.gate_up_proj",
+    ),
+    "llama-fp8-channel": (
+        lambda p: make_tiny_lm(p, family="llama", hidden_size=80, num_heads=5, num_kv_heads=1),
+        "fp8-channel",
+        False,
+        "model.layers.1.mlp.down_proj.weight",
+    ),
+}
+LAYOUTS = {
+    "gather": {"decode": "gather"},
+    "reshard": {"decode": "reshard"},
+    "tp": {"decode": "tp"},
+    "tp-ep2": {"decode": "tp", "ep_size": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict:
+    """name -> (quantized path, its reference logits, the reference of its named weight, experts?)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    made = {}
+    for name, (make, fmt, experts, weight) in CHECKPOINTS.items():
+        root = tmp_path_factory.mktemp(name)
+        quantized, twin = write_quantized(make(root / "float32"), root / "model", fmt)
+        model = AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits = model(prompt_ids(AutoTokenizer.from_pretrained(twin))).logits
+        made[name] = (quantized, logits, model.get_parameter(weight).detach().clone(), experts)
+    return made
+
+
+def load_each(rank: int, paths: dict, parallel: dict) -> dict:
+    """Every checkpoint in turn on one process group: logits, the summary, one weight gathered whole on rank 0."""
+    from shardbook.rankd.config.schema import ModelConfig, ParallelConfig, ShardbookConfig
+    from shardbook.rankd.loading.load_sharded import load_sharded
+    from shardbook.rankd.parallel.wholes import full_parameter_on_rank0
+
+    results = {}
+    for name, (path, weight) in paths.items():
+        config = ShardbookConfig(
+            model=ModelConfig(model_name_or_path=str(path), dtype="float32"), parallel=ParallelConfig(**parallel)
+        )
+        loaded = load_sharded(config, device="cpu")
+        with torch.no_grad():
+            logits = loaded.model(prompt_ids(loaded.tokenizer)).logits
+        whole = full_parameter_on_rank0(loaded.model, loaded.model.get_parameter(weight))
+        results[name] = {"logits": logits, "summary": loaded.summary, "whole": whole}
+    return results
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_quantized_checkpoints_match_their_dequantization(ranks, checkpoints, layout):
+    parallel = LAYOUTS[layout]
+    wanted = {
+        n: (path, CHECKPOINTS[n][3])
+        for n, (path, _, _, experts) in checkpoints.items()
+        if experts or "ep_size" not in parallel
+    }
+    per_rank = ranks(load_each, wanted, parallel, deadline=500)
+    for name in wanted:
+        _, reference, weight, _ = checkpoints[name]
+        for rank, results in enumerate(per_rank):
+            close(results[name]["logits"], reference, f"{name} under {layout}, rank {rank}")
+        # full_parameter joins the ranks' dequantized slices into the weight's exact dequantization
+        torch.testing.assert_close(per_rank[0][name]["whole"], weight, atol=0, rtol=0, msg=name)
+        summary = per_rank[0][name]["summary"]
+        assert summary["decode"] == parallel["decode"], (name, summary["decode"])
+        assert summary["quantized_tensors"], name
+        assert summary["checkpoint_bytes"] < summary["full_param_bytes"], name  # codes are smaller than float32
+
+
+def test_each_format_is_named_in_the_summary(ranks, checkpoints):
+    from shardbook.magics.views.tables import quantized_line
+
+    paths = {n: (checkpoints[n][0], CHECKPOINTS[n][3]) for n in ("gpt-oss-mxfp4", "kimi-k2-thinking-int4")}
+    results = ranks(load_each, paths, {"decode": "gather"}, deadline=300)[0]
+    gpt_oss = results["gpt-oss-mxfp4"]["summary"]
+    assert gpt_oss["quantized_tensors"] == {"mxfp4 e2m1, 1x32 blocks": 4}  # 2 layers x gate_up, down
+    kimi = results["kimi-k2-thinking-int4"]["summary"]
+    # 1 MoE layer x 8 experts x (gate, up, down); the dense first layer and the shared expert stay float
+    assert kimi["quantized_tensors"] == {"compressed-tensors int4, groups of 32": 24}
+    line = quantized_line(gpt_oss)
+    assert line.startswith("4 tensor(s) in mxfp4 e2m1, 1x32 blocks, dequantized to float32;") and "on disk" in line
+
+
+def _broken(root: Path, source: Path) -> dict[str, Path]:
+    """A missing scale tensor, a scale grid that does not fit, and an unsupported method, each from `source`."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    cases = {}
+    state = load_file(source / "model.safetensors")
+    config = json.loads((source / "config.json").read_text())
+    scale = "model.layers.0.self_attn.q_proj.weight_scale_inv"
+    edits = {
+        "missing scale": ({k: v for k, v in state.items() if k != scale}, config),
+        "grid that does not fit": ({**state, scale: state[scale][:, :1].contiguous()}, config),
+        "unsupported method": (state, {**config, "quantization_config": {"quant_method": "gptq", "bits": 4}}),
+    }
+    for case, (tensors, cfg) in edits.items():
+        cases[case] = shutil.copytree(source, root / case.replace(" ", "-"))
+        save_file(tensors, cases[case] / "model.safetensors")
+        (cases[case] / "config.json").write_text(json.dumps(cfg))
+    return cases
+
+
+EXPECTED_ERRORS = {
+    "missing scale": "but not model.layers.0.self_attn.q_proj.weight_scale_inv",
+    "grid that does not fit": "needs a scale grid of [3, 3] (ceil(shape / block))",
+    "unsupported method": "quant_method 'gptq', which sharded loading does not read",
+}
+
+
+def reload_broken(rank: int, good: Path, broken: dict[str, Path]) -> dict:
+    """Load `good`, then try each broken checkpoint: the errors, and the first model's logits after them."""
+    from shardbook.rankd.loading.reload import replace_model
+    from tests.multiproc.test_loading import stand_in_config
+
+    ctx = rank_context(rank)
+
+    def reload(path):
+        try:
+            replace_model(
+                ctx, stand_in_config(path), device="cpu", model_path=None, progress=None, notice=lambda _: None
+            )
+        except ValueError as e:
+            return str(e)
+        return "loaded"
+
+    assert reload(good) == "loaded"
+    first = ctx.state["loaded"].model
+    errors = {case: reload(path) for case, path in broken.items()}
+    with torch.no_grad():
+        logits = first(prompt_ids(ctx.shell.user_ns["tokenizer"])).logits
+    return {"errors": errors, "kept": ctx.state["loaded"].model is first, "logits": logits}
+
+
+def test_broken_quantized_checkpoints_are_refused_on_every_rank_and_the_model_stays(ranks, checkpoints, tmp_path):
+    good, reference = checkpoints["llama-fp8-blocks"][:2]
+    results = ranks(reload_broken, good, _broken(tmp_path, good), deadline=300)
+    for rank, result in enumerate(results):
+        for case, expected in EXPECTED_ERRORS.items():
+            assert expected in result["errors"][case], (rank, case, result["errors"][case])
+        assert result["kept"], rank
+        close(result["logits"], reference, f"rank {rank} after the refused loads")

@@ -1,0 +1,228 @@
+"""Tiny quantized checkpoints written as the official ones ship, each with its float32 reference twin.
+
+`write_quantized(source, target, fmt)` reads a float32 checkpoint (from `tests.tiny`), quantizes
+the weights the real checkpoints quantize (names, dtypes, shapes and `quantization_config` as the
+published files have them) and writes `target`; beside it, `target-reference` holds the same model
+with every quantized weight replaced by the exact dequantization of its codes, computed here with
+plain torch ops independently of shardbook's reader. Loading `target` must give the reference's
+logits.
+
+Formats (`FORMATS`):
+- `fp8-blocks`: DeepSeek-V3 / Kimi-K2 / GLM-5-FP8 (`quant_method: fp8`, `weight_block_size`,
+  float32 `weight_scale_inv` over a grid rounded up, so small dims end in partial blocks);
+- `fp8-ue8m0`: DeepSeek-V3.1 and later (`scale_fmt: ue8m0`: power-of-two scales, stored as e8m0 bytes);
+- `fp8-minimax`: MiniMax-M2 (`modules_to_not_convert`: router gate, score bias and lm_head unquantized);
+- `mxfp4`: gpt-oss (experts as `_blocks` / `_scales`, stored out x in);
+- `int4-pack`: Kimi-K2-Thinking (compressed-tensors pack-quantized int4, group 32, routed experts only);
+- `fp8-channel`: llm-compressor's float-quantized FP8, one scale per output channel.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+FP8_MAX = 448.0
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+BLOCK = 32
+"""The test checkpoints' FP8 block: the tiny models' dims (24, 80, ...) end in partial blocks as the real
+[576, 7168] `kv_a_proj_with_mqa` does in 128 x 128 blocks."""
+
+UNQUANTIZED = ("embed", "lm_head", "norm", "mlp.gate.", "router", "bias", "sinks", "indexer", "hc_", "position")
+
+
+def write_quantized(source: Path, target: Path, fmt: str, **settings) -> tuple[Path, Path]:
+    """Write `source` (a float32 checkpoint) to `target` in `fmt`, and its dequantized twin; both paths."""
+    from safetensors.torch import load_file, save_file
+
+    state = {}
+    for file in sorted(Path(source).glob("*.safetensors")):
+        state.update(load_file(file))
+    stored, reference = FORMATS[fmt](state, **settings)
+    config = json.loads((Path(source) / "config.json").read_text())
+    twin = target.with_name(target.name + "-reference")
+    for directory, tensors, quantization in ((target, stored, QUANTIZATION[fmt]), (twin, reference, None)):
+        shutil.copytree(source, directory, ignore=shutil.ignore_patterns("*.safetensors*"))
+        save_file({k: v.contiguous() for k, v in tensors.items()}, directory / "model.safetensors")
+        written = dict(config, **({"quantization_config": quantization(settings)} if quantization else {}))
+        (directory / "config.json").write_text(json.dumps(written, indent=2))
+    return target, twin
+
+
+def _unquantized(name: str) -> bool:
+    return any(part in name for part in UNQUANTIZED)
+
+
+def _linear(name: str, tensor: torch.Tensor) -> bool:
+    return tensor.dim() >= 2 and name.endswith(".weight") and not _unquantized(name)
+
+
+def fp8_blocks(weight: torch.Tensor, block: int, power_of_two: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 codes and float32 `weight_scale_inv` per `block` x `block` (grid rounded up) of a 2-D weight."""
+    rows, cols = weight.shape
+    grid = (math.ceil(rows / block), math.ceil(cols / block))
+    padded = torch.zeros(grid[0] * block, grid[1] * block)
+    padded[:rows, :cols] = weight
+    amax = padded.reshape(grid[0], block, grid[1], block).abs().amax(dim=(1, 3)).clamp(min=1e-8)
+    scale = amax / FP8_MAX
+    if power_of_two:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    codes = (weight / expand_blocks(scale, (block, block), weight.shape)).to(torch.float8_e4m3fn)
+    return codes, scale
+
+
+def expand_blocks(scale: torch.Tensor, block: tuple[int, ...], shape) -> torch.Tensor:
+    """Each element's scale: the grid repeated `block` times per dim, cut to `shape`."""
+    for dim, size in enumerate(block):
+        scale = scale.repeat_interleave(size, dim=dim)
+    return scale[tuple(slice(0, n) for n in shape)]
+
+
+def _fp8(state: dict, block: int | None = BLOCK, power_of_two: bool = False, keep=()) -> tuple[dict, dict]:
+    stored, reference = {}, {}
+    for name, tensor in state.items():
+        if not _linear(name, tensor) or any(re.search(pattern, name) for pattern in keep) or tensor.dim() != 2:
+            stored[name] = reference[name] = tensor
+            continue
+        if block is None:
+            scale = tensor.abs().amax().clamp(min=1e-8) / FP8_MAX
+            codes, inv = (tensor / scale).to(torch.float8_e4m3fn), scale.reshape(1)
+            reference[name] = codes.float() * scale
+        else:
+            codes, inv = fp8_blocks(tensor, block, power_of_two)
+            reference[name] = codes.float() * expand_blocks(inv, (block, block), tensor.shape)
+            if power_of_two:
+                inv = inv.to(torch.float8_e8m0fnu)
+        stored[name], stored[name.removesuffix("weight") + "weight_scale_inv"] = codes, inv
+    return stored, reference
+
+
+def _fp8_minimax(state: dict) -> tuple[dict, dict]:
+    return _fp8(state, keep=MINIMAX_NOT_CONVERTED)
+
+
+MINIMAX_NOT_CONVERTED = (r"\.gate\.weight$", r"e_score_correction_bias", r"^lm_head")
+
+
+def _fp8_channel(state: dict) -> tuple[dict, dict]:
+    stored, reference = {}, {}
+    for name, tensor in state.items():
+        if not _linear(name, tensor) or tensor.dim() != 2:
+            stored[name] = reference[name] = tensor
+            continue
+        scale = (tensor.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-8).to(torch.bfloat16)
+        codes = (tensor / scale.float()).to(torch.float8_e4m3fn)
+        stored[name], stored[name + "_scale"] = codes, scale
+        reference[name] = codes.float() * scale.float()
+    return stored, reference
+
+
+def e2m1_blocks(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MXFP4 of `values` (last dim a multiple of 32): packed codes [..., n/32, 16], e8m0 scale bytes, dequantized."""
+    *lead, width = values.shape
+    groups = values.reshape(*lead, width // 32, 32)
+    amax = groups.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8)
+    exponent = torch.ceil(torch.log2(amax / 6.0))
+    scaled = groups / torch.exp2(exponent)
+    code = (scaled.unsqueeze(-1) - E2M1).abs().argmin(dim=-1)  # the nearest e2m1 value
+    dequantized = E2M1[code] * torch.exp2(exponent)
+    packed = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
+    scales = (exponent.squeeze(-1) + 127).to(torch.uint8)
+    return packed, scales, dequantized.reshape(values.shape)
+
+
+def _mxfp4(state: dict) -> tuple[dict, dict]:
+    stored, reference = {}, {}
+    for name, tensor in state.items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            stored[name] = reference[name] = tensor
+            continue
+        packed, scales, dequantized = e2m1_blocks(tensor.transpose(1, 2))  # stored out x in
+        stored[name + "_blocks"], stored[name + "_scales"] = packed, scales
+        reference[name] = dequantized.transpose(1, 2)
+    return stored, reference
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """Signed int4 codes [rows, cols] as compressed-tensors packs them: +8, eight a word, low bits first."""
+    rows, cols = codes.shape
+    unsigned = (codes.to(torch.int64) + 8).reshape(rows, cols // 8, 8)
+    words = sum(unsigned[..., i] << (4 * i) for i in range(8))
+    return ((words + 2**31) % 2**32 - 2**31).to(torch.int32)  # the same 32 bits, as a signed word
+
+
+def _int4_pack(state: dict, group: int = 32) -> tuple[dict, dict]:
+    stored, reference = {}, {}
+    for name, tensor in state.items():
+        if not re.search(r"\.experts\.\d+\..*\.weight$", name):  # Kimi-K2-Thinking: routed experts only
+            stored[name] = reference[name] = tensor
+            continue
+        rows, cols = tensor.shape
+        groups = tensor.reshape(rows, cols // group, group)
+        scale = (groups.abs().amax(dim=-1) / 7).clamp(min=1e-8).to(torch.bfloat16)
+        codes = torch.clamp(torch.round(groups / scale.float().unsqueeze(-1)), -8, 7).reshape(rows, cols)
+        module = name.removesuffix(".weight")
+        stored[f"{module}.weight_packed"] = pack_int4(codes)
+        stored[f"{module}.weight_scale"] = scale
+        stored[f"{module}.weight_shape"] = torch.tensor([rows, cols], dtype=torch.int32)
+        reference[name] = codes * scale.float().repeat_interleave(group, dim=1)
+    return stored, reference
+
+
+FORMATS = {
+    "fp8-blocks": _fp8,
+    "fp8-ue8m0": lambda state: _fp8(state, power_of_two=True),
+    "fp8-tensor": lambda state: _fp8(state, block=None),
+    "fp8-minimax": _fp8_minimax,
+    "fp8-channel": _fp8_channel,
+    "mxfp4": _mxfp4,
+    "int4-pack": _int4_pack,
+}
+
+_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+QUANTIZATION = {
+    "fp8-blocks": lambda s: {**_FP8, "weight_block_size": [BLOCK, BLOCK]},
+    "fp8-ue8m0": lambda s: {**_FP8, "weight_block_size": [BLOCK, BLOCK], "scale_fmt": "ue8m0"},
+    "fp8-tensor": lambda s: {**_FP8, "weight_block_size": None},
+    "fp8-minimax": lambda s: {
+        **_FP8,
+        "weight_block_size": [BLOCK, BLOCK],
+        "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"],
+    },
+    "fp8-channel": lambda s: _compressed("float-quantized", {"num_bits": 8, "type": "float", "strategy": "channel"}),
+    "mxfp4": lambda s: {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    },
+    "int4-pack": lambda s: _compressed(
+        "pack-quantized", {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32}
+    ),
+}
+
+
+def _compressed(form: str, weights: dict) -> dict:
+    return {
+        "quant_method": "compressed-tensors",
+        "format": form,
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"symmetric": True, "dynamic": False, "actorder": None, **weights},
+                "input_activations": None,
+                "output_activations": None,
+                "format": form,
+            }
+        },
+        "ignore": ["lm_head"],
+    }
