@@ -24,16 +24,26 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from shardbook.rankd.generation.cache_keyword import cache_keyword
-from shardbook.rankd.generation.streaming import find_stop
+from shardbook.rankd.generation.batch_steps import (
+    JOIN_FAILED,
+    STEP_FAILED,
+    BatchState,
+    StepPlan,
+    broadcast_plan,
+    cache_refusal,
+    execute_step,
+    follow_batch,
+)
+from shardbook.rankd.generation.sampling import check_sampling, next_token
+from shardbook.rankd.generation.streaming import INCOMPLETE, IncrementalText, find_stop
+
+__all__ = ["BatchScheduler", "SequenceRequest", "SequenceResult", "StepPlan", "cache_refusal", "follow_batch"]
 
 DECODE_KWARGS = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
 MAX_LOGPROBS = 5
@@ -83,9 +93,10 @@ class SequenceRequest:
             "max_new_tokens=0 only scores the prompt: ask for prompt log-probabilities (echo with logprobs)",
         )
         _check(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
+        wrong = check_sampling(self.do_sample, self.temperature, self.repetition_penalty, "use do_sample=False")
+        _check(wrong is None, wrong)
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
-        _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         _check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
         _check(
             self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
@@ -142,11 +153,14 @@ class SequenceHandle:
         on_text: Callable[[str], None] | None,
         on_done: Callable[[SequenceResult], None] | None = None,
         on_delta: Callable[[StreamDelta], None] | None = None,
+        owner: Hashable | None = None,
     ):
         self.request = request
         self.on_text = on_text
         self.on_done = on_done
         self.on_delta = on_delta
+        self.owner = owner
+        """Who submitted it (a notebook cell, say), for :meth:`BatchScheduler.stop_owned`; None for nobody."""
         self.submitted_at = time.perf_counter()
         self.stop_requested = threading.Event()
         self.done = threading.Event()
@@ -175,137 +189,14 @@ class SequenceHandle:
         return self.result
 
 
-@dataclass(frozen=True)
-class StepPlan:
-    """One step as rank 0 broadcasts it: every rank executes exactly this."""
-
-    leave: list[int]
-    """Rows (of the batch before this step) that leave, dropped first."""
-    decode: list[int]
-    """The token each remaining row feeds, in row order."""
-    join: list[tuple[list[int], bool]]
-    """Prompts prefilled together (one left-padded forward) then appended as new rows, each with whether all its
-    logits are wanted."""
-    end: bool = False
-    """The batch is empty and nothing waits: every rank leaves its loop."""
-
-
-class BatchState:
-    """One rank's view of the running batch: the cache, each row's attention mask and next position."""
-
-    def __init__(self, model: Any, device: torch.device):
-        self.model, self.device = model, torch.device(device)
-        self.cache: Any = None
-        self.mask: torch.Tensor | None = None  # (rows, columns), 1 on real tokens
-        self.next_pos: torch.Tensor | None = None  # (rows,)
-
-    @property
-    def rows(self) -> int:
-        return 0 if self.mask is None else self.mask.shape[0]
-
-    def drop(self, leave: list[int]) -> None:
-        if not leave:
-            return
-        keep = [i for i in range(self.rows) if i not in set(leave)]
-        if not keep:
-            self.cache = self.mask = self.next_pos = None
-            return
-        index = torch.tensor(keep, device=self.device)
-        self.mask, self.next_pos = self.mask[index], self.next_pos[index]
-        first = int(torch.nonzero(self.mask.sum(0))[0])  # columns that are padding in every row are cut
-        for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(0, index)[:, :, first:]
-            layer.values = layer.values.index_select(0, index)[:, :, first:]
-        self.mask = self.mask[:, first:]
-
-    def append(self, cache: Any, mask: torch.Tensor) -> None:
-        """Add the rows of `cache` (a left-padded prefill; `mask` (rows, columns) is 1 on its real tokens)."""
-        if self.cache is None:
-            self.cache, self.mask, self.next_pos = cache, mask, mask.sum(1)
-            return
-        columns = max(self.mask.shape[1], mask.shape[1])
-        pad_batch, pad_new = columns - self.mask.shape[1], columns - mask.shape[1]
-        for mine, theirs in zip(self.cache.layers, cache.layers):
-            mine.keys = torch.cat([_pad_left(mine.keys, pad_batch), _pad_left(theirs.keys, pad_new)])
-            mine.values = torch.cat([_pad_left(mine.values, pad_batch), _pad_left(theirs.values, pad_new)])
-        self.mask = torch.cat(
-            [torch.nn.functional.pad(self.mask, (pad_batch, 0)), torch.nn.functional.pad(mask, (pad_new, 0))]
-        )
-        self.next_pos = torch.cat([self.next_pos, mask.sum(1)])
-
-
-def execute_step(state: BatchState, plan: StepPlan) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
-    """Run one step on this rank: drop the leaving rows, decode the others, prefill the joining prompts.
-
-    Returns the decode rows' next-token logits (rows, vocab) and, per join, its logits (all its prompt's
-    positions when wanted, else the last one). Every rank runs this with the same plan, so the forwards match.
-    """
-    model, device = state.model, state.device
-    state.drop(plan.leave)
-    decoded = None
-    if plan.decode:
-        assert state.cache is not None and len(plan.decode) == state.rows, "the plan does not match the batch"
-        columns = state.mask.shape[1]
-        state.mask = torch.cat([state.mask, torch.ones(state.rows, 1, dtype=torch.long, device=device)], dim=1)
-        out = model(
-            input_ids=torch.tensor(plan.decode, device=device).view(-1, 1),
-            attention_mask=state.mask,
-            position_ids=state.next_pos.view(-1, 1),
-            **{cache_keyword(model): state.cache},
-            use_cache=True,
-            cache_position=torch.arange(columns, columns + 1, device=device),
-        )
-        state.next_pos = state.next_pos + 1
-        decoded = out.logits[:, -1].float()
-    return decoded, _prefill(state, plan.join) if plan.join else []
-
-
-def _prefill(state: BatchState, join: list[tuple[list[int], bool]]) -> list[torch.Tensor]:
-    """One forward for every joining prompt, left-padded to the longest; their cache joins the batch's."""
-    from transformers import DynamicCache
-
-    width = max(len(prompt) for prompt, _ in join)
-    ids = torch.zeros(len(join), width, dtype=torch.long)
-    mask = torch.zeros(len(join), width, dtype=torch.long)
-    for row, (prompt, _) in enumerate(join):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        mask[row, width - len(prompt) :] = 1
-    ids, mask = ids.to(state.device), mask.to(state.device)
-    cache = DynamicCache(config=state.model.config)
-    out = state.model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=(mask.cumsum(1) - 1).clamp(min=0),
-        **{cache_keyword(state.model): cache},
-        use_cache=True,
-        cache_position=torch.arange(width, device=state.device),
-        logits_to_keep=0 if any(all_logits for _, all_logits in join) else 1,
-    )
-    _check_full_attention(cache)
-    state.append(cache, mask)
-    logits = out.logits.float()
-    return [logits[row, -len(prompt) if all_logits else -1 :] for row, (prompt, all_logits) in enumerate(join)]
-
-
-def follow_batch(model: Any, device: torch.device | str, group: Any = None) -> int:
-    """A follower's batch loop: execute the plans rank 0 broadcasts until it says the batch ended; returns the steps."""
-    device = torch.device(device)
-    state, steps = BatchState(model, device), 0
-    with torch.no_grad():
-        while True:
-            plan = _broadcast(None, device, group)
-            if plan.end:
-                return steps
-            execute_step(state, plan)
-            steps += 1
-
-
 @dataclass
 class _Running:
     handle: SequenceHandle
     generator: torch.Generator | None
     tokens: list[int] = field(default_factory=list)
     next_token: int = -1
+    text: IncrementalText | None = None
+    """The reply's text so far, decoded as tokens come (when it has stop strings or a consumer)."""
     emitted: int = 0
     """Characters of the reply already handed to `on_text`."""
     streamed: int = 0
@@ -384,10 +275,12 @@ class BatchScheduler:
         on_text: Callable[[str], None] | None = None,
         on_done: Callable[[SequenceResult], None] | None = None,
         on_delta: Callable[[StreamDelta], None] | None = None,
+        owner: Hashable | None = None,
     ) -> SequenceHandle:
-        """Queue `request`; when `handle.starts_loop`, no loop was running and the caller must start one."""
+        """Queue `request`; when `handle.starts_loop`, no loop was running and the caller must start one.
+        `owner` says who asked (see :meth:`stop_owned`)."""
         self.check(request)
-        handle = SequenceHandle(request, on_text, on_done, on_delta)
+        handle = SequenceHandle(request, on_text, on_done, on_delta, owner)
         with self.lock:
             self.waiting.append(handle)
             handle.starts_loop = not self.running
@@ -413,28 +306,43 @@ class BatchScheduler:
                 try:
                     plan, rows, joining = self._plan(rows)
                 except BaseException:
-                    _broadcast(StepPlan([], [], [], end=True), device, group)
+                    broadcast_plan(StepPlan([], [], [], end=True), device, group)
                     self._fail_all(rows, "the batch loop failed")
                     raise
-                _broadcast(plan, device, group)
+                broadcast_plan(plan, device, group)
                 if plan.end:
                     self.stats["rows"] = 0
                     return steps
                 try:
-                    decoded, joined = execute_step(state, plan)
+                    rows = self._step(state, plan, rows, joining, group)
                     steps += 1
-                    self.stats["steps"] += 1
-                    self.stats["largest_batch"] = max(self.stats["largest_batch"], state.rows)
-                    self.stats["rows"] = state.rows
-                    for i, seq in enumerate(rows[: len(plan.decode)]):
-                        self._advance(seq, decoded[i])
-                    for seq, logits in zip(joining, joined):
-                        self._prefilled(seq, logits)
-                    rows = rows + joining
                 except BaseException as exc:
                     self._fail_all(rows + joining, f"{type(exc).__name__}: {exc}")
-                    _broadcast(StepPlan(list(range(state.rows)), [], [], end=True), device, group)
+                    broadcast_plan(StepPlan(list(range(state.rows)), [], [], end=True), device, group)
                     raise
+
+    def _step(
+        self, state: BatchState, plan: StepPlan, rows: list[_Running], joining: list[_Running], group: Any
+    ) -> list[_Running]:
+        """Run `plan` on every rank and take its logits: each row's next token, each joining prompt's first. The
+        rows of the batch after it. A step that failed (on any rank) fails the rows it must (`batch_steps`)."""
+        outcome = execute_step(state, plan, group=group)
+        self.stats["steps"] += 1
+        self.stats["largest_batch"] = max(self.stats["largest_batch"], state.rows)
+        self.stats["rows"] = state.rows
+        if outcome.failure == STEP_FAILED:  # every rank emptied its batch
+            for seq in rows + joining:
+                self._fail(seq, outcome.error_text())
+            return []
+        for i, seq in enumerate(rows[: len(plan.decode)]):
+            self._take(self._advance, seq, outcome.decoded[i])
+        if outcome.failure == JOIN_FAILED:  # the batch is as it was before the prefill
+            for seq in joining:
+                self._fail(seq, outcome.error_text())
+            return rows
+        for seq, logits in zip(joining, outcome.joined):
+            self._take(self._prefilled, seq, logits)
+        return rows + joining
 
     def _settle(self) -> None:
         """Before an empty batch's first prefill, wait until no request has arrived for `join_window` (at most
@@ -462,11 +370,23 @@ class BatchScheduler:
             return sum(not seq.finished for seq in self.rows), len(self.waiting)
 
     def stop_all(self) -> None:
-        """Stop every running and waiting sequence (the stop button), from any thread."""
+        """Stop every running and waiting sequence (an interrupt of the batch command), from any thread."""
         with self.lock:
             handles = [seq.handle for seq in self.rows] + list(self.waiting)
         for handle in handles:
             handle.stop()
+
+    def stop_owned(self, owner: Hashable | None) -> int:
+        """Stop the running and waiting sequences `owner` submitted (a cell's, on the stop button), from any
+        thread; the others run on. None stops nothing. Returns how many were stopped."""
+        if owner is None:
+            return 0
+        with self.lock:
+            handles = [seq.handle for seq in self.rows if not seq.finished] + list(self.waiting)
+        owned = [handle for handle in handles if handle.owner == owner]
+        for handle in owned:
+            handle.stop()
+        return len(owned)
 
     # ------------------------------------------------------------------ rank 0 only
 
@@ -533,23 +453,30 @@ class BatchScheduler:
             return
         self._advance(seq, logits[-1])
 
+    def _take(self, method: Callable[[_Running, torch.Tensor], None], seq: _Running, logits: torch.Tensor) -> None:
+        """`method(seq, logits)`; if it raises (scores that are not numbers, a tokenizer's error), `seq` fails
+        alone: its row leaves at the next step and the others go on."""
+        try:
+            method(seq, logits)
+        except Exception as exc:
+            self._fail(seq, f"{type(exc).__name__}: {exc}")
+
+    def _fail(self, seq: _Running, why: str) -> None:
+        """Finish `seq` with an error (even if its text cannot be decoded)."""
+        if seq.finished:
+            return
+        try:
+            self._finish(seq, "error", error=why)
+        except Exception:
+            seq.finished = True
+            request = seq.handle.request
+            seq.handle.complete(SequenceResult(list(seq.tokens), "", "error", len(request.prompt_ids), error=why))
+
     def _advance(self, seq: _Running, logits: torch.Tensor) -> None:
         """Pick `seq`'s next token from its logits; finish it if it is done."""
         request = seq.handle.request
         seq.first_token_at = seq.first_token_at or time.perf_counter()
-        scores = logits.clone()
-        if request.repetition_penalty != 1.0:
-            seen = torch.tensor(list(request.prompt_ids) + seq.tokens)
-            picked = scores[seen]
-            scores[seen] = torch.where(
-                picked < 0, picked * request.repetition_penalty, picked / request.repetition_penalty
-            )
-        if not request.ignore_eos and len(seq.tokens) < request.min_tokens and request.eos_ids:
-            scores[torch.tensor(request.eos_ids)] = float("-inf")
-        if request.do_sample:
-            token = _sample(scores, request, seq.generator)
-        else:
-            token = int(torch.argmax(scores))
+        token = next_token(logits, request, seq.tokens, seq.generator)
         if request.logprobs is not None:
             logp = torch.log_softmax(logits, dim=-1)
             seq.token_logprobs.append(float(logp[token]))
@@ -563,26 +490,36 @@ class BatchScheduler:
         if not request.ignore_eos and token in request.eos_ids:
             self._finish(seq, "stop")
             return
-        text = self.tokenizer.decode(seq.tokens, **DECODE_KWARGS)
-        if request.stop and find_stop(text, request.stop) is not None:
-            self._finish(seq, "stop", text)
-            return
+        if seq.text is None and (request.stop or seq.handle.on_text is not None or seq.handle.on_delta is not None):
+            seq.text = IncrementalText(lambda ids: self.tokenizer.decode(ids, **DECODE_KWARGS))
+        if seq.text is not None:
+            checked, restarts = len(seq.text.decoded), seq.text.restarts
+            seq.text.update(seq.tokens)
+            if request.stop:  # no stop string lies in the text that was whole before this token: look after it
+                start = max(0, checked - max(map(len, request.stop)) + 1) if restarts == seq.text.restarts else 0
+                if find_stop(seq.text.tail(start), request.stop) is not None:
+                    self._finish(seq, "stop")
+                    return
         if len(seq.tokens) >= request.max_new_tokens:
-            self._finish(seq, "length", text)
+            self._finish(seq, "length")
             return
-        self._stream(seq, text, final=False)
+        if seq.text is not None:
+            self._stream(seq, seq.text, final=False)
 
-    def _stream(self, seq: _Running, text: str, *, final: bool) -> None:
+    def _stream(self, seq: _Running, text: IncrementalText | str, *, final: bool) -> None:
+        """Hand the reply's text after what was handed on so far to its consumers; unless `final`, hold back an
+        incomplete character and what could begin a stop string."""
         if seq.handle.on_text is None and seq.handle.on_delta is None:
             return
-        end = len(text)
+        end = total = len(text)
+        tail = text.tail(seq.emitted) if isinstance(text, IncrementalText) else text[seq.emitted :]
         if not final:
-            while end and text[end - 1] == "\ufffd":  # an incomplete character
+            while end > seq.emitted and tail[end - seq.emitted - 1] == INCOMPLETE:
                 end -= 1
             if seq.handle.request.stop:  # hold back what could start a stop string
-                end = min(end, len(text) - max(map(len, seq.handle.request.stop)) + 1)
+                end = min(end, total - max(map(len, seq.handle.request.stop)) + 1)
         if end > seq.emitted:
-            chunk, seq.emitted = text[seq.emitted : end], end
+            chunk, seq.emitted = tail[: end - seq.emitted], end
             try:
                 if seq.handle.on_text is not None:
                     seq.handle.on_text(chunk)
@@ -591,15 +528,14 @@ class BatchScheduler:
             except Exception:  # a consumer that fails stops its own sequence only
                 seq.handle.stop()
 
-    def _finish(self, seq: _Running, reason: str, text: str | None = None, error: str | None = None) -> None:
-        del text  # decoded again below, without a final end-of-text token
+    def _finish(self, seq: _Running, reason: str, error: str | None = None) -> None:
         request = seq.handle.request
         tokens = seq.tokens
         if reason == "stop" and tokens and tokens[-1] in request.eos_ids:
             shown = tokens[:-1]
         else:
             shown = tokens
-        text = self.tokenizer.decode(shown, **DECODE_KWARGS)
+        text = self.tokenizer.decode(shown, **DECODE_KWARGS)  # once, whole, without a final end-of-text token
         cut = find_stop(text, request.stop) if request.stop else None
         text = text[:cut]
         self._stream(seq, text, final=True)
@@ -660,65 +596,6 @@ def _new_running(handle: SequenceHandle) -> _Running:
         generator = torch.Generator(device="cpu")
         generator.manual_seed(request.seed)
     return _Running(handle=handle, generator=generator, admitted_at=time.perf_counter())
-
-
-def _sample(scores: torch.Tensor, request: SequenceRequest, generator: torch.Generator | None) -> int:
-    """Temperature, top-k, top-p (in transformers' order), then one draw from this request's own generator."""
-    scores = scores / request.temperature
-    if request.top_k:
-        kth = torch.topk(scores, min(request.top_k, scores.numel())).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if request.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=False)
-        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-        remove = cumulative <= (1 - request.top_p)
-        remove[-1] = False
-        scores = scores.masked_fill(remove.scatter(0, order, remove), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).cpu()
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def _pad_left(tensor: torch.Tensor, columns: int) -> torch.Tensor:
-    """`tensor` (batch, heads, seq, dim) with `columns` zero positions before its sequence."""
-    return torch.nn.functional.pad(tensor, (0, 0, columns, 0)) if columns else tensor
-
-
-def cache_refusal(model: Any) -> str | None:
-    """Why `model` cannot join the continuous batch (its cache is not plain full attention on every layer: an
-    indexer's, a sliding window's), or None when it can. Read from the cache the model's config describes, once
-    per model (the server asks on every request)."""
-    from transformers import DynamicCache
-
-    if model not in _REFUSALS:
-        _REFUSALS[model] = _layer_refusal(DynamicCache(config=model.config))
-    return _REFUSALS[model]
-
-
-_REFUSALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _layer_refusal(cache: Any) -> str | None:
-    from transformers.cache_utils import DynamicLayer
-
-    kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
-    if not kinds:
-        return None
-    return f"continuous batching needs a full-attention cache on every layer; this model has {', '.join(kinds)} layers"
-
-
-def _check_full_attention(cache: Any) -> None:
-    refusal = _layer_refusal(cache)
-    if refusal is not None:
-        raise NotImplementedError(refusal)
-
-
-def _broadcast(plan: StepPlan | None, device: torch.device, group: Any) -> StepPlan:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        assert plan is not None
-        return plan
-    box = [plan]
-    dist.broadcast_object_list(box, src=0, group=group, device=device if device.type != "cpu" else None)
-    return box[0]
 
 
 def _check(condition: Any, message: str) -> None:

@@ -41,6 +41,7 @@ from shardbook.rankd.control.agreement import agree
 from shardbook.rankd.control.text import check_valid
 from shardbook.rankd.control.world import set_current_device
 from shardbook.rankd.generation.cache_keyword import cache_keyword
+from shardbook.rankd.generation.sampling import check_sampling
 from shardbook.rankd.generation.streaming import StopTextFilter, TextDeltaStreamer, find_stop
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,8 @@ class GenerationRequest:
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= 0, f"top_k must be >= 0 (0 keeps all tokens), got {self.top_k}")
         _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        wrong = check_sampling(self.do_sample, self.temperature, self.repetition_penalty, "use do_sample=False")
+        _check(wrong is None, wrong)
         if self.seed is not None:
             _check(0 <= self.seed < 2**63, f"seed must be in [0, 2**63), got {self.seed}")
         _check(

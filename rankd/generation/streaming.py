@@ -126,3 +126,53 @@ class StopTextFilter:
         if end > self.num_sent:
             self.sink(self.text[self.num_sent : end])
             self.num_sent = end
+
+
+class IncrementalText:
+    """A reply's text as its tokens come, decoding only the newest ones (transformers' and vLLM's incremental
+    detokenization): each step decodes the tokens since the last whole piece together with the piece before
+    (as context: some tokenizers decode a lone token differently, e.g. dropping a leading space) and keeps
+    what that context does not already give. While the newest tokens end inside a character (U+FFFD), the
+    piece stays pending and is decoded again with the next token.
+
+    ``decoded + pending`` equals ``decode(tokens)``, at a cost per token that does not grow with the reply.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode = decode
+        self.decoded = ""
+        """The text of the tokens up to `read` (whole characters)."""
+        self.pending = ""
+        """The text of the tokens after `read` (it ends inside a character)."""
+        self.prefix = 0
+        """Where the context of the next decode starts (the piece before `read`)."""
+        self.read = 0
+        self.prefix_text = ""
+        """decode(tokens[prefix:read])."""
+        self.restarts = 0
+        """How often the context decoded otherwise than before, so the text was decoded again from the start."""
+
+    def update(self, tokens: list[int]) -> None:
+        """Take `tokens`, the reply's tokens so far (the earlier ones unchanged)."""
+        text = self.decode(tokens[self.prefix :])
+        if not text.startswith(self.prefix_text):  # the context decodes otherwise now: start again from the first token
+            self.decoded, self.prefix, self.read, self.prefix_text = "", 0, 0, ""
+            self.restarts += 1
+            text = self.decode(tokens)
+        new = text[len(self.prefix_text) :]
+        if not new or new.endswith(INCOMPLETE):
+            self.pending = new
+            return
+        self.decoded += new
+        self.pending = ""
+        self.prefix, self.read = self.read, len(tokens)
+        self.prefix_text = self.decode(tokens[self.prefix : self.read])
+
+    def __len__(self) -> int:
+        return len(self.decoded) + len(self.pending)
+
+    def tail(self, start: int) -> str:
+        """The text from character `start` on (cheap when `start` is near the end)."""
+        if start >= len(self.decoded):
+            return self.pending[start - len(self.decoded) :]
+        return self.decoded[start:] + self.pending

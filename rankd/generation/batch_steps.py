@@ -1,0 +1,290 @@
+"""One step of the continuous batch on every rank: its plan, each rank's cache of the batch, and how it ended.
+
+Rank 0 broadcasts a :class:`StepPlan`; every rank runs it with :func:`execute_step` on its own
+:class:`BatchState` (the followers in :func:`follow_batch`). A step that raises on any rank is not left
+to the ranks one by one: each rank says how its step ended in one small all-reduce (`_agree`, every
+step), so every rank knows the same outcome and stays in the loop, receiving plans until the end plan.
+
+* The joining prompts' prefill failed (an out-of-range token, a forward that raised) and nothing else:
+  only the joining rows fail; every rank leaves its batch as it was before the prefill, and the running
+  rows go on.
+* Anything else failed (dropping rows, the decode forward, adding the prefilled rows): the batch's cache
+  is no longer the same on every rank, so every row of the step fails and every rank empties its batch.
+  Waiting requests then start a new batch at the next step.
+
+The prefill forward runs on every rank even after its decode failed, so when a step fails on every rank
+at the same place (the usual case: the same code on the same inputs) the forwards' collectives still
+line up. A step that raises on one rank *inside* a forward whose layers hold collectives (`tp`) leaves
+the others in that collective; no agreement after the forward can reach them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardbook.rankd.generation.cache_keyword import cache_keyword
+
+STEP_OK, JOIN_FAILED, STEP_FAILED = 0, 1, 2
+"""How a step ended on a rank; the worst over the ranks is the step's outcome."""
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step as rank 0 broadcasts it: every rank executes exactly this."""
+
+    leave: list[int]
+    """Rows (of the batch before this step) that leave, dropped first."""
+    decode: list[int]
+    """The token each remaining row feeds, in row order."""
+    join: list[tuple[list[int], bool]]
+    """Prompts prefilled together (one left-padded forward) then appended as new rows, each with whether all its
+    logits are wanted."""
+    end: bool = False
+    """The batch is empty and nothing waits: every rank leaves its loop."""
+
+
+@dataclass
+class StepOutcome:
+    """How one step ended, the same on every rank, and (when logits are kept) the logits rank 0 samples from."""
+
+    decoded: torch.Tensor | None = None
+    """The decode rows' next-token logits (rows, vocab), float32."""
+    joined: list[torch.Tensor] = field(default_factory=list)
+    """Per joining prompt, its logits (all its prompt's positions when wanted, else the last one)."""
+    failure: int = STEP_OK
+    """STEP_OK, JOIN_FAILED (the joining rows failed, the batch is as before) or STEP_FAILED (the batch is empty)."""
+    errors: dict[int, str] = field(default_factory=dict)
+    """Each failed rank's error, by rank."""
+
+    def error_text(self) -> str:
+        """The failed ranks' errors, those failing alike once with their ranks."""
+        by_text: dict[str, list[int]] = {}
+        for rank, text in sorted(self.errors.items()):
+            by_text.setdefault(text, []).append(rank)
+        what = "the prefill of the joining prompts" if self.failure == JOIN_FAILED else "a batch step"
+        parts = [f"rank(s) {', '.join(map(str, ranks))}: {text}" for text, ranks in by_text.items()]
+        return f"{what} failed ({'; '.join(parts)})"
+
+
+class BatchState:
+    """One rank's view of the running batch: the cache, each row's attention mask and next position."""
+
+    def __init__(self, model: Any, device: torch.device):
+        self.model, self.device = model, torch.device(device)
+        self.clear()
+
+    def clear(self) -> None:
+        self.cache: Any = None
+        self.mask: torch.Tensor | None = None  # (rows, columns), 1 on real tokens
+        self.next_pos: torch.Tensor | None = None  # (rows,)
+
+    @property
+    def rows(self) -> int:
+        return 0 if self.mask is None else self.mask.shape[0]
+
+    def drop(self, leave: list[int]) -> None:
+        if not leave:
+            return
+        keep = [i for i in range(self.rows) if i not in set(leave)]
+        if not keep:
+            self.clear()
+            return
+        index = torch.tensor(keep, device=self.device)
+        self.mask, self.next_pos = self.mask[index], self.next_pos[index]
+        first = int(torch.nonzero(self.mask.sum(0))[0])  # columns that are padding in every row are cut
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(0, index)[:, :, first:]
+            layer.values = layer.values.index_select(0, index)[:, :, first:]
+        self.mask = self.mask[:, first:]
+
+    def append(self, cache: Any, mask: torch.Tensor) -> None:
+        """Add the rows of `cache` (a left-padded prefill; `mask` (rows, columns) is 1 on its real tokens)."""
+        if self.cache is None:
+            self.cache, self.mask, self.next_pos = cache, mask, mask.sum(1)
+            return
+        columns = max(self.mask.shape[1], mask.shape[1])
+        pad_batch, pad_new = columns - self.mask.shape[1], columns - mask.shape[1]
+        for mine, theirs in zip(self.cache.layers, cache.layers):
+            mine.keys = torch.cat([_pad_left(mine.keys, pad_batch), _pad_left(theirs.keys, pad_new)])
+            mine.values = torch.cat([_pad_left(mine.values, pad_batch), _pad_left(theirs.values, pad_new)])
+        self.mask = torch.cat(
+            [torch.nn.functional.pad(self.mask, (pad_batch, 0)), torch.nn.functional.pad(mask, (pad_new, 0))]
+        )
+        self.next_pos = torch.cat([self.next_pos, mask.sum(1)])
+
+
+def execute_step(state: BatchState, plan: StepPlan, *, keep_logits: bool = True, group: Any = None) -> StepOutcome:
+    """Run one step on this rank: drop the leaving rows, decode the others, prefill the joining prompts, then
+    agree with every rank on how the step ended (see the module). Every rank runs this with the same plan, so
+    the forwards match. Only rank 0 keeps logits (`keep_logits`): a follower makes no float32 copy of them.
+    """
+    code, error, outcome, appended = STEP_OK, None, StepOutcome(), False
+    try:
+        state.drop(plan.leave)
+        if plan.decode:
+            outcome.decoded = _decode(state, plan.decode, keep_logits)
+    except Exception as exc:
+        code, error = STEP_FAILED, exc
+    if plan.join:
+        try:
+            cache, mask, outcome.joined = _prefill(state, plan.join, keep_logits)
+        except Exception as exc:
+            code, error = max(code, JOIN_FAILED), error or exc
+        else:
+            if code == STEP_OK:
+                try:
+                    state.append(cache, mask)
+                    appended = True
+                except Exception as exc:
+                    code, error = STEP_FAILED, exc
+    outcome.failure, outcome.errors = _agree(code, error, state.device, group)
+    if outcome.failure == JOIN_FAILED:
+        if appended:  # this rank's prefill worked, another's did not: back to the batch before it
+            state.drop(list(range(state.rows - len(plan.join), state.rows)))
+        outcome.joined = []
+    elif outcome.failure == STEP_FAILED:
+        state.clear()
+        outcome.decoded, outcome.joined = None, []
+    return outcome
+
+
+def _decode(state: BatchState, tokens: list[int], keep_logits: bool) -> torch.Tensor | None:
+    """One forward of one token per row; the rows' next-token logits (float32) when `keep_logits`."""
+    assert state.cache is not None and len(tokens) == state.rows, "the plan does not match the batch"
+    device, columns = state.device, state.mask.shape[1]
+    state.mask = torch.cat([state.mask, torch.ones(state.rows, 1, dtype=torch.long, device=device)], dim=1)
+    out = state.model(
+        input_ids=torch.tensor(tokens, device=device).view(-1, 1),
+        attention_mask=state.mask,
+        position_ids=state.next_pos.view(-1, 1),
+        **{cache_keyword(state.model): state.cache},
+        use_cache=True,
+        cache_position=torch.arange(columns, columns + 1, device=device),
+    )
+    state.next_pos = state.next_pos + 1
+    return out.logits[:, -1].float() if keep_logits else None
+
+
+def _prefill(
+    state: BatchState, join: list[tuple[list[int], bool]], keep_logits: bool
+) -> tuple[Any, torch.Tensor, list[torch.Tensor]]:
+    """One forward for every joining prompt, left-padded to the longest: its cache and mask (for the batch to
+    append) and, when `keep_logits`, each prompt's logits. The batch itself is not touched."""
+    from transformers import DynamicCache
+
+    width = max(len(prompt) for prompt, _ in join)
+    ids = torch.zeros(len(join), width, dtype=torch.long)
+    mask = torch.zeros(len(join), width, dtype=torch.long)
+    for row, (prompt, _) in enumerate(join):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    ids, mask = ids.to(state.device), mask.to(state.device)
+    cache = DynamicCache(config=state.model.config)
+    out = state.model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+        **{cache_keyword(state.model): cache},
+        use_cache=True,
+        cache_position=torch.arange(width, device=state.device),
+        logits_to_keep=0 if any(all_logits for _, all_logits in join) else 1,  # alike on every rank
+    )
+    _check_full_attention(cache)
+    if not keep_logits:
+        return cache, mask, []
+    logits = out.logits.float()
+    return cache, mask, [logits[row, -len(prompt) if wanted else -1 :] for row, (prompt, wanted) in enumerate(join)]
+
+
+def follow_batch(model: Any, device: torch.device | str, group: Any = None) -> int:
+    """A follower's batch loop: execute the plans rank 0 broadcasts until it says the batch ended; returns the steps.
+
+    A step that fails stays in the loop (every rank agreed on it, see the module): rank 0 fails its rows.
+    """
+    device = torch.device(device)
+    state, steps = BatchState(model, device), 0
+    with torch.no_grad():
+        while True:
+            plan = broadcast_plan(None, device, group)
+            if plan.end:
+                return steps
+            execute_step(state, plan, keep_logits=False, group=group)
+            steps += 1
+
+
+def broadcast_plan(plan: StepPlan | None, device: torch.device, group: Any) -> StepPlan:
+    """Rank 0's `plan`, on every rank."""
+    if not _distributed(group):
+        assert plan is not None
+        return plan
+    box = [plan]
+    dist.broadcast_object_list(box, src=0, group=group, device=device if device.type != "cpu" else None)
+    return box[0]
+
+
+def _agree(code: int, error: BaseException | None, device: torch.device, group: Any) -> tuple[int, dict[int, str]]:
+    """The worst of every rank's `code` (one all-reduce of one number per rank), and each failed rank's error (one
+    all-gather, only when a rank failed)."""
+    mine = None if error is None else _error_text(error)
+    if not _distributed(group):
+        return code, {} if mine is None else {0: mine}
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    codes = torch.zeros(world, dtype=torch.long, device=device)
+    codes[rank] = code
+    dist.all_reduce(codes, group=group)
+    codes = codes.tolist()
+    if not any(codes):
+        return STEP_OK, {}
+    texts: list[Any] = [None] * world
+    dist.all_gather_object(texts, mine, group=group)
+    return max(codes), {r: text for r, text in enumerate(texts) if text is not None}
+
+
+def _error_text(error: BaseException) -> str:
+    try:
+        return f"{type(error).__name__}: {error}"
+    except Exception:  # a __str__ that raises must not hide the failure
+        return type(error).__name__
+
+
+def _distributed(group: Any) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def _pad_left(tensor: torch.Tensor, columns: int) -> torch.Tensor:
+    """`tensor` (batch, heads, seq, dim) with `columns` zero positions before its sequence."""
+    return torch.nn.functional.pad(tensor, (0, 0, columns, 0)) if columns else tensor
+
+
+def cache_refusal(model: Any) -> str | None:
+    """Why `model` cannot join the continuous batch (its cache is not plain full attention on every layer: an
+    indexer's, a sliding window's), or None when it can. Read from the cache the model's config describes, once
+    per model (the server asks on every request)."""
+    from transformers import DynamicCache
+
+    if model not in _REFUSALS:
+        _REFUSALS[model] = _layer_refusal(DynamicCache(config=model.config))
+    return _REFUSALS[model]
+
+
+_REFUSALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _layer_refusal(cache: Any) -> str | None:
+    from transformers.cache_utils import DynamicLayer
+
+    kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
+    if not kinds:
+        return None
+    return f"continuous batching needs a full-attention cache on every layer; this model has {', '.join(kinds)} layers"
+
+
+def _check_full_attention(cache: Any) -> None:
+    refusal = _layer_refusal(cache)
+    if refusal is not None:
+        raise NotImplementedError(refusal)
