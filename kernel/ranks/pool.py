@@ -252,6 +252,7 @@ class Pool:
             self._refuse_dead_or_busy(command.targets)
             self.commands[command.id] = command
             self.ctx0.stop_event.clear()
+            user_calls.begin_command()  # as the stop event: an interrupt of an earlier command no longer holds
         try:
             for rank in command.targets:
                 if rank != 0:

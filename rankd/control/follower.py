@@ -159,12 +159,14 @@ class Follower:
         with self._lock:
             self.running_id, self.running_kind = message.id, kind
             self.ctx.stop_event.clear()
+            user_calls.begin_command()
             interrupted_early = message.id in self._early_interrupts
         try:
             if interrupted_early and kind not in STOPPED_BY_EVENT:
                 raise KeyboardInterrupt  # interrupted before it started: it never runs
             if interrupted_early:
                 self.ctx.stop_event.set()  # still run it: its collectives need this rank, which stops at a safe point
+                user_calls.interrupt_calls()  # and the user functions it calls (interventions) do not run
             reply = dispatch(self.ctx, message.payload["kind"], message.payload.get("args", {}), sink)
         except KeyboardInterrupt:  # landed between the handler's end and the reply
             reply = {"status": "error", "error": {"ename": "KeyboardInterrupt", "evalue": "", "traceback": []}}

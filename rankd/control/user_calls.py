@@ -9,7 +9,10 @@ raises KeyboardInterrupt inside it: in the main thread by SIGINT, which also end
 or a blocking wait; in another thread by an asynchronous exception
 (``PyThreadState_SetAsyncExc``), which reaches Python code (a loop) but not a call blocked in C.
 The caller catches it around the user's function alone, so the rank goes on with the forward and
-stays in step with the others.
+stays in step with the others. An interrupt that comes before the function is called (the rank was
+still in the forward, or in a collective, when the stop button was pressed) holds for the rest of
+the command: a user function it calls from then on is interrupted as it starts, rather than
+running (sleeping 30 s, looping forever) while the other ranks wait for this one.
 
 Followers run ``model.generate`` in a worker thread; while their main thread only waits for it,
 :func:`serve_calls` lets it run the user's functions instead (:func:`call`), where SIGINT reaches them.
@@ -46,6 +49,8 @@ class Call:
 
 _lock = threading.Lock()
 _calls: dict[int, Call] = {}
+_interrupted = threading.Event()
+"""The command running on this rank was interrupted: each user function it calls from then on is interrupted at once."""
 _server: list[Callable[[Callable[[], None]], None]] = []
 
 
@@ -71,12 +76,24 @@ def claim_main_interrupt() -> bool:
         return main is not None
 
 
+def interrupted() -> bool:
+    """Whether the command running on this rank was interrupted (a user's hook may check it, to stop early)."""
+    return _interrupted.is_set()
+
+
+def begin_command() -> None:
+    """A command starts on this rank: an interrupt of the one before no longer holds (see :func:`interrupt_calls`)."""
+    _interrupted.clear()
+
+
 def interrupt_calls(*, main_thread: bool = True) -> list[str]:
-    """Raise KeyboardInterrupt in every user function running on this rank; what was interrupted.
+    """Raise KeyboardInterrupt in every user function running on this rank, and in each one the command calls
+    from now on (until :func:`begin_command`); what was interrupted.
 
     ``main_thread=False`` leaves a call in the main thread alone (its SIGINT is on its way anyway).
     """
     with _lock:
+        _interrupted.set()
         hit = []
         for call in _calls.values():
             if call.in_main_thread:
@@ -102,6 +119,8 @@ def user_call(what: str) -> Iterator[Call]:
     ident = threading.get_ident()
     call = Call(what, ident)
     with _lock:
+        if _interrupted.is_set():  # the stop button came before the function was called: it does not run
+            raise KeyboardInterrupt
         _calls[ident] = call
     try:
         yield call
