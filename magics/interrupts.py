@@ -6,9 +6,11 @@ IPython's and ipykernel's own code right after a cell when the button is pressed
 cell then ends with a traceback, or its reply is never sent and it looks stuck), and not at all in an
 idle kernel (an HTTP reply would not stop). Here the handler stops the reply the cell waits for
 (``kernel/ranks/foreground.py``: a ``%%chat`` cell's, ``ChatModel``'s), on the batch or alone, and sends
-nothing else; without one, it stops the reply in flight through the generation queue (an HTTP
-request's), then sends the SIGINT only while a cell runs user code. A cell that is only a ``%%chat``
-magic runs no user code: once its reply has started, no press becomes a SIGINT there.
+nothing else; without one, it stops the running cell's own work in the generation queue (the
+continuous batch's sequences that cell submitted; an HTTP client's requests run on, alone or in the
+batch: its client or the server stops them), then sends the SIGINT only while a cell runs user code.
+A cell that is only a ``%%chat`` magic runs no user code: once its reply has started, no press becomes
+a SIGINT there.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import inspect
 from typing import Any
 
 from shardbook.kernel.ranks import foreground
-from shardbook.kernel.ranks.generation_queue import CHAT_SOURCE, GenerationQueue
+from shardbook.kernel.ranks.generation_queue import CHAT_SOURCE, HTTP_SOURCE, GenerationQueue
 
 
 class CellActivity:
@@ -48,10 +50,13 @@ class CellActivity:
         if self.depth == 0:
             self.chat_cell = (getattr(info, "raw_cell", None) or "").lstrip().startswith("%%chat")
             self.replies_before = foreground.num_entered()
+            foreground.cell_started()
         self.depth += 1
 
     def _ended(self, result: Any) -> None:
         self.depth = max(0, self.depth - 1)  # a cell that failed before it started fires only the end
+        if self.depth == 0:
+            foreground.cell_ended()
 
 
 def install_interrupt_hook(shell: Any, generation_queue: GenerationQueue) -> None:
@@ -71,7 +76,7 @@ def _stop_reply_first(kernel: Any, original, generation_queue: GenerationQueue, 
     async def interrupt_request(stream, ident, parent):
         replied = activity.chat_replied  # read first: a reply that starts meanwhile is stopped below, or by SIGINT
         if not (foreground.stop_foreground_reply() or replied):
-            stopped = generation_queue.stop_running()
+            stopped = generation_queue.stop_running(spare=(HTTP_SOURCE,))
             if activity.running and (stopped is None or stopped.source != CHAT_SOURCE):
                 result = original(stream, ident, parent)  # SIGINT for the cell's own code
                 if inspect.isawaitable(result):

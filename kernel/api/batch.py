@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import secrets
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
 from shardbook.kernel.api.conversation import with_system_prompt
+from shardbook.kernel.ranks import foreground
 from shardbook.kernel.ranks.pool import PoolError
 from shardbook.kernel.ranks.runtime import Runtime
 from shardbook.rankd.generation.batching import BatchScheduler, SequenceHandle, SequenceRequest, StreamDelta
 from shardbook.rankd.generation.engine import build_prompt_ids
 
 BATCH_SOURCE = "batch"
+CALLER = object()
+"""`submit`'s default owner: the cell the calling thread runs, if any."""
 
 
 def scheduler_for(runtime: Runtime) -> BatchScheduler:
@@ -61,11 +64,18 @@ def submit(
     on_text: Callable[[str], None] | None = None,
     on_done: Callable[[Any], None] | None = None,
     on_delta: Callable[[StreamDelta], None] | None = None,
+    owner: Hashable | None | object = CALLER,
 ) -> SequenceHandle:
     """Queue one sequence in the continuous batch (starting the batch on the ranks if none runs); `on_text` gets
-    each piece of text, `on_delta` the same pieces with their tokens and log-probabilities."""
+    each piece of text, `on_delta` the same pieces with their tokens and log-probabilities.
+
+    `owner` is whom the stop button stops it for: by default (`CALLER`) the cell running when the main thread
+    submits it, and nobody when another thread does (an HTTP request's: its client or the server stops it).
+    """
+    if owner is CALLER:
+        owner = foreground.running_cell() if threading.current_thread() is threading.main_thread() else None
     scheduler = scheduler_for(runtime)
-    handle = scheduler.submit(request, on_text, on_done, on_delta)
+    handle = scheduler.submit(request, on_text, on_done, on_delta, owner=owner)
     if handle.starts_loop:
         scheduler.driven.clear()
         threading.Thread(target=_drive, args=(runtime, scheduler), name="shardbook-batch", daemon=True).start()
@@ -102,7 +112,7 @@ def _drive(runtime: Runtime, scheduler: BatchScheduler) -> None:
             if runtime.ctx0.state.get("loaded") is not scheduler.loaded:  # a %load_sharded went first
                 scheduler._fail_all([], f"{MODEL_CHANGED}: {model_changed(runtime, scheduler)}")
                 return
-            turn.on_stop = scheduler.stop_all
+            turn.on_stop = lambda: scheduler.stop_owned(foreground.running_cell())  # the running cell's only
             outcome = pool.run("batch", {}, list(range(pool.world.world_size)), lambda *a: None, lambda text: None)
         if not outcome.ok:
             scheduler.failure = outcome  # every rank's reply, for an error report per rank

@@ -7,6 +7,10 @@ would raise KeyboardInterrupt call the stream's stop instead, and the stop is re
 :func:`stop_foreground_reply` and sends no signal at all. A press then never lands in the caller's own
 code (which records the turn) nor in IPython's or ipykernel's code after it, whichever path the reply
 takes (the continuous batch or a reply alone) and however often the button is pressed.
+
+It also knows which cell runs (:func:`running_cell`, kept by the stop button's ``CellActivity``): a sequence
+a cell submits to the continuous batch is that cell's, and the stop button stops the running cell's
+sequences only, never an HTTP client's.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from contextlib import contextmanager
 _lock = threading.Lock()
 _stops: list[Callable[[], None]] = []
 _num_entered = 0
+_cell: object | None = None
 
 
 def interrupt_signals() -> list[signal.Signals]:
@@ -68,3 +73,19 @@ def num_entered() -> int:
     """How many foreground replies have started in this process (a cell compares it before and after)."""
     with _lock:
         return _num_entered
+
+
+def cell_started() -> None:
+    """A cell starts running (IPython's ``pre_run_cell`` of the outermost cell): it gets an owner token of its own."""
+    global _cell
+    _cell = object()
+
+
+def cell_ended() -> None:
+    global _cell
+    _cell = None
+
+
+def running_cell() -> object | None:
+    """The running cell's owner token, None while no cell runs."""
+    return _cell

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 DEFAULT_MAX_WAITING = 16
 CHAT_SOURCE = "chat"
 """The source of replies that cell code asks for (%%chat, ChatModel, the terminal chat)."""
+HTTP_SOURCE = "http"
+"""The source of an HTTP request's reply taken alone (`%serve --no-batch`, a model the batch cannot hold)."""
 
 
 class QueueFull(RuntimeError):
@@ -91,11 +93,12 @@ class GenerationQueue:
             if not turn.leave():
                 turn.finish()
 
-    def stop_running(self) -> Turn | None:
-        """Stop the running generation through its owner's callback; the turn stopped, None when none runs."""
+    def stop_running(self, *, spare: tuple[str, ...] = ()) -> Turn | None:
+        """Stop the running generation through its owner's callback; the turn stopped, None when none runs (or
+        its source is one of `spare`)."""
         with self._cond:
             turn = self.running
-        if turn is None or turn.on_stop is None:
+        if turn is None or turn.on_stop is None or turn.source in spare:
             return None
         turn.on_stop()
         return turn

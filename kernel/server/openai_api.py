@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardbook.rankd.generation.engine import MAX_STOP_CHARS
+from shardbook.rankd.generation.sampling import MIN_TEMPERATURE
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 HANDLED = {
@@ -197,8 +198,7 @@ def parse_settings(body: dict[str, Any]) -> dict[str, Any]:
             break
     temperature = _typed(body, "temperature", (int, float))
     if temperature is not None:
-        if not 0 <= temperature <= 2:
-            raise ApiError(400, f"'temperature' must be in [0, 2], got {temperature}", param="temperature")
+        check_temperature(temperature)
         settings["do_sample"] = temperature > 0
         if temperature > 0:
             settings["temperature"] = float(temperature)
@@ -213,6 +213,13 @@ def parse_settings(body: dict[str, Any]) -> dict[str, Any]:
             raise ApiError(400, f"'seed' must be in [0, 2**63), got {seed}", param="seed")
         settings["seed"] = seed
     return settings
+
+
+def check_temperature(temperature: float) -> None:
+    """ApiError(400) unless `temperature` is 0 (greedy) or in [MIN_TEMPERATURE, 2] (below it the logits overflow)."""
+    if not (temperature == 0 or MIN_TEMPERATURE <= temperature <= 2):
+        message = f"'temperature' must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, 2], got {temperature}"
+        raise ApiError(400, message, param="temperature")
 
 
 def parse_stop(stop: Any) -> list[str]:

@@ -16,8 +16,9 @@ from typing import Any
 
 from shardbook.kernel.api.batch import scheduler_for
 from shardbook.kernel.server.batch_reply import BatchReplyHandler
-from shardbook.kernel.server.openai_api import ApiError, load_body, parse_stop
+from shardbook.kernel.server.openai_api import ApiError, check_temperature, load_body, parse_stop
 from shardbook.rankd.generation.batching import BatchLimitError, SequenceRequest, SequenceResult, StreamDelta
+from shardbook.rankd.generation.sampling import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 
 FIELDS = {
     "model",
@@ -92,13 +93,19 @@ def parse_text_request(raw: bytes) -> TextCompletionRequest:
     if seed is not None and not 0 <= seed < 2**63:
         raise ApiError(400, f"'seed' must be in [0, 2**63), got {seed}", param="seed")
     temperature = _get(body, "temperature", (int, float), 1.0)
-    if not 0 <= temperature <= 2:
-        raise ApiError(400, f"'temperature' must be in [0, 2], got {temperature}", param="temperature")
+    check_temperature(temperature)
     top_p = _get(body, "top_p", (int, float), 1.0)
     if not 0 < top_p <= 1:
         raise ApiError(400, f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
     top_k = _get(body, "top_k", int, -1)
     repetition_penalty = _get(body, "repetition_penalty", (int, float), 1.0)
+    if not MIN_REPETITION_PENALTY <= repetition_penalty <= MAX_REPETITION_PENALTY:
+        raise ApiError(
+            400,
+            f"'repetition_penalty' must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 is none), "
+            f"got {repetition_penalty}",
+            param="repetition_penalty",
+        )
     sampling: dict[str, Any] = {"do_sample": temperature > 0, "repetition_penalty": float(repetition_penalty)}
     if temperature > 0:
         sampling.update(temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0))

@@ -4,10 +4,12 @@ Rank 0 owns a :class:`BatchScheduler`. Requests are submitted to it from any thr
 (:meth:`BatchScheduler.run`) decides each step's composition (which sequences leave, the token
 each remaining one feeds, which waiting requests join with their prompts) and broadcasts that
 :class:`StepPlan` to every rank, then every rank executes it with :func:`execute_step` on its
-own :class:`BatchState` (the followers in :func:`follow_batch`). Only rank 0 looks at the
-logits: it samples every sequence's next token (each request with its own seeded
+own :class:`BatchState` (the followers in :func:`follow_batch`; both in `batch_steps.py`, with how
+every rank agrees that a step failed and which rows that fails). Only rank 0 looks at the
+logits: it samples every sequence's next token (`sampling.py`; each request with its own seeded
 `torch.Generator`, so a sampled reply does not depend on its batch-mates), checks stop strings,
-token limits and stop requests, and streams text. Nothing a follower does depends on time,
+token limits and stop requests, and streams text, decoded incrementally. A row whose token cannot
+be taken (scores that are not numbers) fails alone. Nothing a follower does depends on time,
 memory or randomness, so every rank's forwards have the same shapes by construction.
 
 The KV cache is one transformers `DynamicCache` of the running batch, left-padded: the prompts

@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 import urllib.request
 
 import pytest
 from openai import OpenAI
 
+from tests.driver import interrupt_when, wait_for_interrupt_replies
 from tests.e2e.conftest import wait_until
 from tests.e2e.http_helpers import (
     OpenStream,
     assert_demo_model_replies,
     chat,
-    finish_reason,
     joined_text,
     request,
     server_url,
@@ -157,13 +158,30 @@ def test_a_client_that_leaves_mid_stream_frees_its_row_within_2_s(serve):
     assert float(nxt.headers["X-Shardbook-Queue-Wait-Ms"]) < 2000, nxt.headers
 
 
-def test_the_stop_button_stops_the_request_in_flight_and_the_server_stays(loaded, serve):
+CELL_WAITS_FOR_ITS_OWN = (
+    "from shardbook.kernel.api.batch import sequence_request, submit\n"
+    "from shardbook.kernel.ranks.runtime import get_runtime\n"
+    "rt = get_runtime(get_ipython())\n"
+    "own = submit(rt, sequence_request(rt, 'talk', chat=True, max_new_tokens=3000))\n"
+    "print('submitted', flush=True)\n"
+    "own.wait()\n"  # stopped by the stop button, not by this cell's code
+)
+
+
+def test_the_stop_button_stops_the_cells_own_sequences_and_no_http_request(loaded, serve):
+    """Pressed while the kernel is idle, the stop button stops nothing in the batch; pressed while a cell waits for
+    a sequence it submitted, it stops that sequence. An HTTP client's stream beside them runs on through both."""
     url = serve()
     stream = OpenStream(url, MODEL, "talk", max_tokens=3000, stream_options={"include_usage": True})
     assert stream.next_chunk()
     loaded.km.interrupt_kernel()  # no cell runs: the kernel is idle
-    chunks = stream.read_to_end()
-    assert finish_reason(chunks) == "length" and chunks[-1]["usage"]["completion_tokens"] < 3000, chunks[-3:]
+    wait_for_interrupt_replies(loaded.km, 1, deadline=time.monotonic() + 60)
+    ex, _ = interrupt_when(loaded, CELL_WAITS_FOR_ITS_OWN, lambda msg: "submitted" in msg["content"].get("text", ""))
+    assert ex.status == "error" and "KeyboardInterrupt" in ex.error_text(), ex.error_text()
+    own = loaded.run("print(own.wait(60).finish_reason, own.result.generated_tokens < 3000)")
+    assert own.stdout().split() == ["interrupted", "True"], own.stdout() + own.error_text()
+    assert stream.next_chunk() and request(url, "GET", "/health").body["batch_running"] == 1  # it still streams
+    stream.drop()
     assert chat(url, MODEL, "hi", max_tokens=2).status == 200
     assert loaded.run("1 + 1").status == "ok"
 

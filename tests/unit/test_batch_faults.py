@@ -102,6 +102,21 @@ def test_sampling_settings_are_bounded_where_they_stop_being_numbers(settings, f
         GenerationRequest(messages=[{"role": "user", "content": "hi"}], **settings)
 
 
+@pytest.mark.parametrize(
+    "fields, param",
+    [({"temperature": 1e-39}, "temperature"), ({"repetition_penalty": 1e-39}, "repetition_penalty")],
+)
+def test_completions_refuse_settings_that_overflow_with_a_400_naming_them(fields, param) -> None:
+    import json
+
+    from shardbook.kernel.server.openai_api import ApiError
+    from shardbook.kernel.server.text_completions import parse_text_request
+
+    with pytest.raises(ApiError) as e:
+        parse_text_request(json.dumps({"model": "m", "prompt": "hi", **fields}).encode())
+    assert e.value.status == 400 and e.value.param == param and "must be" in str(e.value)
+
+
 def test_sampling_bounds_keep_ordinary_settings() -> None:
     SequenceRequest(prompt_ids=[1], do_sample=True, temperature=0.01, repetition_penalty=1.3)
     SequenceRequest(prompt_ids=[1], temperature=1e-30)  # greedy: the temperature is not used
@@ -187,3 +202,39 @@ def test_stop_owned_stops_that_owners_sequences_only(model_and_tokenizer) -> Non
     assert stopped == [0, 2]
     assert [h.wait(0).finish_reason for h in handles["cell"]] == ["interrupted"] * 2
     assert [h.wait(0).finish_reason for h in handles["server"] + [unowned]] == ["length"] * 3
+
+
+def test_a_cells_submission_is_that_cells_and_another_threads_nobodys(model_and_tokenizer, monkeypatch) -> None:
+    import threading
+
+    from shardbook.kernel.api import batch
+    from shardbook.kernel.ranks import foreground
+
+    scheduler = BatchScheduler(model_and_tokenizer[1])
+    scheduler.running = True  # a loop runs already: submit starts none
+    monkeypatch.setattr(batch, "scheduler_for", lambda runtime: scheduler)
+    request = SequenceRequest(prompt_ids=[1, 2], max_new_tokens=2)
+    foreground.cell_started()
+    cell, other_thread = foreground.running_cell(), []
+    try:
+        own = batch.submit(None, request)
+        thread = threading.Thread(target=lambda: other_thread.append(batch.submit(None, request)))
+        thread.start()
+        thread.join(30)
+    finally:
+        foreground.cell_ended()
+    assert cell is not None and own.owner is cell and other_thread[0].owner is None
+    assert foreground.running_cell() is None and scheduler.stop_owned(foreground.running_cell()) == 0
+    assert scheduler.stop_owned(cell) == 1 and own.stop_requested.is_set()
+    assert not other_thread[0].stop_requested.is_set()
+
+
+def test_the_stop_button_spares_an_http_requests_turn() -> None:
+    from shardbook.kernel.ranks.generation_queue import HTTP_SOURCE, GenerationQueue
+
+    queue, stopped = GenerationQueue(), []
+    turn = queue.enter(HTTP_SOURCE)
+    turn.on_stop = lambda: stopped.append(turn)
+    assert turn.wait()
+    assert queue.stop_running(spare=(HTTP_SOURCE,)) is None and not stopped
+    assert queue.stop_running() is turn and stopped == [turn]

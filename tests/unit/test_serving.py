@@ -70,6 +70,7 @@ def test_messages_keep_their_roles_and_text_parts_are_joined():
         (body(max_tokens=0), "max_tokens"),
         (body(max_tokens="5"), "max_tokens"),
         (body(temperature=3), "temperature"),
+        (body(temperature=1e-39), "temperature"),  # the logits would overflow
         (body(top_p=0), "top_p"),
         (body(seed=True), "seed"),
         (body(stop=["a", "b", "c", "d", "e"]), "stop"),
