@@ -40,9 +40,10 @@ def load_ipython_extension(shell) -> None:
         log.exception("shardbook: the rank pool failed to start; magics will report the error")
         kernel = getattr(shell, "kernel", None)
         if kernel is not None and hasattr(kernel, "shell_handlers"):
-            from shardbook.magics.startup import announce_on_connect
+            from shardbook.magics.startup import announce_on_connect, show_at_start
 
             announce_on_connect(kernel, str(e))
+            show_at_start(shell, str(e))
     else:
         mark("ranks connected")
         from shardbook.magics.startup import maybe_show_slurm_note

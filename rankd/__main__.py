@@ -37,10 +37,6 @@ def configure_logging(rank: int) -> None:
 
 
 def follower_main(connection_file: str | None = None, key_file: str | None = None) -> int:
-    from shardbook.rankd import commands  # noqa: F401  (fills the command table the follower dispatches from)
-    from shardbook.rankd.control.follower import run_follower
-    from shardbook.rankd.control.world import init_world
-
     shape = JobShape.from_env()
     configure_logging(shape.rank)
     if shape.rank == 0:
@@ -52,10 +48,18 @@ def follower_main(connection_file: str | None = None, key_file: str | None = Non
         return 2
     die_with_parent()
     exit_with_launcher()
-    # The control session (jupyter_client's, 82 modules) is made before joining the process group, while
-    # rank 0 still imports torch under ipykernel: after the rendezvous rank 0 waits for this rank's hello.
-    session = protocol.make_session(*control_key(connection_file, key_file))
-    mark("imported")
+    try:
+        from shardbook.rankd import commands  # noqa: F401  (fills the command table the follower dispatches from)
+        from shardbook.rankd.control.follower import run_follower
+
+        # The control session (jupyter_client's, 82 modules) is made before joining the process group, while
+        # rank 0 still imports torch under ipykernel: after the rendezvous rank 0 waits for this rank's hello.
+        session = protocol.make_session(*control_key(connection_file, key_file))
+        mark("imported")
+    except Exception as e:
+        return startup_failed(shape, e)
+    from shardbook.rankd.control.world import init_world
+
     try:
         world = init_world(shape=shape)
         mark("process group up")
@@ -64,6 +68,21 @@ def follower_main(connection_file: str | None = None, key_file: str | None = Non
         return 0
     run_follower(world, session)
     return 0
+
+
+def startup_failed(shape: JobShape, error: Exception) -> int:
+    """This rank failed before it joined the job (an import, the key): say so in its log and tell rank 0.
+
+    The line names the rank and its error in the log people read (the Jupyter server's, for a
+    kernel). Once rank 0 knows, it reports the failure in the kernel, and this rank exits with status
+    0: a failed exit would make the launcher end the kernel before it could say why. When rank 0
+    cannot be told, the exit status is 1 (the launcher then ends the job).
+    """
+    text = f"{type(error).__name__}: {error}"
+    logging.getLogger(__name__).error("rank %d failed at start-up: %s", shape.rank, text, exc_info=error)
+    from shardbook.rankd.control.world import report_startup_failure
+
+    return 0 if report_startup_failure(shape, text) else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@ import atexit
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -111,7 +112,10 @@ def get_runtime(shell: Any = None) -> Runtime:
                 _runtime = start_runtime(shell)
             except Exception as e:
                 _failure = startup_failure(e)
-                log.error("%s", _failure)  # the kernel's log (the Jupyter server's terminal), not only the magics
+                log.error("%s", _failure)
+                # The process's own stderr is the Jupyter server's log; sys.stderr (where logging's default goes)
+                # is ipykernel's IOPub stream by now, which nobody listens to before a frontend connects.
+                print(f"[shardbook rank 0] ERROR {_failure}", file=sys.__stderr__, flush=True)
                 raise PoolError(_failure) from e
         return _runtime
 

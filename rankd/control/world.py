@@ -201,10 +201,44 @@ def set_current_device(device: Any) -> None:
 
 STARTUP_FAILED_KEY = "shardbook/startup_failed"
 """Store key a rank sets when it gives up waiting: ranks that arrive later leave instead of hanging."""
+STARTUP_ERROR_KEY = "shardbook/startup_error"
+"""Store keys (a count, then one per rank) of ranks that failed before they arrived, each with its error."""
 
 
 class StartupAbandoned(RuntimeError):
-    """This rank arrived after another gave up on start-up; it should leave quietly (exit status 0)."""
+    """Start-up failed elsewhere and rank 0 reports it: this rank should leave quietly (exit status 0)."""
+
+
+def report_startup_failure(shape: JobShape, text: str) -> bool:
+    """Tell the job (rank 0 first, which reports it) that this rank cannot start, and why.
+
+    False when the job's store cannot be reached (torch itself failed to import, or rank 0 never
+    opened its store): this rank's own log line is then the only report.
+    """
+    try:
+        store = job_store(shape)
+        store.set(f"{STARTUP_ERROR_KEY}/{shape.rank}", text)
+        store.add(STARTUP_ERROR_KEY, 1)
+    except Exception as e:  # whatever stops the report, the rank's own failure is the one to show
+        log.warning("rank %d could not tell rank 0 why it failed (%s: %s)", shape.rank, type(e).__name__, e)
+        return False
+    return True
+
+
+def startup_errors(store: Any, world_size: int) -> str | None:
+    """The start-up failures ranks reported (each distinct error once, with its ranks), or None if none did."""
+    if store.add(STARTUP_ERROR_KEY, 0) == 0:
+        return None
+    errors: dict[str, list[int]] = {}
+    for r in range(world_size):
+        key = f"{STARTUP_ERROR_KEY}/{r}"
+        if store.check([key]):
+            errors.setdefault(store.get(key).decode(), []).append(r)
+    parts = [
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {world_size} failed at start-up: {error}"
+        for error, ranks in errors.items()
+    ]
+    return "; ".join(parts) + " (the Jupyter server's log has the traceback)"
 
 
 def wait_for_every_rank(store: Any, world_size: int, rank: int | None = None) -> None:
@@ -214,14 +248,18 @@ def wait_for_every_rank(store: Any, world_size: int, rank: int | None = None) ->
     to a few seconds; on a busy machine ranks start further apart than that. Arriving here first,
     under the generous start-up deadline, keeps the two concerns apart. A rank that gives up says
     so in the store; a rank arriving after that raises :class:`StartupAbandoned` rather than wait
-    in the process group's rendezvous for ranks that have moved on.
+    in the process group's rendezvous for ranks that have moved on. A rank that failed before it
+    arrived (:func:`report_startup_failure`) ends the wait at once, naming it and its error. Rank 0
+    raises the failure (the kernel reports it); the other ranks leave with :class:`StartupAbandoned`,
+    since a follower's failed exit would make the launcher end the kernel before it could say why.
     """
     deadline = time.monotonic() + CONNECT_TIMEOUT_S
     if rank is not None:
         store.set(f"shardbook/arrived/{rank}", "1")  # who arrived, so a failure can name who did not
     store.add("shardbook/arrived", 1)
     while store.add("shardbook/arrived", 0) < world_size:
-        if time.monotonic() > deadline:
+        text = startup_errors(store, world_size)
+        if text is None and time.monotonic() > deadline:
             missing = [r for r in range(world_size) if not store.check([f"shardbook/arrived/{r}"])]
             which = ", ".join(map(str, missing)) or "unknown"
             text = (
@@ -229,7 +267,10 @@ def wait_for_every_rank(store: Any, world_size: int, rank: int | None = None) ->
                 "SHARDBOOK_CONNECT_TIMEOUT; check the logs of the missing rank(s) (a node that never started, "
                 "an import error) and restart"
             )
+        if text is not None:
             store.set(STARTUP_FAILED_KEY, text)
+            if rank:  # a follower: rank 0 reports it
+                raise StartupAbandoned(text)
             raise RuntimeError(text)
         time.sleep(0.02)
     if store.check([STARTUP_FAILED_KEY]):

@@ -33,3 +33,25 @@ def test_the_start_up_failure_is_logged_by_the_kernel(monkeypatch, caplog):
     with caplog.at_level(logging.ERROR, logger=runtime.__name__), pytest.raises(PoolError, match="rank 1 of 2"):
         runtime.get_runtime(shell=object())
     assert "rank 1 of 2 did not start" in caplog.text and "failed to start" in caplog.text
+
+
+def test_a_rank_that_failed_before_arriving_ends_the_wait_at_once_naming_its_error():
+    store = dist.HashStore()
+    for rank in (1, 2):  # the same failure on two ranks shows once, with both
+        store.set(f"{world.STARTUP_ERROR_KEY}/{rank}", "ImportError: no module named 'x'")
+        store.add(world.STARTUP_ERROR_KEY, 1)
+    store.set(f"{world.STARTUP_ERROR_KEY}/3", "ValueError: no control-plane key")
+    store.add(world.STARTUP_ERROR_KEY, 1)
+    with pytest.raises(RuntimeError) as failed:  # long before SHARDBOOK_CONNECT_TIMEOUT (120 s)
+        world.wait_for_every_rank(store, 5, rank=0)
+    text = str(failed.value)
+    assert "ranks 1, 2 of 5 failed at start-up: ImportError: no module named 'x'" in text
+    assert "rank 3 of 5 failed at start-up: ValueError: no control-plane key" in text
+    assert store.get(world.STARTUP_FAILED_KEY).decode() == text
+
+
+def test_a_follower_that_waited_leaves_quietly_since_rank_0_reports_it(monkeypatch):
+    monkeypatch.setattr(world, "CONNECT_TIMEOUT_S", 0.1)
+    store = dist.HashStore()
+    with pytest.raises(world.StartupAbandoned, match="ranks 0, 2 of 3 did not start"):
+        world.wait_for_every_rank(store, 3, rank=1)  # a failed exit would make the launcher end the kernel
