@@ -145,6 +145,26 @@ def test_incremental_text_equals_the_whole_decode_after_every_token(model_and_to
     assert incremental.restarts == 0
 
 
+def test_a_reply_is_decoded_a_few_tokens_at_a_time_and_once_whole_at_its_end(model_and_tokenizer) -> None:
+    model, tokenizer = model_and_tokenizer
+    lengths: list[int] = []
+
+    class Counting:
+        def decode(self, ids, **kwargs):
+            lengths.append(len(ids))
+            return tokenizer.decode(ids, **kwargs)
+
+    chunks: list[str] = []
+    scheduler = BatchScheduler(Counting())
+    handle = scheduler.submit(_request(tokenizer, PROMPTS[0], max_new_tokens=40, stop=["zzz"]), on_text=chunks.append)
+    scheduler.run(model, "cpu")
+    result = handle.wait(0)
+    assert result.generated_tokens == 40 and "".join(chunks) == result.text
+    # The whole reply is decoded once, at the end; before, only the tokens since the last whole character and the
+    # piece before them (a random model's runs of stray bytes make that a dozen tokens at most here).
+    assert lengths[-1] == 40 and max(lengths[:-1]) < 20, lengths
+
+
 def _split_stop(tokenizer, tokens: list[int]) -> tuple[str, int]:
     """A stop string made of the end of one token's text and the start of the next's, and that next token's index."""
     for k in range(1, len(tokens) - 1):
