@@ -90,6 +90,15 @@ def test_a_host_that_is_not_a_name_of_the_server_is_refused(serve):
     assert raw(url, "GET", "/v1/models", headers={"Host": "10.1.2.3"}).status == 403  # not the address it listens on
 
 
+def test_on_every_interface_any_address_and_the_machines_name_pass(serve):
+    import socket
+
+    url = serve(host="0.0.0.0", api_key=KEY)
+    for host in ("10.1.2.3:8000", socket.gethostname(), "localhost"):
+        assert raw(url, "GET", "/health", headers={"Host": host}).status == 200, host
+    assert raw(url, "GET", "/health", headers={"Host": "attacker.example"}).status == 403
+
+
 def test_an_allowed_host_passes(serve):
     url = serve(allowed_hosts=("llm.example.org",))
     assert raw(url, "GET", "/v1/models", headers={"Host": "LLM.example.org:443"}).status == 200
