@@ -9,6 +9,7 @@ header) is refused unless that origin is allowed, and a body that is not ``appli
 
 from __future__ import annotations
 
+import functools
 import hmac
 import ipaddress
 import socket
@@ -42,9 +43,13 @@ def host_names(bound: str, allowed: tuple[str, ...]) -> set[str]:
     """The names a request's ``Host`` may give for a server listening on ``bound``, lower-case, without a port;
     ``*`` among them allows any. IP addresses are checked apart (``check_host``)."""
     names = {n.lower() for n in (*LOCAL_HOSTNAMES, bound, *allowed)}
-    if bound in WILDCARD_HOSTS:
-        names |= {socket.gethostname().lower(), socket.getfqdn().lower()}
-    return names
+    return names | machine_names() if bound in WILDCARD_HOSTS else names
+
+
+@functools.cache
+def machine_names() -> frozenset[str]:
+    """This machine's name and fully qualified name, looked up once (``getfqdn`` may ask DNS)."""
+    return frozenset({socket.gethostname().lower(), socket.getfqdn().lower()})
 
 
 def check_host(host_header: str, bound: str, allowed: tuple[str, ...], url: str) -> None:
