@@ -14,7 +14,8 @@ Formats (`FORMATS`):
 - `fp8-minimax`: MiniMax-M2 (`modules_to_not_convert`: router gate, score bias and lm_head unquantized);
 - `mxfp4`: gpt-oss (experts as `_blocks` / `_scales`, stored out x in);
 - `int4-pack`: Kimi-K2-Thinking (compressed-tensors pack-quantized int4, group 32, routed experts only);
-- `fp8-channel`: llm-compressor's float-quantized FP8, one scale per output channel.
+- `fp8-channel`: llm-compressor's float-quantized FP8, one scale per output channel;
+- `deepseek-v4`: DeepSeek-V4's FP4 experts over FP8-block linears, every scale an e8m0 `.scale`.
 """
 
 from __future__ import annotations
@@ -174,6 +175,25 @@ def _int4_pack(state: dict, group: int = 32) -> tuple[dict, dict]:
     return stored, reference
 
 
+def _deepseek_v4(state: dict) -> tuple[dict, dict]:
+    """FP4 routed experts (int8 bytes of two e2m1 values, an e8m0 `.scale` per 32 of a row) over fp8-block linears
+    with power-of-two `.scale`s, as DeepSeek-V4 names them."""
+    stored, reference = {}, {}
+    for name, tensor in state.items():
+        module = name.removesuffix(".weight")
+        if re.search(r"\.experts\.\d+\.w[123]\.weight$", name):
+            packed, scales, reference[name] = e2m1_blocks(tensor)
+            stored[name] = packed.reshape(tensor.shape[0], -1).view(torch.int8)
+            stored[f"{module}.scale"] = scales.view(torch.float8_e8m0fnu)
+        elif _linear(name, tensor) and tensor.dim() == 2:
+            codes, inv = fp8_blocks(tensor, BLOCK, power_of_two=True)
+            reference[name] = codes.float() * expand_blocks(inv, (BLOCK, BLOCK), tensor.shape)
+            stored[name], stored[f"{module}.scale"] = codes, inv.to(torch.float8_e8m0fnu)
+        else:
+            stored[name] = reference[name] = tensor
+    return stored, reference
+
+
 FORMATS = {
     "fp8-blocks": _fp8,
     "fp8-ue8m0": lambda state: _fp8(state, power_of_two=True),
@@ -182,6 +202,7 @@ FORMATS = {
     "fp8-channel": _fp8_channel,
     "mxfp4": _mxfp4,
     "int4-pack": _int4_pack,
+    "deepseek-v4": _deepseek_v4,
 }
 
 _FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
@@ -203,6 +224,12 @@ QUANTIZATION = {
             "model.embed_tokens",
             "lm_head",
         ],
+    },
+    "deepseek-v4": lambda s: {
+        **_FP8,
+        "weight_block_size": [BLOCK, BLOCK],
+        "scale_fmt": "ue8m0",
+        "expert_dtype": "fp4",
     },
     "int4-pack": lambda s: _compressed(
         "pack-quantized", {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32}

@@ -23,6 +23,7 @@ PACKAGED_CONFIGS: dict[str, str] = {
     "smollm2-135m": "smollm2-135m.yaml",
     "qwen-8rank": "qwen-8rank.yaml",
     "glm-744b-npu": "glm-744b-npu.yaml",
+    "glm-744b-fp8-npu": "glm-744b-fp8-npu.yaml",
 }
 """Short name -> file in ``shardbook.configs``: the file stem, and ``demo`` for the SmolLM2 demo config."""
 
@@ -30,6 +31,8 @@ DESCRIPTIONS: dict[str, str] = {
     "smollm2-135m.yaml": "SmolLM2-135M-Instruct, the demo model (shardbook fetch smollm2-135m-instruct), any ranks",
     "qwen-8rank.yaml": "Qwen2.5-7B-Instruct on one node of 8 accelerators (set model_name_or_path)",
     "glm-744b-npu.yaml": "a 744B GLM mixture of experts on 2 nodes x 16 Ascend NPUs (set model_name_or_path)",
+    "glm-744b-fp8-npu.yaml": "GLM-5-FP8's official FP8 blocks on 2 nodes x 16 Ascend NPUs, dequantized to bf16 as each "
+    "rank loads (set model_name_or_path)",
 }
 """What each packaged file is for, as `shardbook configs` shows it."""
 

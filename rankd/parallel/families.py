@@ -28,11 +28,27 @@ HOW = {
 }
 """How `tp` handles what is particular to a family, said where the code cannot tell."""
 
+OFFICIAL_FORMATS = {
+    "qwen3": "fp8 blocks (Qwen3-*-FP8)",
+    "qwen3_moe": "fp8 blocks (Qwen3-*-FP8)",
+    "qwen3_next": "fp8 blocks (Qwen3-Next-*-FP8)",
+    "glm_moe_dsa": "fp8 blocks (GLM-5-FP8)",
+    "deepseek_v3": (
+        "fp8 blocks (DeepSeek-V3, R1, Kimi-K2), ue8m0 scales (V3.1); compressed-tensors int4 experts (Kimi-K2-Thinking)"
+    ),
+    "deepseek_v32": "fp8 blocks with ue8m0 scales (V3.2)",
+    "gpt_oss": "mxfp4 experts",
+    "minimax_m2": "fp8 blocks, router and lm_head unquantized",
+    "deepseek_v4": "fp4 (e2m1) experts over fp8-block linears",
+}
+"""The quantized formats each family's official weights ship in (every family also reads float checkpoints,
+fine-grained FP8 and compressed-tensors; see docs/quantized.md)."""
+
 MARK_START, MARK_END = "<!-- families:start -->", "<!-- families:end -->"
 
 
 def family_row(model_type: str) -> list[str]:
-    """One row: family, layouts, expert parallelism, notes."""
+    """One row: family, layouts, expert parallelism, official quantized formats, notes."""
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type).get_text_config()
@@ -40,7 +56,8 @@ def family_row(model_type: str) -> list[str]:
     layouts = ", ".join(["gather", "reshard", *(["tp"] if tp else [])])
     experts = num_experts(config)
     expert_parallel = "ep_size, ep_fsdp_size" if tp and experts else "-"
-    return [f"`{model_type}`", layouts, expert_parallel, "; ".join(_notes(config, model_type))]
+    formats = OFFICIAL_FORMATS.get(model_type, "-")
+    return [f"`{model_type}`", layouts, expert_parallel, formats, "; ".join(_notes(config, model_type))]
 
 
 def _notes(config, model_type: str) -> list[str]:
@@ -62,6 +79,6 @@ def _notes(config, model_type: str) -> list[str]:
 
 def families_table() -> str:
     """The markdown table, markers included, as the README holds it."""
-    lines = ["| family | layouts | expert parallel | notes |", "| --- | --- | --- | --- |"]
+    lines = ["| family | layouts | expert parallel | official quantized weights | notes |", "| --- " * 5 + "|"]
     lines += ["| " + " | ".join(family_row(model_type)) + " |" for model_type in LISTED]
     return "\n".join([MARK_START, *lines, MARK_END])

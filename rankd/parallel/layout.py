@@ -7,6 +7,7 @@ Every function here runs identically on every rank; the only collectives are the
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Callable
 
 import psutil
@@ -161,11 +162,31 @@ def apply_fsdp(
     total = len(layers) + 1
     # FSDP per decoder block: one all-gather per block, freed (or kept) after its forward.
     for done, layer in enumerate(layers, start=1):
+        for island in dtype_islands(layer):  # a group of its own: FSDP2 gathers one dtype per group
+            fully_shard(island, mesh=mesh, reshard_after_forward=reshard_after_forward)
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
         on_group(done, total)
     # FSDP on the root: embeddings, final norm and lm_head (tied ones stay one parameter).
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
     on_group(total, total)
+
+
+def dtype_islands(block: nn.Module) -> list[nn.Module]:
+    """Submodules of `block` whose own parameters are not in the block's main dtype.
+
+    Models keep some weights in float32 whatever the load's dtype (DeepSeek-V3's and GLM's router
+    `gate.weight`, `_keep_in_fp32_modules_strict`); FSDP2 all-gathers a group in one dtype and
+    refuses a bf16 block holding one, so each such module is sharded as a group of its own.
+    """
+    counts = Counter(p.dtype for p in block.parameters())
+    if len(counts) < 2:
+        return []
+    main = counts.most_common(1)[0][0]
+    return [
+        module
+        for module in block.modules()
+        if module is not block and any(p.dtype != main for p in module.parameters(recurse=False))
+    ]
 
 
 def reshard_model(model: nn.Module) -> None:

@@ -18,7 +18,7 @@ from tests.multiproc.test_loading import prompt_ids
 from tests.multiproc.test_mla import close
 from tests.multiproc.test_reload import rank_context
 from tests.quantized import write_quantized
-from tests.tiny import make_tiny_lm, make_tiny_mla, make_tiny_tp_family
+from tests.tiny import DEEPSEEK_V4, make_tiny_lm, make_tiny_mla, make_tiny_tp_family
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -51,6 +51,12 @@ CHECKPOINTS = {
     "kimi-k2-thinking-int4": (
         lambda p: make_tiny_mla(p, "deepseek_v3"),
         "int4-pack",
+        True,
+        "model.layers.1.mlp.experts.gate_up_proj",
+    ),
+    "deepseek-v4-fp4-experts": (
+        lambda p: make_tiny_lm(p, family="deepseek_v4", **DEEPSEEK_V4),
+        "deepseek-v4",
         True,
         "model.layers.1.mlp.experts.gate_up_proj",
     ),
@@ -201,3 +207,28 @@ def test_broken_quantized_checkpoints_are_refused_on_every_rank_and_the_model_st
             assert expected in result["errors"][case], (rank, case, result["errors"][case])
         assert result["kept"], rank
         close(result["logits"], reference, f"rank {rank} after the refused loads")
+
+
+def load_bfloat16(rank: int, path: Path, decode: str) -> torch.Tensor:
+    from shardbook.rankd.loading.load_sharded import load_sharded
+    from tests.multiproc.test_loading import stand_in_config
+
+    loaded = load_sharded(stand_in_config(path, dtype="bfloat16", decode=decode), device="cpu")
+    with torch.no_grad():
+        return loaded.model(prompt_ids(loaded.tokenizer)).logits.float()
+
+
+@pytest.mark.parametrize("decode", ["gather", "tp"])
+def test_fp8_dequantized_to_bfloat16_with_a_float32_router(ranks, checkpoints, decode):
+    """DeepSeek's router weight stays float32 in a bf16 model: FSDP2 gathers it as a group of its own."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = checkpoints["deepseek-v3.1-fp8-ue8m0"][0]
+    twin = path.with_name(path.name + "-reference")
+    model = AutoModelForCausalLM.from_pretrained(twin, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        reference = model(prompt_ids(AutoTokenizer.from_pretrained(twin))).logits.float()
+    for rank, logits in enumerate(ranks(load_bfloat16, path, decode)):
+        # bf16 partial sums rounded in another order (tp all-reduces them): a few bf16 ulps at logits up to 7,
+        # where raw fp8 codes would be off by 2 or more
+        torch.testing.assert_close(logits, reference, atol=0.15, rtol=0, msg=f"rank {rank}")

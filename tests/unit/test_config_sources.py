@@ -58,7 +58,7 @@ def test_a_yaml_file_wins_and_is_named(tmp_path, model_dir):
 def test_short_names_are_the_packaged_files(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)  # no file of that name here
     configs = packaged_configs()
-    assert set(configs) == {"demo", "smollm2-135m", "qwen-8rank", "glm-744b-npu"}
+    assert set(configs) == {"demo", "smollm2-135m", "qwen-8rank", "glm-744b-npu", "glm-744b-fp8-npu"}
     assert configs["demo"] == configs["smollm2-135m"] == ROOT / "configs" / "smollm2-135m.yaml"  # editable install
     for name, file in PACKAGED_CONFIGS.items():
         source = resolve_config(name)

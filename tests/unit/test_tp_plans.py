@@ -66,8 +66,8 @@ def test_a_family_without_a_plan_names_gather_and_reshard():
 
 def test_the_families_table_lists_every_family_and_its_layouts():
     table = families_table()
-    assert "| `glm_moe_dsa` | gather, reshard, tp | ep_size, ep_fsdp_size |" in table
-    assert "| `llama` | gather, reshard, tp | - |" in table
+    assert "| `glm_moe_dsa` | gather, reshard, tp | ep_size, ep_fsdp_size | fp8 blocks (GLM-5-FP8) |" in table
+    assert "| `llama` | gather, reshard, tp | - | - |" in table
 
 
 def test_readme_families_table_is_generated_from_the_code():
