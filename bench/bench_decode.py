@@ -17,7 +17,8 @@ layouts measured side by side.
 It ends with a cost model: bytes each rank sends per generated token, and the tok/s bound that
 the link implies, for `reshard` (every layer's weights all-gathered per token) against `tp`
 (two all-reduces of one token's hidden state per layer, the embedding's all-reduce and the
-logits' all-gather), at GLM-744B scale on 32 ranks and for a 70B dense model on 8.
+logits' all-gather), at GLM-744B scale on 32 ranks and for a 70B dense model on 8, and GLM-5-FP8 (issue 30)
+on 16 GPUs kept as FP8 and on 32 NPUs dequantized to bf16.
 """
 
 from __future__ import annotations
@@ -329,25 +330,49 @@ class Shape:
     moe_layers: int = 0
     """Layers whose MLP is a MoE block with a shared expert: three all-reduces under tp (attention, experts, shared)."""
     expert_params: float = 0.0
+    weight_bytes: float = 0.0
+    """Bytes per quantized weight as the ranks hold it (0: `dtype_bytes`, as every unquantized weight and value)."""
+    file_bytes: float = 0.0
+    """Bytes per quantized weight in the checkpoint's files (0: as held)."""
+    unquantized_params: float = 0.0
+    """Weights a quantized checkpoint keeps in `dtype_bytes` (embeddings, lm_head, routers, norms)."""
+    expert_layouts: tuple[tuple[int, int], ...] = ((16, 2), (8, 2))
+    """(ep_size, ep_fsdp_size) for the MoE weights-per-rank table: configs/glm-744b-npu.yaml's, and MindSpeed's
+    training one."""
+
+    def weights(self, params: float, held: bool = True) -> float:
+        """Bytes of `params` quantizable weights as held (or, with `held` false, as stored in the files)."""
+        per_weight = self.weight_bytes or self.dtype_bytes
+        return params * (per_weight if held else self.file_bytes or per_weight)
 
 
+FP8_BLOCK = 128
+FP8_WEIGHT_BYTES = 1 + 4 / FP8_BLOCK**2
+"""An e4m3 weight and its share of the float32 `weight_scale_inv` of its 128 x 128 block."""
+GLM5_UNQUANTIZED = 2.04e9
+"""GLM-5-FP8's weights kept in bf16: embeddings and lm_head (2 x 154,880 x 6144), 75 routers, norms."""
+GLM5 = dict(params=744e9, hidden=6144, layers=78, vocab=154_880, moe_layers=75, expert_params=725e9)
+FP8_ON_NPU = dict(file_bytes=FP8_WEIGHT_BYTES, unquantized_params=GLM5_UNQUANTIZED)
+FP8_KEPT = dict(weight_bytes=FP8_WEIGHT_BYTES, unquantized_params=GLM5_UNQUANTIZED, expert_layouts=((16, 1), (8, 2)))
 SHAPES = [
     # Sizes assumed for the GLM-744B run of configs/glm-744b-npu.yaml: 744B parameters, hidden
     # 6144, 78 layers (the first 3 dense, then MoE: 256 routed experts of 3 x 6144 x 2048 weights
     # each and a shared expert, 725B expert weights in all), a 154,880-token vocabulary, bf16, on 32 ranks.
-    Shape("GLM-744B MoE on 32 NPUs (bf16)", 744e9, 6144, 78, 154_880, 32, moe_layers=75, expert_params=725e9),
+    Shape("GLM-744B MoE on 32 NPUs (bf16)", ranks=32, **GLM5),
+    # GLM-5-FP8 (issue 30): the same model with every linear in e4m3 128 x 128 blocks, read as FP8 and
+    # dequantized to bf16 on NPUs (configs/glm-744b-fp8-npu.yaml), or kept as FP8 on 16 GPUs (sm >= 8.9).
+    Shape("GLM-5-FP8 MoE on 32 NPUs (dequantized to bf16)", ranks=32, **GLM5, **FP8_ON_NPU),
+    Shape("GLM-5-FP8 MoE on 16 GPUs (kept FP8)", ranks=16, **GLM5, **FP8_KEPT),
     Shape("70B dense on 8 devices (bf16)", 70.6e9, 8192, 80, 128_256, 8),
 ]
-EXPERT_LAYOUTS = [(16, 2), (8, 2)]
-"""(ep_size, ep_fsdp_size) for the MoE weights-per-rank table: configs/glm-744b-npu.yaml's,
-and MindSpeed's training one."""
 
 
 def cost_per_token(shape: Shape) -> dict[str, float]:
     """Bytes each rank sends per generated token, and collectives per token, for reshard and tp."""
     n, size = shape.ranks, shape.dtype_bytes
     ring = 2 * (n - 1) / n  # a ring all-reduce sends this many times the tensor per rank
-    reshard = shape.params * size * (n - 1) / n  # all-gather: each rank sends its shard to n - 1 others
+    held = shape.weights(shape.params - shape.unquantized_params) + shape.unquantized_params * size
+    reshard = held * (n - 1) / n  # all-gather: each rank sends its shard to n - 1 others
     hidden = shape.hidden * size
     all_reduces = 2 * shape.layers + shape.moe_layers + 1  # two per layer, one more per MoE layer, the embedding's
     tp = all_reduces * ring * hidden + shape.vocab / n * size * (n - 1)  # + the logits' all-gather
@@ -373,26 +398,33 @@ def print_cost_model(link_gbs: float, latency_us: float) -> None:
 
 
 def print_expert_weights() -> None:
-    """Expert and dense weight bytes per rank of each MoE shape, for each expert layout."""
+    """Expert and dense weight bytes per rank of each MoE shape, for each expert layout, and what a rank reads from
+    the checkpoint's files (its slices, as stored)."""
     print(
         "\n| model | ep_size x ep_fsdp_size | expert copies | expert GB per rank | dense GB per rank "
-        "| total GB per rank |"
+        "| total GB per rank | read from files GB per rank |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for shape in (shape for shape in SHAPES if shape.expert_params):
-        dense = (shape.params - shape.expert_params) * shape.dtype_bytes / shape.ranks
-        for ep, efsdp in EXPERT_LAYOUTS:
+        dense_params, unquantized = shape.params - shape.expert_params, shape.unquantized_params * shape.dtype_bytes
+        dense = (shape.weights(dense_params - shape.unquantized_params) + unquantized) / shape.ranks
+        dense_read = (shape.weights(dense_params - shape.unquantized_params, held=False) + unquantized) / shape.ranks
+        for ep, efsdp in shape.expert_layouts:
             copies = shape.ranks // (ep * efsdp)
-            experts = shape.expert_params * shape.dtype_bytes / (ep * efsdp)
+            experts = shape.weights(shape.expert_params) / (ep * efsdp)
+            read = shape.weights(shape.expert_params, held=False) / (ep * efsdp) + dense_read
             print(
                 f"| {shape.name} | {ep} x {efsdp} | {copies} | {experts / 1e9:.1f} | {dense / 1e9:.1f} "
-                f"| {(experts + dense) / 1e9:.1f} |"
+                f"| {(experts + dense) / 1e9:.1f} | {read / 1e9:.1f} |"
             )
 
 
-def glm5_per_rank(ranks: int = 32, ep_size: int = 16, ep_fsdp_size: int = 2, dtype_bytes: int = 2) -> dict:
+def glm5_per_rank(
+    ranks: int = 32, ep_size: int = 16, ep_fsdp_size: int = 2, dtype_bytes: int = 2, fp8_kept: bool = False
+) -> dict:
     """GLM-5 (GlmMoeDsaConfig defaults) under tp, from shardbook's own plan on a meta model: per rank, weights,
-    the part kept whole, KV cache at 4k and 32k tokens, and the bytes sent per generated token."""
+    the part kept whole, the bytes read from GLM-5-FP8's files, KV cache at 4k and 32k tokens, and the bytes sent
+    per generated token. With `fp8_kept`, the FP8 checkpoint's linears stay e4m3 with their block scales."""
     import torch
     from transformers import AutoModelForCausalLM, GlmMoeDsaConfig
 
@@ -406,8 +438,24 @@ def glm5_per_rank(ranks: int = 32, ep_size: int = 16, ep_fsdp_size: int = 2, dty
         model = AutoModelForCausalLM.from_config(config)
     plan = plan_tp(model, ranks, ExpertLayout.of(ranks, ep_size, ep_fsdp_size))
     params = dict(model.named_parameters())
-    whole = sum(p.numel() for name, p in params.items() if name not in plan)
-    local = [whole + sum(_numel(s.local_shape(r)) for s in plan.values()) for r in range(ranks)]
+
+    def part_bytes(name: str, rank: int | None) -> tuple[float, float]:
+        """Bytes of rank `rank`'s part of `name` (None: the whole tensor), as held and as read from the FP8 files."""
+        selection = plan[name].selections[rank] if rank is not None and name in plan else None
+        shape = params[name].shape
+        ranges = selection or [None] * len(shape)
+        numel = _numel(size if r is None else sum(len(piece) for piece in r) for size, r in zip(shape, ranges))
+        if not _fp8_in_glm5(name, shape):
+            return numel * dtype_bytes, numel * dtype_bytes
+        leading = _numel(size if r is None else sum(len(piece) for piece in r) for size, r in zip(shape, ranges[:-2]))
+        blocks = leading * _numel(_blocks(size, r) for size, r in zip(shape[-2:], ranges[-2:]))
+        fp8 = numel + 4 * blocks  # e4m3 codes and the float32 scales of the blocks the slice touches
+        return (fp8 if fp8_kept else numel * dtype_bytes), fp8
+
+    whole = sum(part_bytes(name, None)[0] for name in params if name not in plan)
+    local = [[part_bytes(name, r) for name in params] for r in range(ranks)]
+    weights = [sum(h for h, _ in rank) for rank in local]
+    read = [sum(f for _, f in rank) for rank in local]
     kinds = list(module_plan(model).values())
     ring, hidden = 2 * (ranks - 1) / ranks, config.hidden_size * dtype_bytes
     all_reduces = kinds.count(ROW) + kinds.count(EXPERTS) + 1  # row-parallel layers, expert sets, the embedding
@@ -415,8 +463,9 @@ def glm5_per_rank(ranks: int = 32, ep_size: int = 16, ep_fsdp_size: int = 2, dty
     kv = kv_cache_bytes_per_token(model, attention_splits(model, ranks), 0, dtype_bytes)
     return {
         "params": sum(p.numel() for p in params.values()),
-        "weights": max(local) * dtype_bytes,
-        "whole": whole * dtype_bytes,
+        "weights": max(weights),
+        "whole": whole,
+        "read_fp8": max(read),
         "kv_per_token": kv,
         "kv_4k": kv * 4096,
         "kv_32k": kv * 32768,
@@ -425,17 +474,51 @@ def glm5_per_rank(ranks: int = 32, ep_size: int = 16, ep_fsdp_size: int = 2, dty
     }
 
 
-def print_glm5(ranks: int = 32, ep_size: int = 16, ep_fsdp_size: int = 2) -> None:
-    f = glm5_per_rank(ranks, ep_size, ep_fsdp_size)
-    print(f"\n### GLM-5 (GlmMoeDsaConfig(), {f['params'] / 1e9:.1f}B parameters) under tp on {ranks} ranks, bf16\n")
+GLM5_ROWS = [
+    ("GLM-5 bf16 on 32 NPUs", 32, 16, 2, False),
+    ("GLM-5-FP8 on 32 NPUs, dequantized to bf16", 32, 16, 2, False),
+    ("GLM-5-FP8 on 16 GPUs, kept FP8", 16, 16, 1, True),
+]
+"""(row, ranks, ep_size, ep_fsdp_size, FP8 kept) of the GLM-5 table."""
+
+
+def print_glm5() -> None:
+    rows = [
+        (title, ep, efsdp, glm5_per_rank(ranks, ep, efsdp, fp8_kept=kept))
+        for title, ranks, ep, efsdp, kept in GLM5_ROWS
+    ]
+    print(f"\n### GLM-5 (GlmMoeDsaConfig(), {rows[0][-1]['params'] / 1e9:.1f}B parameters) under tp\n")
     print(
-        "| ep_size x ep_fsdp_size | weights/rank | kept whole/rank | KV cache/token/rank | KV 4k | KV 32k "
-        "| collectives/token | sent/token/rank |"
+        "| checkpoint on ranks | ep_size x ep_fsdp_size | weights/rank | kept whole/rank | read from files/rank "
+        "| KV cache/token/rank | KV 4k | KV 32k | collectives/token | sent/token/rank |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for title, ep, efsdp, f in rows:
+        read = f["weights"] if title.startswith("GLM-5 bf16") else f["read_fp8"]  # the bf16 release reads as held
+        print(
+            f"| {title} | {ep} x {efsdp} | {_bytes(f['weights'])} | {_bytes(f['whole'])} | {_bytes(read)} "
+            f"| {_bytes(f['kv_per_token'])} | {_bytes(f['kv_4k'])} | {_bytes(f['kv_32k'])} | {f['collectives']} "
+            f"| {_bytes(f['traffic'])} |"
+        )
     print(
-        f"| {ep_size} x {ep_fsdp_size} | {_bytes(f['weights'])} | {_bytes(f['whole'])} | {_bytes(f['kv_per_token'])} "
-        f"| {_bytes(f['kv_4k'])} | {_bytes(f['kv_32k'])} | {f['collectives']} | {_bytes(f['traffic'])} |"
+        f"\n(GLM-5-FP8: every linear of the layers in e4m3 with a float32 scale per {FP8_BLOCK} x {FP8_BLOCK} block, "
+        "routers, the indexer's weights_proj, norms, embeddings and lm_head in bf16; KV cache and activations bf16.)"
+    )
+
+
+def _fp8_in_glm5(name: str, shape) -> bool:
+    """Whether GLM-5-FP8 stores `name` in e4m3 blocks: the linears and experts of the layers, not the routers (`gate`),
+    the indexer's `weights_proj`, norms, embeddings or lm_head."""
+    kept = ("mlp.gate.weight", "weights_proj.weight")
+    return name.startswith("model.layers.") and len(shape) >= 2 and not name.endswith(kept) and "norm" not in name
+
+
+def _blocks(size: int, ranges) -> int:
+    """The 128-wide blocks of a dim of `size` that `ranges` touch (None: all of it)."""
+    if ranges is None:
+        return -(-size // FP8_BLOCK)
+    return len(
+        {i for piece in ranges if len(piece) for i in range(piece.start // FP8_BLOCK, (piece[-1]) // FP8_BLOCK + 1)}
     )
 
 

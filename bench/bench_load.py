@@ -15,6 +15,12 @@ mapped pages of the safetensors files). Times are the best of the timed rounds t
     python bench/bench_load.py                      # the demo model, 2 ranks
     python bench/bench_load.py --model DIR --ranks 2 --repeat 3
     python bench/bench_load.py --repeat 1           # a smoke run
+    python bench/bench_load.py --fp8 --repeat 2     # issue 30: an FP8-block checkpoint (see load_fp8.py)
+
+With `--fp8` it writes, in a temporary directory, a random 100M Llama as an FP8-block checkpoint (as GLM-5-FP8
+ships it) and its bf16 twin, and measures, in bfloat16: the sharded load of the FP8 files, transformers'
+`from_pretrained` of the same files in one process (which dequantizes them to bf16 on a machine without a GPU),
+and the sharded load of the bf16 twin.
 """
 
 from __future__ import annotations
@@ -30,9 +36,12 @@ import time
 from pathlib import Path
 
 import platformdirs
+from load_fp8 import report_fp8, write_fp8_pair
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("sharded", "from_pretrained", "full_then_shard")
+FP8_METHODS = ("sharded-fp8", "from_pretrained-fp8", "sharded-bf16")
+"""`--fp8`'s runs: the loader (a `METHODS` entry before the dash) and the checkpoint (after it)."""
 MIB = 2**20
 
 
@@ -64,8 +73,10 @@ def anon_bytes(pid: int) -> int | None:
     return None
 
 
-def load_once(method: str, model_dir: Path) -> tuple[object, dict[str, float]]:
-    """One load by `method`: the model (kept alive until measured) and the seconds each part took."""
+def load_once(method: str, model_dir: Path, dtype: str, decode: str) -> tuple[object, dict[str, float], dict]:
+    """One load by `method` in `dtype` (`decode`: the sharded load's layout): the model (kept alive until
+    measured), the seconds each part took, and for a sharded load what its summary says (layout, checkpoint
+    bytes, bytes held, quantized tensors)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -81,14 +92,15 @@ def load_once(method: str, model_dir: Path) -> tuple[object, dict[str, float]]:
         from shardbook.rankd.loading.load_sharded import load_sharded
 
         config = types.SimpleNamespace(
-            model=types.SimpleNamespace(model_name_or_path=str(model_dir), dtype="float32", trust_remote_code=False),
-            parallel=types.SimpleNamespace(fsdp_size=-1, ep_size=1, ep_fsdp_size=1, decode="auto"),
+            model=types.SimpleNamespace(model_name_or_path=str(model_dir), dtype=dtype, trust_remote_code=False),
+            parallel=types.SimpleNamespace(fsdp_size=-1, ep_size=1, ep_fsdp_size=1, decode=decode),
         )
         on_step = lambda step, done, total: done == total and part_done(step)  # noqa: E731
-        model = load_sharded(config, device="cpu", progress=on_step).model
+        loaded = load_sharded(config, device="cpu", progress=on_step)
         part_done("summary")
-        return model, parts
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        keys = ("decode", "checkpoint_bytes", "local_param_bytes", "quantized_tensors")
+        return loaded.model, parts, {key: loaded.summary[key] for key in keys if key in loaded.summary}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     part_done("model")
     AutoTokenizer.from_pretrained(model_dir)
     part_done("tokenizer")
@@ -100,14 +112,16 @@ def load_once(method: str, model_dir: Path) -> tuple[object, dict[str, float]]:
         mesh = init_mesh("cpu", (dist.get_world_size(),), ("shard",))
         apply_fsdp(model, mesh, reshard_after_forward=False, on_group=lambda done, total: None)
         part_done("shard")
-    return model, parts
+    return model, parts, {}
 
 
 def warm_imports(model_dir: Path) -> None:
-    """Import what every method needs (transformers' lazy modules, the model's code, FSDP, DCP),
-    as after a first load."""
+    """Import what every method needs (transformers' lazy modules, the model's code, FSDP, DCP,
+    transformers' FP8 loader), as after a first load."""
     import torch
     import torch.distributed.checkpoint
+    import transformers.integrations.finegrained_fp8
+    import transformers.quantizers.auto  # noqa: F401
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import shardbook.rankd.loading.load_sharded  # noqa: F401
@@ -116,7 +130,7 @@ def warm_imports(model_dir: Path) -> None:
         AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
 
 
-def rank_main(rank: int, world: int, store: str, method: str, model_dir: str, results) -> None:
+def rank_main(rank: int, world: int, store: str, method: str, model_dir: str, dtype: str, decode: str, results) -> None:
     import gc
 
     import torch
@@ -131,7 +145,7 @@ def rank_main(rank: int, world: int, store: str, method: str, model_dir: str, re
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # restart VmHWM from the current RSS
     started = time.monotonic()
-    model, parts = load_once(method, Path(model_dir))
+    model, parts, facts = load_once(method, Path(model_dir), dtype, decode)
     loaded = time.monotonic()
     after = proc_status()
     first_token(model, synced=world > 1)  # pages in lazily mapped weights, gathers sharded ones (if the load has not)
@@ -145,6 +159,7 @@ def rank_main(rank: int, world: int, store: str, method: str, model_dir: str, re
             "loaded": loaded,
             "seconds": loaded - started,
             "parts": parts,
+            "facts": facts,
             "ready_seconds": ready - started,
             "first_token_s": ready - loaded,
             "second_token_s": second_s,
@@ -168,8 +183,11 @@ def first_token(model, *, synced: bool) -> None:
         )
 
 
-def run_method(method: str, world: int, model_dir: Path, sample: bool) -> list[dict]:
-    """Run `method` on `world` fresh ranks; with `sample`, this process samples their RssAnon every 2 ms.
+def run_method(
+    method: str, world: int, model_dir: Path, sample: bool, dtype: str = "float32", decode: str = "auto"
+) -> list[dict]:
+    """Run `method` in `dtype` (sharded: in the `decode` layout) on `world` fresh ranks; with `sample`, this
+    process samples their RssAnon every 2 ms.
 
     Sampling is a third busy process on a 2-core machine, so timed rounds run without it.
     """
@@ -177,7 +195,9 @@ def run_method(method: str, world: int, model_dir: Path, sample: bool) -> list[d
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         procs = [
-            ctx.Process(target=rank_main, args=(rank, world, f"{tmp}/store", method, str(model_dir), results))
+            ctx.Process(
+                target=rank_main, args=(rank, world, f"{tmp}/store", method, str(model_dir), dtype, decode, results)
+            )
             for rank in range(world)
         ]
         for proc in procs:
@@ -186,6 +206,8 @@ def run_method(method: str, world: int, model_dir: Path, sample: bool) -> list[d
         rows: list[dict] = []
         deadline = time.monotonic() + 600
         while len(rows) < world and time.monotonic() < deadline:
+            if any(proc.exitcode not in (None, 0) for proc in procs):
+                break  # a rank failed (its traceback is on stderr): the others may be waiting for it
             if not sample:
                 try:
                     rows.append(results.get(timeout=1.0))
@@ -202,8 +224,10 @@ def run_method(method: str, world: int, model_dir: Path, sample: bool) -> list[d
                 time.sleep(0.002)
         for proc in procs:
             proc.join(timeout=60)
+            if proc.is_alive():
+                proc.terminate()
     if len(rows) < world:
-        sys.exit(f"{method}: ranks did not report within 600 s")
+        sys.exit(f"{method}: {world - len(rows)} rank(s) did not report (died, or ran past 600 s)")
     for row in rows:
         during = [anon for t, anon in samples[row["rank"]] if row["started"] <= t <= row["loaded"]]
         row["peak_anon"] = max([row["end_anon"], *during]) - row["baseline_anon"]
@@ -281,22 +305,49 @@ def main() -> None:
     parser.add_argument(
         "--repeat", type=int, default=3, help="timed rounds over the methods; times are the best round's"
     )
+    parser.add_argument(
+        "--decode",
+        default="auto",
+        choices=("auto", "gather", "reshard", "tp"),
+        help="the sharded loads' layout (auto picks gather when it fits, which gathers "
+        "every layer in a warm-up step; reshard keeps the weights sharded)",
+    )
+    parser.add_argument(
+        "--fp8", action="store_true", help="an FP8-block checkpoint against from_pretrained and its bf16 twin"
+    )
     args = parser.parse_args()
+    sys.path.insert(0, str(REPO_ROOT))
+    if args.fp8:
+        with tempfile.TemporaryDirectory(prefix="bench-load-fp8-") as tmp:
+            fp8, bf16 = write_fp8_pair(Path(tmp))
+            checkpoints = {"fp8": fp8, "bf16": bf16}
+            runs = {name: (name.split("-")[0], checkpoints[name.split("-")[1]]) for name in FP8_METHODS}
+            report_fp8(measure(runs, args.ranks, args.repeat, "bfloat16", args.decode), fp8, bf16, args.ranks)
+        return
     if not (args.model / "config.json").is_file():
         sys.exit(f"no checkpoint at {args.model}: run `shardbook fetch smollm2-135m-instruct` or pass --model")
-    sys.path.insert(0, str(REPO_ROOT))
-    for file in args.model.glob("*.safetensors"):  # every method then reads from the page cache
-        file.read_bytes()
-    timed: dict[str, list[list[dict]]] = {method: [] for method in METHODS}
+    runs = {method: (method, args.model) for method in METHODS}
+    report(measure(runs, args.ranks, args.repeat, "float32", args.decode), args.ranks, args.model)
+
+
+def measure(
+    runs: dict[str, tuple[str, Path]], ranks: int, repeat: int, dtype: str, decode: str
+) -> dict[str, list[dict]]:
+    """Each run's best round: `runs` maps a name to (a `METHODS` entry, its checkpoint); `from_pretrained` runs in one
+    process, the others on `ranks`. A first round samples memory, `repeat` timed rounds follow."""
+    for model_dir in {model_dir for _, model_dir in runs.values()}:  # every method then reads from the page cache
+        for file in model_dir.glob("*.safetensors"):
+            file.read_bytes()
+    timed: dict[str, list[list[dict]]] = {name: [] for name in runs}
     sampled: dict[str, list[dict]] = {}
-    for round_index in range(args.repeat + 1):  # methods interleaved, so load from other processes hits each alike
-        for method in METHODS:
-            world = 1 if method == "from_pretrained" else args.ranks
+    for round_index in range(repeat + 1):  # methods interleaved, so load from other processes hits each alike
+        for name, (method, model_dir) in runs.items():
+            world = 1 if method == "from_pretrained" else ranks
             if round_index == 0:  # the memory round, with the sampler
-                sampled[method] = run_method(method, world, args.model, sample=True)
+                sampled[name] = run_method(method, world, model_dir, sample=True, dtype=dtype, decode=decode)
             else:
-                timed[method].append(run_method(method, world, args.model, sample=False))
-    report({method: best_round(timed[method], sampled[method]) for method in METHODS}, args.ranks, args.model)
+                timed[name].append(run_method(method, world, model_dir, sample=False, dtype=dtype, decode=decode))
+    return {name: best_round(timed[name], sampled[name]) for name in runs}
 
 
 def best_round(runs: list[list[dict]], memory: list[dict]) -> list[dict]:
