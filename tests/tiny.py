@@ -99,7 +99,7 @@ def make_tiny_lm(
         family,
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
+        intermediate_size=config_kwargs.pop("intermediate_size", 2 * hidden_size),
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,

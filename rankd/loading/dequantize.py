@@ -26,8 +26,9 @@ import torch
 
 from shardbook.rankd.loading.safetensors_files import MappedFiles, StoredTensor
 
-CHUNK_ELEMENTS = 1 << 22
-"""Elements dequantized at a time (16 MiB of float32): the transient memory of a read, whatever the tensor's size."""
+CHUNK_ELEMENTS = 1 << 18
+"""Elements dequantized at a time (1 MiB of float32, about twice that in temporaries): what a read adds to the slice
+it fills, whatever the tensor's size."""
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 """The sixteen values of a 4-bit e2m1 float, by code (sign bit, two exponent bits, one mantissa bit)."""
@@ -108,7 +109,7 @@ class QuantizedTensor:
         raw = _gather(codes, byte_indices)
         values = self._decode(raw, indices[-1] % per_byte)
         scale = _gather(scales, [index // block for index, block in zip(indices, self.block)])
-        return values * _decode_scale(scale, self.scale_code)
+        return values.mul_(_decode_scale(scale, self.scale_code))
 
     def _decode(self, raw: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         if self.code == "float":
@@ -135,10 +136,15 @@ def _indices(ranges: tuple[range, ...] | None, size: int) -> torch.Tensor:
 
 
 def _gather(tensor: torch.Tensor, indices: list[torch.Tensor]) -> torch.Tensor:
-    """`tensor` at the cross product of `indices`, touching only the span each index covers."""
+    """`tensor` at the cross product of `indices`, touching only the span each index covers.
+
+    A run of consecutive indices (a shard's rows, most often) is a view; any other index a gather.
+    """
     for dim, index in enumerate(indices):
         low, high = int(index.min()), int(index.max()) + 1
-        tensor = tensor.narrow(dim, low, high - low).index_select(dim, index - low)
+        tensor = tensor.narrow(dim, low, high - low)
+        if high - low != len(index) or int(index[0]) != low:
+            tensor = tensor.index_select(dim, index - low)
     return tensor
 
 

@@ -145,10 +145,10 @@ def _one_weight_scheme(settings: dict) -> dict:
     form = settings.get("format")
     groups = settings.get("config_groups") or {}
     schemes = {repr(sorted((group.get("weights") or {}).items())): group for group in groups.values()}
-    forms = {group.get("format") or form for group in groups.values()}
-    if len(schemes) != 1 or len(forms) != 1 or forms.pop() not in ("pack-quantized", "float-quantized"):
+    forms = sorted({str(group.get("format") or form) for group in groups.values()})
+    if len(schemes) != 1 or forms not in (["pack-quantized"], ["float-quantized"]):
         raise ValueError(
-            f"this compressed-tensors checkpoint's config_groups use format(s) {sorted(map(str, forms))} with "
+            f"this compressed-tensors checkpoint's config_groups use format(s) {forms} with "
             f"{len(schemes)} weight scheme(s); sharded loading reads one scheme per checkpoint in pack-quantized "
             "(int4/int8) or float-quantized (FP8): dequantize it offline with compressed-tensors, or pick a "
             "checkpoint in one of those"

@@ -232,3 +232,85 @@ def test_fp8_dequantized_to_bfloat16_with_a_float32_router(ranks, checkpoints, d
         # bf16 partial sums rounded in another order (tp all-reduces them): a few bf16 ulps at logits up to 7,
         # where raw fp8 codes would be off by 2 or more
         torch.testing.assert_close(logits, reference, atol=0.15, rtol=0, msg=f"rank {rank}")
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def peak_memory_of_the_read(rank: int, path: Path) -> dict:
+    """Resident memory added by the read step of a `reshard` load, at its peak (VmHWM, reset just before)."""
+    from shardbook.rankd.loading import load_sharded as module
+    from shardbook.rankd.loading.summary import local_param_bytes
+    from tests.multiproc.test_loading import stand_in_config
+
+    measured = {}
+    read_shards = module.read_shards
+
+    def measured_read(model, targets, device, on_progress):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+        before = _status("VmRSS")
+        read_shards(model, targets, device, on_progress)
+        measured["added"] = _status("VmHWM") - before
+
+    module.read_shards = measured_read
+    try:
+        loaded = module.load_sharded(stand_in_config(path, decode="reshard"), device="cpu")
+    finally:
+        module.read_shards = read_shards
+    largest = max(p.numel() for p in loaded.model.parameters())  # global elements of the largest tensor
+    return {**measured, "shard": local_param_bytes(loaded.model), "largest": largest}
+
+
+def test_a_load_holds_its_dequantized_shard_plus_one_slice(ranks, tmp_path):
+    """Each rank's read of FP8 blocks adds its float32 shard, the codes it touched (a byte a value) and about one
+    slice of a tensor: never a whole tensor's float32 copies (here 16 MiB each, against 8 MiB slices)."""
+    source = make_tiny_lm(
+        tmp_path / "float32", family="llama", num_layers=1, hidden_size=256, intermediate_size=16384, num_heads=4
+    )
+    path, _ = write_quantized(source, tmp_path / "fp8", "fp8-blocks")
+    for rank, result in enumerate(ranks(peak_memory_of_the_read, path)):
+        shard_elements = result["shard"] // 4
+        slice_bytes = result["largest"] * 4 // 2
+        allowed = result["shard"] + shard_elements + slice_bytes + 16 * 2**20
+        assert result["added"] <= allowed, (rank, result, allowed)
+        assert result["added"] >= result["shard"] // 2, (rank, result)  # the measurement saw the shard arrive
+
+
+def load_shipped_fp8_config(rank: int, path: Path) -> dict:
+    """configs/glm-744b-fp8-npu.yaml as shipped, with only the checkpoint, ranks, device and dtype overridden."""
+    from shardbook.rankd.config.parsing import load_config
+    from shardbook.rankd.loading.load_sharded import load_sharded
+    from tests.multiproc.test_mla import CONFIGS
+
+    overrides = [
+        *("--model.model_name_or_path", str(path), "--model.dtype", "float32"),
+        *("--parallel.fsdp_size", "2", "--parallel.ep_size", "2", "--parallel.ep_fsdp_size", "1"),
+        *("--parallel.device", "cpu"),
+    ]
+    loaded = load_sharded(load_config(CONFIGS / "glm-744b-fp8-npu.yaml", overrides, world_size=2), device="cpu")
+    with torch.no_grad():
+        return {"summary": loaded.summary, "logits": loaded.model(prompt_ids(loaded.tokenizer)).logits}
+
+
+def test_the_shipped_fp8_config_loads_a_tiny_glm5_fp8_under_tp(ranks, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardbook.rankd.config.parsing import load_config
+    from tests.multiproc.test_mla import CONFIGS
+
+    shipped = load_config(CONFIGS / "glm-744b-fp8-npu.yaml", world_size=32)
+    assert (shipped.parallel.decode, shipped.model.dtype, shipped.parallel.device) == ("tp", "bfloat16", "npu")
+    path, twin = write_quantized(
+        make_tiny_mla(tmp_path / "float32", "glm_moe_dsa"), tmp_path / "glm5-fp8", "fp8-blocks"
+    )
+    model = AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = model(prompt_ids(AutoTokenizer.from_pretrained(twin))).logits
+    for rank, result in enumerate(ranks(load_shipped_fp8_config, path)):
+        summary = result["summary"]
+        assert summary["architecture"] == "GlmMoeDsaForCausalLM" and summary["decode"] == "tp"
+        assert list(summary["quantized_tensors"]) == ["fp8 e4m3, 32x32 blocks"]
+        close(result["logits"], reference, f"rank {rank}")

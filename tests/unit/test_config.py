@@ -357,7 +357,12 @@ def test_overrides_must_be_a_list():
 
 @pytest.mark.parametrize(
     "name, world_sizes",
-    [("smollm2-135m.yaml", [1, 2]), ("qwen-8rank.yaml", [8]), ("glm-744b-npu.yaml", [32]), ("glm-744b-fp8-npu.yaml", [32])],
+    [
+        ("smollm2-135m.yaml", [1, 2]),
+        ("qwen-8rank.yaml", [8]),
+        ("glm-744b-npu.yaml", [32]),
+        ("glm-744b-fp8-npu.yaml", [32]),
+    ],
 )
 def test_shipped_configs_load(name, world_sizes, caplog):
     for world_size in world_sizes:
