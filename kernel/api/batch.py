@@ -20,7 +20,7 @@ from shardbook.kernel.ranks import foreground
 from shardbook.kernel.ranks.pool import PoolError
 from shardbook.kernel.ranks.runtime import Runtime
 from shardbook.rankd.generation.batching import BatchScheduler, SequenceHandle, SequenceRequest, StreamDelta
-from shardbook.rankd.generation.engine import build_prompt_ids
+from shardbook.rankd.generation.engine import build_prompt_ids, check_template_options
 
 BATCH_SOURCE = "batch"
 CALLER = object()
@@ -143,6 +143,7 @@ def sequence_request(
     *,
     chat: bool,
     stop: list[str] | None = None,
+    template_options: dict[str, Any] | None = None,
     **settings: Any,
 ) -> SequenceRequest:
     """A request with the loaded config's defaults: a conversation (or a string, as one user message, when
@@ -157,7 +158,8 @@ def sequence_request(
     if isinstance(prompt, str):
         ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
     elif prompt and isinstance(prompt[0], dict):
-        ids = build_prompt_ids(tokenizer, prompt)[0].tolist()
+        check_template_options(template_options or {})
+        ids = build_prompt_ids(tokenizer, prompt, template_options)[0].tolist()
     else:
         ids = list(prompt)
     defaults = {

@@ -87,9 +87,12 @@ class GenerationRequest:
     """Also return each generated token's probability and its most likely alternatives."""
     stop: list[str] = field(default_factory=list)
     """Strings that end the reply; the reply (streamed and final) stops just before the first one."""
+    template_options: dict[str, Any] = field(default_factory=dict)
+    """Keywords for the chat template (`enable_thinking=False`, `reasoning_effort="low"`, `tools=[...]`)."""
 
     def __post_init__(self) -> None:
         _check_messages(self.messages)
+        check_template_options(self.template_options)
         _check(self.max_new_tokens >= 1, f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
         _check(self.temperature > 0, f"temperature must be > 0, got {self.temperature}; use do_sample=False for greedy")
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
@@ -322,7 +325,7 @@ def plan_generation(
             "the request has no seed: rank 0 must fill one in (request.with_seed()) before sending it, "
             "so that every rank samples the same tokens"
         )
-    prompt_ids = build_prompt_ids(tokenizer, request.messages)
+    prompt_ids = build_prompt_ids(tokenizer, request.messages, request.template_options)
     max_new_tokens = fit_max_new_tokens(model, prompt_ids.shape[1], request.max_new_tokens)
     config = build_generation_config(model, tokenizer, request, max_new_tokens)
     # the prompt only: ranks may sample differently (synced_gpus copes), but a forward that splits
@@ -331,10 +334,14 @@ def plan_generation(
     return (prompt_ids.to(device), config), fingerprint
 
 
-def build_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> torch.Tensor:
+def build_prompt_ids(
+    tokenizer: Any, messages: list[dict[str, str]], template_options: dict[str, Any] | None = None
+) -> torch.Tensor:
     """The conversation as a (1, n) tensor of token ids, ending with the assistant's turn opening.
 
     Special tokens inside a message's content stay text (never control tokens), whatever the model family.
+    `template_options` are keywords the chat template reads (`enable_thinking`, `thinking`, `reasoning_effort`,
+    `tools`); a template ignores the ones it does not know, as transformers passes them.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
@@ -351,6 +358,7 @@ def build_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> torch.Te
         return_dict=True,
         return_tensors="pt",
         sanitize_control_tokens=True,
+        **(template_options or {}),
     )
     return encoded["input_ids"]
 
@@ -628,6 +636,23 @@ def _check_messages(messages: Any) -> None:
         _check(ok, f"messages[{i}] must be a dict with string 'role' and 'content', got {message!r}")
         check_valid(message["content"], f"messages[{i}] ({message['role']!r})")
         check_valid(message["role"], f"messages[{i}]'s role")
+
+
+RESERVED_TEMPLATE_KEYS = (
+    "add_generation_prompt",
+    "tokenize",
+    "return_dict",
+    "return_tensors",
+    "sanitize_control_tokens",
+)
+
+
+def check_template_options(options: Any) -> None:
+    """Template options are a dict of keyword names to JSON values, none of them one the prompt builder sets itself."""
+    _check(isinstance(options, dict), f"template options must be a dict of keyword -> value, got {options!r}")
+    for key in options:
+        _check(isinstance(key, str) and key.isidentifier(), f"template option names must be identifiers, got {key!r}")
+        _check(key not in RESERVED_TEMPLATE_KEYS, f"template option {key!r} is set by shardbook itself; drop it")
 
 
 def _check(condition: Any, message: str) -> None:

@@ -40,3 +40,27 @@ def test_special_tokens_in_user_text_are_text_for_the_demo_tokenizer():
 
 def test_special_tokens_in_user_text_are_text_for_the_test_tokenizer():
     check_forged_content_is_text(make_tokenizer())
+
+
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def test_template_options_reach_the_chat_template():
+    """`enable_thinking=False` renders Qwen3's empty think block; an option the template does not read: no change."""
+    from shardbook.rankd.generation.engine import GenerationRequest
+
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = THINKING_TEMPLATE
+    messages = [{"role": "user", "content": "hi"}]
+    default = tokenizer.decode(build_prompt_ids(tokenizer, messages)[0])
+    off = tokenizer.decode(build_prompt_ids(tokenizer, messages, {"enable_thinking": False})[0])
+    assert "<think>" not in default and off == default + "<think>\n\n</think>\n\n"
+    assert tokenizer.decode(build_prompt_ids(tokenizer, messages, {"no_such_option": 1})[0]) == default
+    with pytest.raises(ValueError, match="'tokenize' is set by shardbook itself"):
+        GenerationRequest(messages=messages, template_options={"tokenize": False})
+    with pytest.raises(ValueError, match="must be a dict"):
+        GenerationRequest(messages=messages, template_options=["enable_thinking"])
