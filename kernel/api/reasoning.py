@@ -1,0 +1,207 @@
+"""Reasoning parsers: a reply's text split into its reasoning and its answer, whole or as it streams.
+
+One parser per format: ``think`` (``<think>...</think>``: Qwen3, Qwen3-Next, DeepSeek-R1/V3.1/V3.2,
+GLM-4.5/5, MiniMax-M2), ``harmony`` (gpt-oss: the ``analysis`` channel is reasoning, the others the
+answer) and ``none`` (everything is the answer). ``parser_for`` picks one from the model's config and
+vocabulary; a stream parser is fed text deltas in any pieces and returns ``(reasoning, content)`` deltas,
+holding back only what could be the start of a tag. A block never closed is all reasoning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>")
+HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
+HARMONY_REASONING_CHANNEL = "analysis"
+HARMONY_MODEL_TYPES = ("gpt_oss",)
+PARSERS = ("think", "harmony", "none")
+"""The reasoning formats a server can be told to read (``reasoning_parser``), besides ``auto``."""
+
+
+@dataclass(frozen=True)
+class Split:
+    """A reply, or a piece of one, as its reasoning and its answer."""
+
+    reasoning: str = ""
+    content: str = ""
+
+    def __add__(self, other: Split) -> Split:
+        return Split(self.reasoning + other.reasoning, self.content + other.content)
+
+
+class StreamParser:
+    """Splits a reply fed as text deltas; ``feed`` and ``finish`` return what each part gained."""
+
+    def feed(self, delta: str) -> Split:
+        raise NotImplementedError
+
+    def finish(self) -> Split:
+        """The rest, once the reply has ended (a tag cut short is text after all)."""
+        raise NotImplementedError
+
+
+class NoReasoning(StreamParser):
+    def feed(self, delta: str) -> Split:
+        return Split(content=delta)
+
+    def finish(self) -> Split:
+        return Split()
+
+
+class ThinkParser(StreamParser):
+    """``<think>reasoning</think>answer``; blocks may repeat (interleaved thinking). Whitespace that opens a
+    part after a tag, and that ends a reasoning block, is dropped."""
+
+    def __init__(self, in_reasoning: bool = False):
+        self.in_reasoning = in_reasoning
+        self.buffer = ""
+        self.strip_start = in_reasoning
+        self.held_space = ""
+        """Whitespace at the end of the reasoning so far: shown only if more reasoning follows."""
+
+    def feed(self, delta: str) -> Split:
+        self.buffer += delta
+        out = Split()
+        while True:
+            tag = THINK_CLOSE if self.in_reasoning else THINK_OPEN
+            at = self.buffer.find(tag)
+            if at < 0:
+                keep = partial_suffix(self.buffer, (tag,))
+                text, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep :]
+                return out + self.emit(text)
+            out += self.emit(self.buffer[:at])
+            self.buffer = self.buffer[at + len(tag) :]
+            self.in_reasoning, self.strip_start, self.held_space = not self.in_reasoning, True, ""
+
+    def emit(self, text: str) -> Split:
+        if self.strip_start:
+            text = text.lstrip()
+            self.strip_start = not text
+        if not self.in_reasoning:
+            return Split(content=text)
+        text = self.held_space + text
+        body = text.rstrip()
+        self.held_space = text[len(body) :]
+        return Split(reasoning=body)
+
+    def finish(self) -> Split:
+        text, self.buffer = self.buffer, ""
+        out = self.emit(text)
+        self.held_space = ""
+        return out
+
+
+class HarmonyParser(StreamParser):
+    """gpt-oss's harmony messages: ``<|channel|>analysis<|message|>...<|end|>`` is reasoning, and the text of
+    every other channel (``final``, ``commentary``) the answer. Headers (``<|start|>assistant<|channel|>final``)
+    are dropped; text before any header is the answer."""
+
+    def __init__(self):
+        self.buffer = ""
+        self.in_header = False
+        self.header = ""
+        self.channel: str | None = None
+
+    def feed(self, delta: str) -> Split:
+        self.buffer += delta
+        out = Split()
+        while self.buffer:
+            found = [(self.buffer.find(m), m) for m in HARMONY_MARKERS if m in self.buffer]
+            if not found:
+                keep = partial_suffix(self.buffer, HARMONY_MARKERS)
+                text, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep :]
+                return out + self.emit(text)
+            at, marker = min(found)
+            out += self.emit(self.buffer[:at])
+            self.buffer = self.buffer[at + len(marker) :]
+            self.on_marker(marker)
+        return out
+
+    def on_marker(self, marker: str) -> None:
+        if marker == "<|message|>":
+            self.in_header = False
+            name = self.header.rsplit("<|channel|>", 1)[-1] if "<|channel|>" in self.header else ""
+            self.channel = name.split()[0] if name.split() else None
+            self.header = ""
+        elif marker in HARMONY_ENDS:
+            self.in_header, self.header, self.channel = True, "", None
+        else:  # <|start|>, <|channel|>, <|constrain|>: a header goes on until <|message|>
+            self.in_header = True
+            self.header += marker
+
+    def emit(self, text: str) -> Split:
+        if not text:
+            return Split()
+        if self.in_header:
+            self.header += text
+            return Split()
+        if self.channel == HARMONY_REASONING_CHANNEL:
+            return Split(reasoning=text)
+        return Split(content=text)
+
+    def finish(self) -> Split:
+        text, self.buffer = self.buffer, ""
+        return self.emit(text)
+
+
+def partial_suffix(text: str, tags: Iterable[str]) -> int:
+    """Length of the longest end of `text` that is the start of one of `tags` (what a stream must hold back)."""
+    longest = 0
+    for tag in tags:
+        for n in range(min(len(tag) - 1, len(text)), longest, -1):
+            if text.endswith(tag[:n]):
+                longest = n
+                break
+    return longest
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    """How a model's replies carry reasoning: the parser's name, and whether a reply starts inside a block."""
+
+    name: str
+    in_reasoning: bool = False
+
+    def stream(self) -> StreamParser:
+        if self.name == "think":
+            return ThinkParser(self.in_reasoning)
+        if self.name == "harmony":
+            return HarmonyParser()
+        return NoReasoning()
+
+    def split(self, text: str) -> Split:
+        parser = self.stream()
+        return parser.feed(text) + parser.finish()
+
+
+def parser_name(config: Any, tokenizer: Any, override: str | None = None) -> str:
+    """The parser for a model: `override` (one of PARSERS) if given, else ``harmony`` for gpt-oss (by its config's
+    ``model_type`` or harmony's tokens in the vocabulary), ``think`` when ``<think>`` and ``</think>`` are tokens
+    of the vocabulary, else ``none``."""
+    if override not in (None, "auto"):
+        if override not in PARSERS:
+            raise ValueError(f"unknown reasoning parser {override!r}; use one of {', '.join(('auto', *PARSERS))}")
+        return override
+    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+    model_type = getattr(config, "model_type", None)
+    if model_type in HARMONY_MODEL_TYPES or ("<|channel|>" in vocab and "<|message|>" in vocab):
+        return "harmony"
+    if THINK_OPEN in vocab and THINK_CLOSE in vocab:
+        return "think"
+    return "none"
+
+
+def reasoning_format(
+    config: Any, tokenizer: Any, prompt_ids: list[int] | None = None, override: str | None = None
+) -> ReasoningFormat:
+    """The format of a reply to `prompt_ids`: a think-tag prompt that ends with ``<think>`` (DeepSeek-R1's and
+    V3.1's templates open the block themselves) makes the reply start inside reasoning."""
+    name = parser_name(config, tokenizer, override)
+    if name != "think" or not prompt_ids:
+        return ReasoningFormat(name)
+    tail = tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False).rstrip()
+    return ReasoningFormat(name, in_reasoning=tail.endswith(THINK_OPEN))
