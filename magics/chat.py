@@ -7,7 +7,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, argument_group, magic_arguments
 from IPython.display import display
 
-from shardbook.kernel.api.conversation import Conversation
+from shardbook.kernel.api.conversation import Conversation, parse_template_args
 from shardbook.kernel.ranks.pool import PoolError
 from shardbook.kernel.ranks.runtime import get_runtime
 from shardbook.magics.arguments import parse_line
@@ -34,6 +34,36 @@ def generation_options(fn):
     return fn
 
 
+def template_flags(fn):
+    """Chat-template options: for the cell with ``%%chat``, kept for the conversation with ``%chat``."""
+    flags = [
+        argument(
+            "--thinking",
+            dest="thinking",
+            action="store_const",
+            const=True,
+            default=None,
+            help="turn the model's thinking on (the template's enable_thinking or thinking switch)",
+        ),
+        argument("--no-thinking", dest="thinking", action="store_const", const=False, help="turn thinking off"),
+        argument(
+            "--template-arg",
+            action="append",
+            metavar="KEY=VALUE",
+            help="a chat-template keyword (repeatable); VALUE is read as JSON when it parses "
+            '(false, 0.5, "low"), else as text: --template-arg reasoning_effort=low',
+        ),
+        argument(
+            "--clear-template-args",
+            action="store_true",
+            help="(line magic) forget the conversation's thinking switch and template args",
+        ),
+    ]
+    for flag in reversed(flags):
+        fn = flag(fn)
+    return fn
+
+
 @magics_class
 class ChatMagics(Magics):
     """Talk to the model loaded with %load_sharded."""
@@ -53,6 +83,8 @@ class ChatMagics(Magics):
     @argument(
         "--output", choices=("widget", "text"), default=None, help="live widget (default in notebooks) or plain text"
     )
+    @argument_group("chat template")
+    @template_flags
     @argument_group("conversation")
     @argument("--new", action="store_true", help="start a new conversation with this message")
     @argument(
@@ -76,8 +108,18 @@ class ChatMagics(Magics):
         Later ``%%chat`` cells continue the conversation (``--new`` starts over). The line magic
         manages it: ``%chat --history``, ``%chat --reset``, ``%chat --system "Be brief."``,
         ``%chat --save chat.json``, ``%chat --load chat.json``.
+
+        Chat-template options: ``%%chat --no-thinking`` (or ``--template-arg reasoning_effort=low``) for one
+        cell; ``%chat --no-thinking`` / ``%chat --template-arg KEY=VALUE`` keep them for the conversation,
+        ``%chat --clear-template-args`` forgets them.
         """
         args = parse_line(self.chat, line)
+        try:
+            args.template_options = parse_template_args(args.template_arg)
+        except ValueError as e:
+            raise UsageError(str(e)) from e
+        if cell is not None and args.clear_template_args:
+            raise UsageError("--clear-template-args is for the line magic: `%chat --clear-template-args`")
         if args.system is not None:
             self.conversation.system_prompt = args.system or None
         if cell is None:
@@ -98,8 +140,21 @@ class ChatMagics(Magics):
                 print(f"saved {len(self.conversation.turns)} messages to {self.conversation.save(args.save)}")
         except ValueError as e:  # a file that cannot be read, parsed or written: one line, not a traceback
             raise UsageError(str(e)) from e
-        if args.history or not (args.load or args.reset or args.save or args.system is not None):
+        template_change = args.clear_template_args or args.thinking is not None or bool(args.template_options)
+        if template_change:
+            self._keep_template_options(args)
+        if args.history or not (args.load or args.reset or args.save or args.system is not None or template_change):
             print(self.conversation.history_text())
+
+    def _keep_template_options(self, args) -> None:
+        """``%chat --no-thinking`` / ``--template-arg`` / ``--clear-template-args``: for every later turn."""
+        conversation = self.conversation
+        if args.clear_template_args:
+            conversation.thinking, conversation.template_options = None, {}
+        if args.thinking is not None:
+            conversation.thinking = args.thinking
+        conversation.template_options = {**conversation.template_options, **args.template_options}
+        print(conversation.template_line())
 
     def _reply(self, text: str, args):
         # imported on first use: it brings in transformers, which the kernel's start need not wait for
@@ -120,7 +175,12 @@ class ChatMagics(Magics):
                 self.conversation.system_prompt = runtime.ctx0.state["config"].inference.system_prompt
             settings = {k: getattr(args, k) for k in SETTINGS if k != "want_scores"}
             request = model.build_request(
-                self.conversation.request_messages(text), system_prompt=None, want_scores=args.scores, **settings
+                self.conversation.request_messages(text),
+                system_prompt=None,
+                want_scores=args.scores,
+                thinking=self.conversation.thinking if args.thinking is None else args.thinking,
+                template_options={**self.conversation.template_options, **args.template_options},
+                **settings,
             )
         except (PoolError, ValueError) as e:
             raise UsageError(str(e)) from e

@@ -25,7 +25,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
-from shardbook.kernel.api.conversation import with_system_prompt
+from shardbook.kernel.api.conversation import template_options_for, with_system_prompt
 from shardbook.kernel.ranks.foreground import sigint_calls
 from shardbook.kernel.ranks.generation_queue import CHAT_SOURCE, Turn
 from shardbook.kernel.ranks.pool import Command, Outcome, PoolError
@@ -356,6 +356,7 @@ class BatchChatStream:
             top_k=r.top_k,
             repetition_penalty=r.repetition_penalty,
             seed=r.seed,
+            template_options=r.template_options,
         )
         loaded = self.runtime.ctx0.state["loaded"]
         fitted = fit_max_new_tokens(loaded.model, len(sequence.prompt_ids), sequence.max_new_tokens)
@@ -446,6 +447,7 @@ class ChatModel:
         from shardbook.kernel import ChatModel
         chat = ChatModel()
         print(chat.chat("What is the capital of France?").text)
+        print(chat.chat("Why is the sky blue?", thinking=False, template_options={"reasoning_effort": "low"}).text)
         for chunk in chat.stream_chat([{"role": "user", "content": "Tell me a story"}], max_new_tokens=64):
             print(chunk, end="")
     """
@@ -459,6 +461,8 @@ class ChatModel:
         *,
         stop: list[str] | None = None,
         system_prompt: str | None | object = CONFIG_SYSTEM_PROMPT,
+        thinking: bool | None = None,
+        template_options: dict[str, Any] | None = None,
         **settings: Any,
     ) -> GenerationRequest:
         """A request with defaults from the loaded config's ``inference`` section and a seed.
@@ -466,6 +470,8 @@ class ChatModel:
         The config's ``inference.system_prompt`` opens the conversation unless the messages have a system
         message (``with_system_prompt``); a caller that keeps its own conversation (``%%chat``, the terminal
         chat, whose system prompt may have been changed or removed) passes ``system_prompt=None``.
+        ``thinking`` turns the family's switch on or off (``enable_thinking`` or ``thinking``, whichever the
+        chat template reads); ``template_options`` are any other chat-template keywords, and win over it.
         """
         config = self.runtime.ctx0.state.get("config")
         if config is None or "loaded" not in self.runtime.ctx0.state:
@@ -480,7 +486,18 @@ class ChatModel:
         messages = with_system_prompt(list(messages), system_prompt)
         defaults = {k: getattr(config.inference, k) for k in SETTINGS if hasattr(config.inference, k)}
         given = {k: v for k, v in settings.items() if v is not None}
-        return GenerationRequest(messages=list(messages), stop=list(stop or []), **{**defaults, **given}).with_seed()
+        options = self.resolve_template_options(thinking, template_options)
+        return GenerationRequest(
+            messages=list(messages), stop=list(stop or []), template_options=options, **{**defaults, **given}
+        ).with_seed()
+
+    def resolve_template_options(
+        self, thinking: bool | None = None, options: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The chat-template keywords for ``thinking`` (the loaded template's own switch) and ``options``."""
+        loaded = self.runtime.ctx0.state.get("loaded")
+        template = getattr(getattr(loaded, "tokenizer", None), "chat_template", None)
+        return template_options_for(template, thinking, dict(options or {}))
 
     def stream_chat(
         self, messages: str | list[dict[str, str]], *, on_notice=None, batch: bool = False, **settings: Any
@@ -506,18 +523,25 @@ class ChatModel:
         *,
         stop: list[str] | None = None,
         timeout_s: float | None = None,
+        thinking: bool | None = None,
+        template_options: dict[str, Any] | None = None,
         **settings: Any,
     ) -> list[Any]:
         """Replies to many prompts (strings as user messages, or conversations), decoded together in the
         continuous batch; each item is a :class:`~shardbook.rankd.generation.batching.SequenceResult`.
 
         Settings are those of :meth:`chat` (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_p``,
-        ``top_k``, ``repetition_penalty``, ``seed``); a given seed seeds every prompt's own generator alike.
+        ``top_k``, ``repetition_penalty``, ``seed``, ``thinking``, ``template_options``); a given seed seeds
+        every prompt's own generator alike.
         A KeyboardInterrupt stops them all (the replies so far are kept, marked interrupted).
         """
         from shardbook.kernel.api.batch import sequence_request, submit
 
-        requests = [sequence_request(self.runtime, p, chat=True, stop=stop, **settings) for p in prompts]
+        options = self.resolve_template_options(thinking, template_options)
+        requests = [
+            sequence_request(self.runtime, p, chat=True, stop=stop, template_options=options, **settings)
+            for p in prompts
+        ]
         handles = [submit(self.runtime, r) for r in requests]
         try:
             return [h.wait(timeout_s) for h in handles]

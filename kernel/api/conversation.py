@@ -1,13 +1,71 @@
-"""The conversation rank 0 keeps for a chat: system prompt and turns, saved and loaded as JSON."""
+"""The conversation rank 0 keeps for a chat: system prompt, chat-template options and turns, saved as JSON."""
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from shardbook.rankd.control.text import check_valid
+
+THINKING_KEYS = ("enable_thinking", "thinking")
+"""The families' thinking switches: Qwen3 and GLM read ``enable_thinking``, DeepSeek-V3.1 and V3.2 ``thinking``."""
+PYTHON_CONSTANTS = {"True": True, "False": False, "None": None}
+"""Python's spellings read as JSON's: ``enable_thinking=False`` must not reach the template as the string 'False'."""
+
+
+def parse_template_arg(text: str, flag: str = "--template-arg") -> tuple[str, Any]:
+    """``KEY=VALUE`` -> ``(KEY, VALUE)``: VALUE as JSON when it parses (``false``, ``0.5``, ``"x"``, ``[...]``;
+    Python's ``True`` / ``False`` / ``None`` too), else the text itself. ValueError naming the fix."""
+    from shardbook.rankd.generation.engine import check_template_options  # on use: it brings in torch
+
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ValueError(
+            f"{flag} needs KEY=VALUE (a chat-template keyword and its value), got {text!r}; "
+            f"e.g. {flag} enable_thinking=false"
+        )
+    if raw in PYTHON_CONSTANTS:
+        value = PYTHON_CONSTANTS[raw]
+    else:
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+    try:
+        check_template_options({key: value})
+    except ValueError as e:
+        raise ValueError(f"{flag} {text}: {e}") from e
+    return key, value
+
+
+def parse_template_args(texts: list[str] | None) -> dict[str, Any]:
+    """Every ``KEY=VALUE`` of a repeated ``--template-arg``, later ones winning."""
+    return dict(parse_template_arg(text) for text in texts or ())
+
+
+def thinking_keys(chat_template: str | dict | None) -> tuple[str, ...]:
+    """The thinking switches the template's source reads; both when it names neither (a template ignores a
+    keyword it does not read, so setting both is harmless)."""
+    source = " ".join(chat_template.values()) if isinstance(chat_template, dict) else chat_template or ""
+    found = tuple(key for key in THINKING_KEYS if re.search(rf"(?<![\w.]){key}(?!\w)", source))
+    return found or THINKING_KEYS
+
+
+def template_options_for(chat_template: str | dict | None, thinking: bool | None, options: dict[str, Any]) -> dict:
+    """What the chat template gets: the family's thinking switch (unless ``thinking`` is None), then ``options``."""
+    switches = {} if thinking is None else dict.fromkeys(thinking_keys(chat_template), thinking)
+    return {**switches, **options}
+
+
+def describe_template_options(thinking: bool | None, options: dict[str, Any]) -> str:
+    """``thinking off, persona="pirate"``: what a conversation passes to the template, for its history."""
+    parts = [] if thinking is None else [f"thinking {'on' if thinking else 'off'}"]
+    parts += [f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in options.items()]
+    return ", ".join(parts)
 
 
 def with_system_prompt(messages: list[dict[str, str]], system_prompt: str | None) -> list[dict[str, str]]:
@@ -23,10 +81,16 @@ def with_system_prompt(messages: list[dict[str, str]], system_prompt: str | None
 
 @dataclass
 class Conversation:
-    """Messages in order; an interrupted reply stays in the history, marked ``interrupted``."""
+    """Messages in order; an interrupted reply stays in the history, marked ``interrupted``.
+
+    ``thinking`` (None: the template's default) and ``template_options`` go to the chat template on every
+    turn; like the system prompt they outlive :meth:`reset`.
+    """
 
     system_prompt: str | None = None
     turns: list[dict[str, Any]] = field(default_factory=list)
+    thinking: bool | None = None
+    template_options: dict[str, Any] = field(default_factory=dict)
 
     def request_messages(self, user_text: str) -> list[dict[str, str]]:
         """The whole conversation plus the new user message, as the chat template wants it."""
@@ -44,7 +108,12 @@ class Conversation:
         self.turns.clear()
 
     def to_json(self) -> dict[str, Any]:
-        return {"system_prompt": self.system_prompt, "turns": self.turns}
+        return {
+            "system_prompt": self.system_prompt,
+            "turns": self.turns,
+            "thinking": self.thinking,
+            "template_options": self.template_options,
+        }
 
     def save(self, path: str | Path) -> Path:
         """Write the conversation as JSON; ValueError (one line: path, cause, fix) when the file cannot be written."""
@@ -83,15 +152,31 @@ class Conversation:
         system_prompt = data.get("system_prompt")
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise ValueError(f"{path} is not a saved conversation: system_prompt must be text or null")
+        from shardbook.rankd.generation.engine import check_template_options
+
+        thinking, options = data.get("thinking"), data.get("template_options") or {}
+        if thinking is not None and not isinstance(thinking, bool):
+            raise ValueError(f"{path} is not a saved conversation: thinking must be true, false or null")
+        try:
+            check_template_options(options)
+        except ValueError as e:
+            raise ValueError(f"{path} is not a saved conversation: {e}") from e
         for what, value in [
             ("the system prompt", system_prompt or ""),
             *((f"turn {i} ({t['role']})", t["content"]) for i, t in enumerate(turns)),
         ]:
             check_valid(value, f"{path}: {what}")
-        return cls(system_prompt=system_prompt, turns=turns)
+        return cls(system_prompt=system_prompt, turns=turns, thinking=thinking, template_options=options)
+
+    def template_line(self) -> str:
+        """``[template] thinking off, persona="pirate"``: what every turn passes to the chat template."""
+        described = describe_template_options(self.thinking, self.template_options)
+        return f"[template] {described or 'the chat template defaults (no options)'}"
 
     def history_text(self) -> str:
         lines = [f"[system] {self.system_prompt}"] if self.system_prompt else []
+        if self.thinking is not None or self.template_options:
+            lines.append(self.template_line())
         for turn in self.turns:
             mark = " (interrupted)" if turn.get("interrupted") else ""
             lines.append(f"[{turn['role']}{mark}] {turn['content']}")

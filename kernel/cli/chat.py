@@ -13,8 +13,9 @@ every rank and runs the read-reply loop, the other ranks run the ordinary follow
 sends each question with the whole conversation to every rank; the reply streams to stdout and
 everything else (progress, status lines, command output, errors) goes to stderr, so
 ``echo QUESTION | shardbook chat ... > reply.txt`` keeps only the reply. ``exit``, ``quit`` or
-the end of input stops every rank; ``/reset``, ``/system TEXT``, ``/history`` and ``/help`` are
-commands.
+the end of input stops every rank; ``/reset``, ``/system TEXT``, ``/think``, ``/no_think``,
+``/template KEY=VALUE``, ``/history`` and ``/help`` are commands. ``--template-arg KEY=VALUE``
+(repeatable, before or after CONFIG) passes a keyword to the chat template on every turn.
 
 Ctrl-C: ``shardbook chat --nproc N`` starts torchrun through `launcher`, which relays Ctrl-C to
 rank 0 alone: at the prompt it clears the line, during a reply it stops the reply on every rank
@@ -44,6 +45,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from shardbook.kernel.api.load import PreparedLoad, prepare_load
@@ -75,6 +77,9 @@ EXIT_WORDS = ("exit", "quit")
 HELP = (
     "/reset         forget the conversation (the system prompt stays)\n"
     "/system TEXT   set the system prompt; /system alone removes it\n"
+    "/think         turn the model's thinking on (the chat template's enable_thinking or thinking)\n"
+    "/no_think      turn it off\n"
+    "/template K=V  pass K=V to the chat template (V read as JSON when it parses); /template alone clears them\n"
     "/history       show the conversation\n"
     "/help          this list\n"
     "exit, quit or end of input (Ctrl-D) leaves; Ctrl-C stops the reply being written"
@@ -98,6 +103,7 @@ def add_chat_parser(sub) -> None:
         type=int,
         help="ranks to start with torchrun (default: one rank in this process; omit under torchrun)",
     )
+    add_template_flag(p)
     add_slurm_flags(p)
     p.add_argument("config", nargs="?", help=CONFIG_HELP)
     p.add_argument(
@@ -106,18 +112,42 @@ def add_chat_parser(sub) -> None:
     p.set_defaults(run=run_chat)
 
 
+def add_template_flag(parser: argparse.ArgumentParser, default: Any = None) -> None:
+    parser.add_argument(
+        "--template-arg",
+        action="append",
+        default=default,
+        metavar="KEY=VALUE",
+        help="a chat-template keyword for every turn (repeatable), VALUE read as JSON when it parses: "
+        "--template-arg enable_thinking=false",
+    )
+
+
+def split_template_args(args: argparse.Namespace) -> dict[str, Any]:
+    """``--template-arg`` given after CONFIG out of the config overrides; every one of them parsed (ValueError)."""
+    from shardbook.kernel.api.conversation import parse_template_args
+
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_template_flag(parser, default=[])
+    after, args.overrides = parser.parse_known_args(args.overrides)
+    args.template_arg = (args.template_arg or []) + after.template_arg
+    return parse_template_args(args.template_arg)
+
+
 def run_chat(args: argparse.Namespace) -> int:
     """``--nproc N`` starts torchrun, ``--slurm`` an allocation; without either this process is one rank."""
+    template_options = split_template_args(args)  # a bad one fails here, before any rank starts
     shape = JobShape.from_env()
+    command = ["chat", *(f"--template-arg={text}" for text in args.template_arg), *config_argv(args), *args.overrides]
     if args.slurm:
-        return launch_on_slurm(args, ["chat", *config_argv(args), *args.overrides], "shardbook-chat", interactive=True)
+        return launch_on_slurm(args, command, "shardbook-chat", interactive=True)
     if args.nproc is None:
-        return run_rank(args, shape)
+        return run_rank(args, shape, then=partial(chat_in_terminal, template_options=template_options))
     if shape.under_torchrun:
         raise ValueError(
             "--nproc starts torchrun itself; under torchrun run `python -m shardbook chat CONFIG` without it"
         )
-    return launch(args)
+    return launch(args, command)
 
 
 # --- every rank -----------------------------------------------------------------------------
@@ -237,11 +267,13 @@ def run_rank0(world: World, prepared: PreparedLoad, then, name: str) -> int:
             runtime.close()
 
 
-def chat_in_terminal(runtime: Runtime, config: ShardbookConfig, terminal: Terminal) -> int:
+def chat_in_terminal(
+    runtime: Runtime, config: ShardbookConfig, terminal: Terminal, template_options: dict[str, Any] | None = None
+) -> int:
     from shardbook.kernel.api.chat import ChatModel
     from shardbook.kernel.api.conversation import Conversation
 
-    conversation = Conversation(system_prompt=config.inference.system_prompt)
+    conversation = Conversation(system_prompt=config.inference.system_prompt, template_options=template_options or {})
     terminal.info("/help lists the commands; exit leaves.")
     return TerminalChat(ChatModel(runtime), conversation, terminal).run()
 
@@ -385,6 +417,11 @@ class TerminalChat:
         elif name == "/system":
             self.conversation.system_prompt = rest.strip() or None
             self.terminal.info(f"(system prompt set: {rest.strip()})" if rest.strip() else "(system prompt removed)")
+        elif name in ("/think", "/no_think"):
+            self.conversation.thinking = name == "/think"
+            self.terminal.info(self.conversation.template_line())
+        elif name == "/template":
+            self.set_template_option(rest.strip())
         elif name == "/history":
             self.terminal.info(self.conversation.history_text())
         elif name == "/help":
@@ -392,13 +429,33 @@ class TerminalChat:
         else:
             self.terminal.error(f"unknown command {name}; the commands are:\n{HELP}")
 
+    def set_template_option(self, text: str) -> None:
+        """``/template KEY=VALUE`` keeps one for every later turn; ``/template`` alone forgets them all."""
+        from shardbook.kernel.api.conversation import parse_template_arg
+
+        if not text:
+            self.conversation.thinking, self.conversation.template_options = None, {}
+        else:
+            try:
+                key, value = parse_template_arg(text, flag="/template")
+            except ValueError as e:
+                self.terminal.error(str(e))
+                return
+            self.conversation.template_options = {**self.conversation.template_options, key: value}
+        self.terminal.info(self.conversation.template_line())
+
     def reply(self, text: str) -> None:
         """Stream the reply to ``text``; Ctrl-C meanwhile stops it on every rank and keeps what was written."""
         from shardbook.kernel.api.chat import ChatStream, GenerationFailed
         from shardbook.kernel.ranks.foreground import sigint_calls
 
         try:
-            request = self.model.build_request(self.conversation.request_messages(text), system_prompt=None)
+            request = self.model.build_request(
+                self.conversation.request_messages(text),
+                system_prompt=None,
+                thinking=self.conversation.thinking,
+                template_options=self.conversation.template_options,
+            )
         except ValueError as e:
             self.terminal.error(str(e))
             return
