@@ -186,13 +186,20 @@ def parser_name(config: Any, tokenizer: Any, override: str | None = None) -> str
         if override not in PARSERS:
             raise ValueError(f"unknown reasoning parser {override!r}; use one of {', '.join(('auto', *PARSERS))}")
         return override
-    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
     model_type = getattr(config, "model_type", None)
-    if model_type in HARMONY_MODEL_TYPES or ("<|channel|>" in vocab and "<|message|>" in vocab):
+    if model_type in HARMONY_MODEL_TYPES or has_tokens(tokenizer, "<|channel|>", "<|message|>"):
         return "harmony"
-    if THINK_OPEN in vocab and THINK_CLOSE in vocab:
+    if has_tokens(tokenizer, THINK_OPEN, THINK_CLOSE):
         return "think"
     return "none"
+
+
+def has_tokens(tokenizer: Any, *tokens: str) -> bool:
+    """Whether each of `tokens` is one token of the tokenizer's vocabulary (not cut into pieces, not unknown)."""
+    if tokenizer is None:
+        return False
+    ids = [tokenizer.convert_tokens_to_ids(token) for token in tokens]
+    return all(i is not None and i != getattr(tokenizer, "unk_token_id", None) for i in ids)
 
 
 def reasoning_format(

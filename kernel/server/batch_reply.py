@@ -4,7 +4,7 @@ A request is planned into sequences (``plan``, per endpoint), admitted if the ba
 have room, submitted to rank 0's scheduler, and answered as one JSON body or as server-sent events. While
 it is in flight the handler is one of the server's ``streams``, so stopping the server stops its sequences
 (and no other sequence of the batch, such as a ``%%chat`` cell's) and waits for its last chunk.
-The endpoints differ only in the shape of a choice (``text_choice``, ``finish_choice``, ``choices``) and
+The endpoints differ only in the shape of a choice (``stream_choice``, ``finish_choice``, ``choices``) and
 of a chunk (``OBJECT``, ``CHUNK_OBJECT``). A client that leaves stops its sequences at the next step.
 """
 
@@ -131,7 +131,7 @@ class BatchReplyHandler(BodyHandler):
                     results[index] = value
                     self.server.metrics.finished(value)
                     if request.stream:
-                        choice = self.stream_choice(request, planned, index, rest_of(value, self.streamed[index]))
+                        choice = self.finish_choice(request, planned, index, rest_of(value, self.streamed[index]))
                         choice["finish_reason"] = self.FINISH[value.finish_reason]
                         self.send_chunk(ids, request, [choice], self.usage(planned, results))
                 elif request.stream:
@@ -174,6 +174,10 @@ class BatchReplyHandler(BodyHandler):
     def stream_choice(self, request, planned, index: int, delta: StreamDelta) -> dict[str, Any]:
         """One streamed choice: a piece of sequence `index`'s text and its tokens' log-probabilities, unfinished."""
         raise NotImplementedError
+
+    def finish_choice(self, request, planned, index: int, delta: StreamDelta) -> dict[str, Any]:
+        """The last streamed choice of sequence `index` (what its pieces left out), before its finish reason."""
+        return self.stream_choice(request, planned, index, delta)
 
     def choices(self, request, planned, results: dict[int, SequenceResult]) -> list[dict[str, Any]]:
         raise NotImplementedError

@@ -15,6 +15,13 @@ from typing import Any
 from shardbook.kernel.api.batch import scheduler_for, sequence_request
 from shardbook.kernel.server.batch_reply import BatchReplyHandler
 from shardbook.kernel.server.openai_api import FINISH_REASONS, ApiError, load_body, parse_request
+from shardbook.kernel.server.reasoning_reply import (
+    ReplySplitter,
+    message,
+    reply_format,
+    template_options,
+    with_reasoning_tokens,
+)
 from shardbook.kernel.server.text_completions import MAX_N
 from shardbook.rankd.generation.batching import BatchLimitError, SequenceRequest, SequenceResult, StreamDelta
 
@@ -52,8 +59,14 @@ class BatchedChatCompletionsHandler(BatchReplyHandler):
     def plan(self) -> tuple[ChatBatchRequest, list[tuple[int, SequenceRequest]]]:
         raw, extra = split_body(bytes(self.body))
         parsed = parse_request(raw)
-        self.server.served_model(parsed.model)
+        loaded = self.server.served_model(parsed.model)
         request = chat_batch_request(parsed, extra)
+        override = self.server.options.reasoning_parser
+        try:
+            parser = reply_format(loaded, [], override).name
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        options = template_options(parser, parsed.chat_template_kwargs, parsed.reasoning_effort)
         settings = dict(parsed.settings)
         base_seed = settings.pop("seed", None)
         if base_seed is None:
@@ -63,7 +76,13 @@ class BatchedChatCompletionsHandler(BatchReplyHandler):
         for c in range(request.n):
             try:
                 base = sequence_request(
-                    runtime, parsed.messages, chat=True, stop=parsed.stop, seed=(base_seed + c) % 2**63, **settings
+                    runtime,
+                    parsed.messages,
+                    chat=True,
+                    stop=parsed.stop,
+                    seed=(base_seed + c) % 2**63,
+                    template_options=options,
+                    **settings,
                 )
                 sequence = replace(
                     base,
@@ -77,6 +96,8 @@ class BatchedChatCompletionsHandler(BatchReplyHandler):
             except ValueError as e:
                 raise ApiError(400, str(e), param="messages") from None
             planned.append((0, sequence))
+        self.fmt, self.tokenizer = reply_format(loaded, list(planned[0][1].prompt_ids), override), loaded.tokenizer
+        self.splitters = [ReplySplitter(self.fmt) for _ in planned]
         return request, planned
 
     def open_stream(self, ids: tuple[str, int], request) -> None:
@@ -84,11 +105,19 @@ class BatchedChatCompletionsHandler(BatchReplyHandler):
         for index in range(request.n):
             self.send_chunk(ids, request, [self.delta(index, {"role": "assistant", "content": ""})])
 
-    def stream_choice(self, request, planned, index: int, delta: StreamDelta) -> dict[str, Any]:
-        choice = self.delta(index, {"content": delta.text} if delta.text else {})
+    def stream_choice(self, request, planned, index: int, delta: StreamDelta, final: bool = False) -> dict[str, Any]:
+        """A piece of choice `index`: its text as ``content`` and ``reasoning_content`` (the model's format)."""
+        choice = self.delta(index, self.splitters[index].delta(delta.text, final=final))
         if request.logprobs:
             choice["logprobs"] = {"content": chat_logprobs(scheduler_for(self.server.runtime).tokenizer, delta)}
         return choice
+
+    def finish_choice(self, request, planned, index: int, delta: StreamDelta) -> dict[str, Any]:
+        return self.stream_choice(request, planned, index, delta, final=True)
+
+    def usage(self, planned, results: dict[int, SequenceResult]) -> dict[str, Any]:
+        reasoning = [self.fmt.split(r.text).reasoning for r in results.values()]
+        return with_reasoning_tokens(super().usage(planned, results), self.fmt, self.tokenizer, reasoning)
 
     def delta(self, index: int, delta: dict[str, Any]) -> dict[str, Any]:
         return {"index": index, "delta": delta, "finish_reason": None, "logprobs": None}
@@ -98,7 +127,7 @@ class BatchedChatCompletionsHandler(BatchReplyHandler):
         return [
             {
                 "index": index,
-                "message": {"role": "assistant", "content": results[index].text},
+                "message": message(self.fmt, results[index].text),
                 "finish_reason": FINISH_REASONS[results[index].finish_reason],
                 "logprobs": {"content": chat_logprobs(tokenizer, results[index])} if request.logprobs else None,
             }

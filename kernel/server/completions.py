@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from typing import Any
 
 import tornado.web
@@ -37,6 +38,14 @@ from shardbook.kernel.server.openai_api import (
     new_completion_id,
     parse_request,
     usage_body,
+)
+from shardbook.kernel.server.reasoning_reply import (
+    ReplySplitter,
+    message,
+    prompt_ids,
+    reply_format,
+    template_options,
+    with_reasoning_tokens,
 )
 from shardbook.kernel.server.state import ServerState
 
@@ -170,13 +179,18 @@ class ChatCompletionsHandler(BodyHandler):
         request = parse_request(bytes(self.body))
         loaded = self.server.served_model(request.model)
         model = ChatModel(self.server.runtime)
+        override = self.server.options.reasoning_parser
         try:
             generation = model.build_request(request.messages, stop=request.stop, **request.settings)
+            parser = reply_format(loaded, [], override).name
+            options = template_options(parser, request.chat_template_kwargs, request.reasoning_effort)
+            generation = replace(generation, template_options=options)
             context = getattr(loaded.model.config.get_text_config(), "max_position_embeddings", None)
-            num_prompt_tokens = prompt_length(loaded.tokenizer, generation.messages)
+            prompt = prompt_ids(loaded.tokenizer, generation.messages, options)
         except (ValueError, PoolError) as e:
             raise ApiError(400, str(e)) from None
-        check_fits_context(context, num_prompt_tokens, request.settings.get("max_new_tokens"))
+        check_fits_context(context, len(prompt), request.settings.get("max_new_tokens"))
+        self.fmt, self.tokenizer = reply_format(loaded, prompt, override), loaded.tokenizer
         try:
             turn = self.server.runtime.generation_queue.enter("http", bounded=True)
         except QueueFull as e:
@@ -197,10 +211,16 @@ class ChatCompletionsHandler(BodyHandler):
             return
         self.set_header("X-Shardbook-Queue-Wait-Ms", f"{stream.waited_s * 1000:.0f}")
         self.server.stats.served += 1
-        self.write_json(completion_body(new_completion_id(), request.model, stream.response))
+        response = stream.response
+        reply = message(self.fmt, response.text)
+        usage = with_reasoning_tokens(
+            usage_body(response), self.fmt, self.tokenizer, [reply.get("reasoning_content") or ""]
+        )
+        self.write_json(completion_body(new_completion_id(), request.model, response, reply, usage))
 
     async def stream_reply(self, request, stream: AsyncChatStream) -> None:
         completion_id, sent_any = new_completion_id(), False
+        self.splitter = ReplySplitter(self.fmt)
         self.set_header("Content-Type", "text/event-stream")
         self.set_header("Cache-Control", "no-cache")
         try:
@@ -208,9 +228,11 @@ class ChatCompletionsHandler(BodyHandler):
                 if not sent_any:
                     self.open_stream(request, stream, completion_id)
                     sent_any = True
-                self.send_event(
-                    chunk_body(completion_id, request.model, {"content": text}, include_usage=request.include_usage)
-                )
+                delta = self.splitter.delta(text)
+                if delta:  # empty while a tag may be starting
+                    self.send_event(
+                        chunk_body(completion_id, request.model, delta, include_usage=request.include_usage)
+                    )
                 await self.flush()
         except StreamClosedError:
             stream.stop()  # the client left: free the ranks at the next step
@@ -242,11 +264,13 @@ class ChatCompletionsHandler(BodyHandler):
         if not sent_any:
             self.open_stream(request, stream, completion_id)
         finish = completion_body(completion_id, request.model, response)["choices"][0]["finish_reason"]
-        self.send_event(chunk_body(completion_id, request.model, {}, finish, include_usage=request.include_usage))
+        rest = self.splitter.delta("", final=True)  # a tag cut short at the end is text after all
+        self.send_event(chunk_body(completion_id, request.model, rest, finish, include_usage=request.include_usage))
         if request.include_usage:
-            self.send_event(
-                chunk_body(completion_id, request.model, None, usage=usage_body(response), include_usage=True)
+            usage = with_reasoning_tokens(
+                usage_body(response), self.fmt, self.tokenizer, [self.splitter.whole.reasoning]
             )
+            self.send_event(chunk_body(completion_id, request.model, None, usage=usage, include_usage=True))
         self.write("data: [DONE]\n\n")
         self.server.stats.served += 1
         self.finish()
@@ -287,9 +311,3 @@ def failure_error(error: Exception) -> ApiError:
             503, f"the ranks cannot generate now: {error}", type="server_error", headers={"Retry-After": "5"}
         )
     return generation_failed(str(error) if isinstance(error, GenerationFailed) else f"generation failed: {error}")
-
-
-def prompt_length(tokenizer: Any, messages: list[dict[str, str]]) -> int:
-    from shardbook.rankd.generation.engine import build_prompt_ids
-
-    return int(build_prompt_ids(tokenizer, messages).shape[1])

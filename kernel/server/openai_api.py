@@ -2,7 +2,8 @@
 
 Only what the ranks can honour is accepted: ``messages`` (system, developer, user, assistant;
 text content), ``max_tokens`` / ``max_completion_tokens``, ``temperature`` (0 is greedy),
-``top_p``, ``seed``, ``stop``, ``stream`` and ``stream_options.include_usage``. Fields that change
+``top_p``, ``seed``, ``stop``, ``stream``, ``stream_options.include_usage``, ``chat_template_kwargs``
+(keywords for the chat template, JSON scalars) and ``reasoning_effort``. Fields that change
 nothing at their default value (``n: 1``, ``logprobs: false``, ...) pass; any other field or
 value is a 400 naming it, never silently ignored. Unset settings come from the loaded config's
 ``inference`` section, as for ``%%chat``.
@@ -13,10 +14,10 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from shardbook.rankd.generation.engine import MAX_STOP_CHARS
+from shardbook.rankd.generation.engine import MAX_STOP_CHARS, check_template_options
 from shardbook.rankd.generation.sampling import MIN_TEMPERATURE
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -32,6 +33,8 @@ HANDLED = {
     "stream",
     "stream_options",
     "user",
+    "chat_template_kwargs",
+    "reasoning_effort",
 }
 HARMLESS_DEFAULTS = {
     "n": (1,),
@@ -48,6 +51,7 @@ HARMLESS_DEFAULTS = {
     "metadata": ({},),
 }
 """Fields accepted only at a value that asks for nothing (``None`` always passes)."""
+REASONING_EFFORTS = ("low", "medium", "high")
 MAX_STOP_STRINGS = 4
 MAX_INT_DIGITS = 4300
 """Longest integer literal a body may hold: Python's own limit on converting one (whatever
@@ -98,6 +102,10 @@ class CompletionRequest:
     stop: list[str]
     stream: bool
     include_usage: bool
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keywords for the chat template (``enable_thinking``, ``thinking``, ...), checked to be JSON scalars."""
+    reasoning_effort: str | None = None
+    """``low``, ``medium`` or ``high``: mapped to the model's own switch (``reasoning_reply.template_options``)."""
 
 
 def load_body(raw: bytes) -> Any:
@@ -144,7 +152,43 @@ def parse_request(raw: bytes) -> CompletionRequest:
         stop=parse_stop(body.get("stop")),
         stream=stream,
         include_usage=bool(options.get("include_usage")),
+        chat_template_kwargs=parse_template_kwargs(body.get("chat_template_kwargs")),
+        reasoning_effort=parse_reasoning_effort(body.get("reasoning_effort")),
     )
+
+
+def parse_template_kwargs(kwargs: Any) -> dict[str, Any]:
+    """``chat_template_kwargs``: keyword names to JSON scalars, passed to the template (unknown ones too, as
+    transformers passes them); a list or object value, or a keyword shardbook sets itself, is a 400 naming it."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise ApiError(
+            400, "'chat_template_kwargs' must be an object of keyword -> value", param="chat_template_kwargs"
+        )
+    for key, value in kwargs.items():
+        param = f"chat_template_kwargs.{key}"
+        if value is not None and not isinstance(value, (str, int, float, bool)):
+            raise ApiError(
+                400,
+                f"'{param}' must be a string, number, boolean or null, got {json.dumps(value)[:80]}",
+                param=param,
+            )
+        try:
+            check_template_options({key: value})
+        except ValueError as e:
+            raise ApiError(400, f"'{param}': {e}", param=param) from None
+    return dict(kwargs)
+
+
+def parse_reasoning_effort(effort: Any) -> str | None:
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise ApiError(
+            400,
+            f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {json.dumps(effort)[:80]}",
+            param="reasoning_effort",
+        )
+    return effort
 
 
 def check_fields(body: dict[str, Any]) -> None:
@@ -264,8 +308,11 @@ def usage_body(response: Any) -> dict[str, int]:
     }
 
 
-def completion_body(completion_id: str, model: str, response: Any) -> dict[str, Any]:
-    message = {"role": "assistant", "content": response.text}
+def completion_body(
+    completion_id: str, model: str, response: Any, message: dict[str, Any] | None = None, usage: dict | None = None
+) -> dict[str, Any]:
+    """A whole reply; `message` and `usage` replace the plain ones (the reasoning apart, its tokens counted)."""
+    message = message or {"role": "assistant", "content": response.text}
     return {
         "id": completion_id,
         "object": "chat.completion",
@@ -274,7 +321,7 @@ def completion_body(completion_id: str, model: str, response: Any) -> dict[str, 
         "choices": [
             {"index": 0, "message": message, "finish_reason": FINISH_REASONS[response.finish_reason], "logprobs": None}
         ],
-        "usage": usage_body(response),
+        "usage": usage or usage_body(response),
     }
 
 

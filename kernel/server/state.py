@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from shardbook.kernel.api.reasoning import PARSERS
 from shardbook.kernel.ranks.runtime import Runtime
 from shardbook.kernel.server.openai_api import ApiError
 
@@ -38,6 +39,9 @@ class ServeOptions:
     batch: bool = True
     """Chat completions decode together in the continuous batch; False (``--no-batch``) takes turns through
     transformers' ``generate`` instead. ``/v1/completions`` always batches."""
+    reasoning_parser: str = "auto"
+    """How chat replies' reasoning is read apart from the answer (``reasoning_content``): ``auto`` (from the
+    model's config and vocabulary), ``think``, ``harmony`` or ``none``."""
     allowed_hosts: tuple[str, ...] = ()
     """Names a request's ``Host`` may give besides localhost and the address listened on (a reverse proxy's,
     a tunnel's; ``--allowed-host``); ``*`` allows any."""
@@ -54,6 +58,10 @@ class ServeOptions:
                 f"refusing to serve on {self.host} without an API key: anyone who can reach that address could use "
                 "the model. Give --api-key KEY or --api-key-file FILE (clients then send 'Authorization: Bearer KEY'), "
                 "or serve on 127.0.0.1 (the default) and reach it through an SSH tunnel."
+            )
+        if self.reasoning_parser not in ("auto", *PARSERS):
+            raise ValueError(
+                f"unknown reasoning parser {self.reasoning_parser!r}: use one of auto, {', '.join(PARSERS)}"
             )
         for name in self.allowed_hosts:
             if not name.strip() or "/" in name:

@@ -87,8 +87,10 @@ class Vocab:
     def __init__(self, *tokens):
         self.tokens = {t: i for i, t in enumerate(tokens)}
 
-    def get_vocab(self):
-        return self.tokens
+    unk_token_id = None
+
+    def convert_tokens_to_ids(self, token):
+        return self.tokens.get(token)
 
     def decode(self, ids, skip_special_tokens=False):
         names = {i: t for t, i in self.tokens.items()}
