@@ -66,7 +66,7 @@ class BatchedChatCompletionsHandler(BatchReplyHandler):
             parser = reply_format(loaded, [], override).name
         except ValueError as e:
             raise ApiError(400, str(e)) from None
-        options = template_options(parser, parsed.chat_template_kwargs, parsed.reasoning_effort)
+        options = template_options(parser, loaded.tokenizer, parsed.chat_template_kwargs, parsed.reasoning_effort)
         settings = dict(parsed.settings)
         base_seed = settings.pop("seed", None)
         if base_seed is None:

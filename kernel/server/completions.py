@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import replace
 from typing import Any
 
 import tornado.web
@@ -181,10 +180,11 @@ class ChatCompletionsHandler(BodyHandler):
         model = ChatModel(self.server.runtime)
         override = self.server.options.reasoning_parser
         try:
-            generation = model.build_request(request.messages, stop=request.stop, **request.settings)
             parser = reply_format(loaded, [], override).name
-            options = template_options(parser, request.chat_template_kwargs, request.reasoning_effort)
-            generation = replace(generation, template_options=options)
+            options = template_options(parser, loaded.tokenizer, request.chat_template_kwargs, request.reasoning_effort)
+            generation = model.build_request(
+                request.messages, stop=request.stop, template_options=options, **request.settings
+            )
             context = getattr(loaded.model.config.get_text_config(), "max_position_embeddings", None)
             prompt = prompt_ids(loaded.tokenizer, generation.messages, options)
         except (ValueError, PoolError) as e:

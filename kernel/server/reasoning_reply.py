@@ -1,7 +1,7 @@
 """Reasoning on the chat endpoint: a request's thinking switches for the template, and a reply's reasoning apart.
 
 ``reasoning_effort`` becomes the switch of the model's own format (harmony's ``reasoning_effort``; for
-think-tag templates ``enable_thinking`` / ``thinking`` on, unless ``chat_template_kwargs`` sets them), and
+think-tag templates thinking on, by the switch the template reads, unless ``chat_template_kwargs`` sets it), and
 a reply's reasoning goes to ``reasoning_content`` (vLLM's field), its answer to ``content``, with
 ``usage.completion_tokens_details.reasoning_tokens`` counting the reasoning's tokens.
 """
@@ -11,25 +11,26 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from shardbook.kernel.api.reasoning import ReasoningFormat, Split, StreamParser, reasoning_format
+from shardbook.kernel.api.conversation import THINKING_KEYS, template_options_for
+from shardbook.kernel.api.reasoning import ReasoningFormat, Split, StreamParser, hidden_markers, reasoning_format
 from shardbook.rankd.generation.engine import build_prompt_ids
 
 log = logging.getLogger(__name__)
-THINK_SWITCHES = ("enable_thinking", "thinking")
-"""The think-tag templates' switches: Qwen3's and GLM's ``enable_thinking``, DeepSeek-V3.1/V3.2's ``thinking``."""
 
 
-def template_options(parser: str, chat_template_kwargs: dict[str, Any], reasoning_effort: str | None) -> dict[str, Any]:
+def template_options(
+    parser: str, tokenizer: Any, chat_template_kwargs: dict[str, Any], reasoning_effort: str | None
+) -> dict[str, Any]:
     """The chat template's keywords for a request to a model whose replies `parser` reads."""
     options = dict(chat_template_kwargs)
     if reasoning_effort is None:
         return options
     if parser == "think":
-        given = [k for k in THINK_SWITCHES if k in options]
+        given = [k for k in THINKING_KEYS if k in options]
         if given:
             log.warning("reasoning_effort %r ignored: chat_template_kwargs sets %s", reasoning_effort, given[0])
             return options
-        return {**options, **dict.fromkeys(THINK_SWITCHES, True)}
+        return template_options_for(getattr(tokenizer, "chat_template", None), True, options)
     if "reasoning_effort" in options and options["reasoning_effort"] != reasoning_effort:
         log.warning("reasoning_effort %r ignored: chat_template_kwargs sets reasoning_effort", reasoning_effort)
         return options
@@ -41,8 +42,26 @@ def prompt_ids(tokenizer: Any, messages: list[dict[str, str]], options: dict[str
 
 
 def reply_format(loaded: Any, prompt: list[int], override: str | None) -> ReasoningFormat:
-    """How the loaded model's reply to `prompt` carries its reasoning (``--reasoning-parser`` overrides)."""
-    return reasoning_format(getattr(loaded.model, "config", None), loaded.tokenizer, prompt, override)
+    """How the loaded model's reply to `prompt` carries its reasoning (``reasoning_parser`` overrides)."""
+    fmt = reasoning_format(getattr(loaded.model, "config", None), loaded.tokenizer, prompt, override)
+    maybe_warn_hidden(loaded.tokenizer, fmt.name)
+    return fmt
+
+
+_WARNED: set[int] = set()
+
+
+def maybe_warn_hidden(tokenizer: Any, name: str) -> None:
+    """Warn once per tokenizer when the format's tags are special tokens, which replies are decoded without."""
+    hidden = hidden_markers(tokenizer, name)
+    if hidden and id(tokenizer) not in _WARNED:
+        _WARNED.add(id(tokenizer))
+        log.warning(
+            "the %s reasoning tags %s are special tokens of this tokenizer, which replies are decoded without: "
+            "reasoning_content stays empty and the reply's text comes as content",
+            name,
+            ", ".join(hidden),
+        )
 
 
 class ReplySplitter:

@@ -210,3 +210,15 @@ def test_template_fields_that_are_refused(serve, fields, param, why):
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}], extra_body=fields)
     assert refused.value.body["param"] == param and why in refused.value.body["message"]
+
+
+def test_reasoning_effort_becomes_the_familys_switch(caplog):
+    from shardbook.kernel.server.reasoning_reply import template_options
+
+    deepseek = SimpleNamespace(chat_template="{% if thinking %}<think>{% else %}</think>{% endif %}")
+    assert template_options("think", deepseek, {}, "high") == {"thinking": True}  # off by default: turned on
+    assert template_options("think", deepseek, {}, None) == {}
+    assert template_options("harmony", deepseek, {"x": 1}, "low") == {"x": 1, "reasoning_effort": "low"}
+    with caplog.at_level("WARNING"):
+        assert template_options("think", deepseek, {"thinking": False}, "low") == {"thinking": False}
+    assert "reasoning_effort 'low' ignored" in caplog.text  # the request's own keyword wins, said so
