@@ -5,9 +5,10 @@ Rank 0 broadcasts a :class:`StepPlan`; every rank runs it with :func:`execute_st
 to the ranks one by one: each rank says how its step ended in one small all-reduce (`_agree`, every
 step), so every rank knows the same outcome and stays in the loop, receiving plans until the end plan.
 
-* The joining prompts' prefill failed (an out-of-range token, a forward that raised) and nothing else:
-  only the joining rows fail; every rank leaves its batch as it was before the prefill, and the running
-  rows go on.
+* The joining prompts' prefill failed (an out-of-range token, a forward that raised; the whole prompts' or the
+  chunk of a prompt prefilled in chunks) and nothing else: only the joining rows fail, the chunked one
+  included; every rank leaves its batch as it was before the prefill, drops the chunked prompt's cache, and
+  the running rows go on.
 * Anything else failed (dropping rows, the decode forward, adding the prefilled rows): the batch's cache
   is no longer the same on every rank, so every row of the step fails and every rank empties its batch.
   Waiting requests then start a new batch at the next step.
@@ -34,6 +35,20 @@ STEP_OK, JOIN_FAILED, STEP_FAILED = 0, 1, 2
 
 
 @dataclass(frozen=True)
+class Chunk:
+    """A piece of a prompt too long for one step: each step feeds the next piece into the prompt's own one-row
+    cache (the batch's rows decode meanwhile); after the last, that cache joins the batch as a new row."""
+
+    tokens: list[int]
+    start: int
+    """Where the piece starts in its prompt (0: a new prompt, whose cache starts empty)."""
+    last: bool
+    """The prompt's last piece: its row joins the batch at this step."""
+    all_logits: bool
+    """Keep the logits of every position (the prompt is scored), not only the last piece's last one."""
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """One step as rank 0 broadcasts it: every rank executes exactly this."""
 
@@ -44,6 +59,10 @@ class StepPlan:
     join: list[tuple[list[int], bool]]
     """Prompts prefilled together (one left-padded forward) then appended as new rows, each with whether all its
     logits are wanted."""
+    chunk: Chunk | None = None
+    """The next piece of the prompt prefilled in chunks (one forward into its own cache), run before `join`."""
+    abandon: bool = False
+    """The prompt prefilled in chunks was stopped: every rank drops its cache, first."""
     end: bool = False
     """The batch is empty and nothing waits: every rank leaves its loop."""
 
@@ -56,6 +75,8 @@ class StepOutcome:
     """The decode rows' next-token logits (rows, vocab), float32."""
     joined: list[torch.Tensor] = field(default_factory=list)
     """Per joining prompt, its logits (all its prompt's positions when wanted, else the last one)."""
+    chunked: torch.Tensor | None = None
+    """The chunk's logits (every position of it when its prompt is scored, else the last piece's last one)."""
     failure: int = STEP_OK
     """STEP_OK, JOIN_FAILED (the joining rows failed, the batch is as before) or STEP_FAILED (the batch is empty)."""
     errors: dict[int, str] = field(default_factory=dict)
@@ -77,11 +98,18 @@ class BatchState:
     def __init__(self, model: Any, device: torch.device):
         self.model, self.device = model, torch.device(device)
         self.clear()
+        self.drop_chunked()
 
     def clear(self) -> None:
+        """Empty the batch (not the prompt being prefilled in chunks)."""
         self.cache: Any = None
         self.mask: torch.Tensor | None = None  # (rows, columns), 1 on real tokens
         self.next_pos: torch.Tensor | None = None  # (rows,)
+
+    def drop_chunked(self) -> None:
+        """Forget the prompt being prefilled in chunks: its one-row cache and how many of its tokens it holds."""
+        self.chunked_cache: Any = None
+        self.chunked_tokens = 0
 
     @property
     def rows(self) -> int:
@@ -119,38 +147,90 @@ class BatchState:
 
 
 def execute_step(state: BatchState, plan: StepPlan, *, keep_logits: bool = True, group: Any = None) -> StepOutcome:
-    """Run one step on this rank: drop the leaving rows, decode the others, prefill the joining prompts, then
-    agree with every rank on how the step ended (see the module). Every rank runs this with the same plan, so
-    the forwards match. Only rank 0 keeps logits (`keep_logits`): a follower makes no float32 copy of them.
+    """Run one step on this rank: drop the leaving rows, decode the others, feed the chunk, prefill the joining
+    prompts, then agree with every rank on how the step ended (see the module). Every rank runs this with the
+    same plan, so the forwards match. Only rank 0 keeps logits (`keep_logits`): a follower makes no float32
+    copy of them.
     """
-    code, error, outcome, appended = STEP_OK, None, StepOutcome(), False
+    code, error, outcome, appended = STEP_OK, None, StepOutcome(), 0
     try:
+        if plan.abandon:
+            state.drop_chunked()
         state.drop(plan.leave)
         if plan.decode:
             outcome.decoded = _decode(state, plan.decode, keep_logits)
     except Exception as exc:
         code, error = STEP_FAILED, exc
-    if plan.join:
+    for prefill in (_chunk_step, _join_step):  # each runs even after a failure, so the forwards line up
         try:
-            cache, mask, outcome.joined = _prefill(state, plan.join, keep_logits)
+            new_rows = prefill(state, plan, outcome, keep_logits)
         except Exception as exc:
             code, error = max(code, JOIN_FAILED), error or exc
-        else:
-            if code == STEP_OK:
-                try:
-                    state.append(cache, mask)
-                    appended = True
-                except Exception as exc:
-                    code, error = STEP_FAILED, exc
+            continue
+        if new_rows is not None and code == STEP_OK:
+            try:
+                state.append(*new_rows)
+                appended += new_rows[1].shape[0]
+            except Exception as exc:
+                code, error = STEP_FAILED, exc
     outcome.failure, outcome.errors = _agree(code, error, state.device, group)
     if outcome.failure == JOIN_FAILED:
         if appended:  # this rank's prefill worked, another's did not: back to the batch before it
-            state.drop(list(range(state.rows - len(plan.join), state.rows)))
-        outcome.joined = []
+            state.drop(list(range(state.rows - appended, state.rows)))
+        if plan.chunk is not None:
+            state.drop_chunked()
+        outcome.joined, outcome.chunked = [], None
     elif outcome.failure == STEP_FAILED:
         state.clear()
-        outcome.decoded, outcome.joined = None, []
+        state.drop_chunked()
+        outcome.decoded, outcome.joined, outcome.chunked = None, [], None
     return outcome
+
+
+def _chunk_step(state: BatchState, plan: StepPlan, outcome: StepOutcome, keep_logits: bool) -> Any:
+    """Feed the plan's chunk (if any) into its prompt's cache; after the last piece, that cache and its mask."""
+    chunk = plan.chunk
+    if chunk is None:
+        return None
+    outcome.chunked = _feed_chunk(state, chunk, keep_logits)
+    if not chunk.last:
+        return None
+    cache, columns = state.chunked_cache, state.chunked_tokens
+    state.drop_chunked()
+    return cache, torch.ones(1, columns, dtype=torch.long, device=state.device)
+
+
+def _join_step(state: BatchState, plan: StepPlan, outcome: StepOutcome, keep_logits: bool) -> Any:
+    """Prefill the plan's joining prompts (if any) together: their cache and mask."""
+    if not plan.join:
+        return None
+    cache, mask, outcome.joined = _prefill(state, plan.join, keep_logits)
+    return cache, mask
+
+
+def _feed_chunk(state: BatchState, chunk: Chunk, keep_logits: bool) -> torch.Tensor | None:
+    """One forward of `chunk` into its prompt's one-row cache (a new one at the prompt's start), at its own
+    positions; the logits it keeps (float32, one row per position kept) when `keep_logits` and they are wanted."""
+    from transformers import DynamicCache
+
+    assert chunk.start == state.chunked_tokens, "the plan's chunk does not continue this rank's prompt"
+    if chunk.start == 0:
+        state.chunked_cache = DynamicCache(config=state.model.config)
+    device, end = state.device, chunk.start + len(chunk.tokens)
+    out = state.model(
+        input_ids=torch.tensor([chunk.tokens], device=device),
+        attention_mask=torch.ones(1, end, dtype=torch.long, device=device),
+        position_ids=torch.arange(chunk.start, end, device=device).view(1, -1),
+        **{cache_keyword(state.model): state.chunked_cache},
+        use_cache=True,
+        cache_position=torch.arange(chunk.start, end, device=device),
+        logits_to_keep=0 if chunk.all_logits else 1,  # alike on every rank
+    )
+    _check_full_attention(state.chunked_cache)
+    state.chunked_tokens = end
+    if not keep_logits or not (chunk.all_logits or chunk.last):
+        return None
+    return out.logits[0].float()
 
 
 def _decode(state: BatchState, tokens: list[int], keep_logits: bool) -> torch.Tensor | None:

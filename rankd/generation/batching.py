@@ -36,6 +36,7 @@ from shardbook.rankd.generation.batch_steps import (
     JOIN_FAILED,
     STEP_FAILED,
     BatchState,
+    Chunk,
     StepPlan,
     broadcast_plan,
     cache_refusal,
@@ -210,6 +211,8 @@ class _Running:
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
     first_token_at: float = 0.0
     admitted_at: float = 0.0
+    prefilled: int = 0
+    """Prompt tokens planned into its cache so far, when its prompt is prefilled in chunks."""
 
 
 class BatchScheduler:
@@ -240,6 +243,8 @@ class BatchScheduler:
         self.running = False
         self.rows: list[_Running] = []
         """The sequences of the step planned last, joining ones included (set under `lock`)."""
+        self.prefilling: _Running | None = None
+        """The sequence whose prompt is being prefilled in chunks, one chunk a step (the loop's own)."""
         self.stats = {"steps": 0, "largest_batch": 0}
         self.failure: Any = None
         """What the last failed batch command left (rank 0's driver sets it: every rank's reply)."""
@@ -252,10 +257,10 @@ class BatchScheduler:
     def check(self, request: SequenceRequest) -> None:
         """Raise :class:`BatchLimitError` if `request` could never run."""
         n = len(request.prompt_ids)
-        if n > self.max_step_tokens:
+        if self.context is not None and n > self.context:
             raise BatchLimitError(
-                f"the prompt has {n} tokens but a step may take at most {self.max_step_tokens} "
-                "(inference.max_step_tokens): shorten the prompt or raise the limit"
+                f"the prompt has {n} tokens but the model's context is {self.context} tokens "
+                "(max_position_embeddings): shorten the prompt"
             )
         if self.cache_tokens is not None and _reach(request) > self.cache_tokens[0]:
             raise BatchLimitError(
@@ -299,11 +304,12 @@ class BatchScheduler:
         """
         device = torch.device(device)
         state, rows, steps = BatchState(model, device), [], 0
+        self.prefilling = None
         with torch.no_grad():
             while True:
                 if stop_event is not None and stop_event.is_set():
                     self.stop_all()
-                if not rows:
+                if not rows and self.prefilling is None:
                     self._settle()
                 try:
                     plan, rows, joining = self._plan(rows)
@@ -326,25 +332,36 @@ class BatchScheduler:
     def _step(
         self, state: BatchState, plan: StepPlan, rows: list[_Running], joining: list[_Running], group: Any
     ) -> list[_Running]:
-        """Run `plan` on every rank and take its logits: each row's next token, each joining prompt's first. The
-        rows of the batch after it. A step that failed (on any rank) fails the rows it must (`batch_steps`)."""
+        """Run `plan` on every rank and take its logits: each row's next token, the chunk's (its prompt's scores,
+        the first token after its last piece), each joining prompt's first. The rows of the batch after it. A
+        step that failed (on any rank) fails the rows it must (`batch_steps`)."""
         outcome = execute_step(state, plan, group=group)
         self.stats["steps"] += 1
         self.stats["largest_batch"] = max(self.stats["largest_batch"], state.rows)
         self.stats["rows"] = state.rows
-        if outcome.failure == STEP_FAILED:  # every rank emptied its batch
-            for seq in rows + joining:
+        chunked = [self.prefilling] if plan.chunk is not None and self.prefilling is not None else []
+        if outcome.failure == STEP_FAILED:  # every rank emptied its batch and dropped the chunked prompt
+            failed, self.prefilling = rows + joining + ([self.prefilling] if self.prefilling else []), None
+            for seq in failed:
                 self._fail(seq, outcome.error_text())
             return []
         for i, seq in enumerate(rows[: len(plan.decode)]):
             self._take(self._advance, seq, outcome.decoded[i])
-        if outcome.failure == JOIN_FAILED:  # the batch is as it was before the prefill
-            for seq in joining:
+        if outcome.failure == JOIN_FAILED:  # the batch is as it was before the prefill, the chunked prompt dropped
+            if chunked:
+                self.prefilling = None
+            for seq in chunked + joining:
                 self._fail(seq, outcome.error_text())
             return rows
+        for seq in chunked:
+            self._take(lambda s, logits: self._chunk_fed(s, logits, plan.chunk), seq, outcome.chunked)
+        if plan.chunk is not None and plan.chunk.last:  # its row joined the batch
+            self.prefilling = None
+        else:
+            chunked = []
         for seq, logits in zip(joining, outcome.joined):
             self._take(self._prefilled, seq, logits)
-        return rows + joining
+        return rows + chunked + joining
 
     def _settle(self) -> None:
         """Before an empty batch's first prefill, wait until no request has arrived for `join_window` (at most
@@ -393,38 +410,64 @@ class BatchScheduler:
     # ------------------------------------------------------------------ rank 0 only
 
     def _plan(self, rows: list[_Running]) -> tuple[StepPlan, list[_Running], list[_Running]]:
+        """The next step: who leaves, the running rows' tokens, the next chunk of the prompt prefilled in chunks,
+        and who joins (in arrival order, within `max_sequences` rows and `max_step_tokens` tokens)."""
         leave = [i for i, seq in enumerate(rows) if seq.finished or seq.handle.stop_requested.is_set()]
         for i in leave:
             if not rows[i].finished:
                 self._finish(rows[i], "interrupted")
         kept = [seq for i, seq in enumerate(rows) if i not in set(leave)]
+        chunked, abandon = self.prefilling, False
+        if chunked is not None and (chunked.finished or chunked.handle.stop_requested.is_set()):
+            if not chunked.finished:  # stopped mid-prefill: the chunk it was fed last is its last
+                self._finish(chunked, "interrupted")
+            chunked, abandon, self.prefilling = None, True, None
         joining: list[_Running] = []
         with self.lock:
             budget, width = self.max_step_tokens - len(kept), 0  # the joiners' forward is padded to `width`
-            while self.waiting and len(kept) + len(joining) < self.max_sequences:
+            chunk = None if chunked is None else self._next_chunk(chunked, budget)
+            budget -= 0 if chunk is None else len(chunk.tokens)
+            while self.waiting and len(kept) + len(joining) + (chunked is not None) < self.max_sequences:
                 handle = self.waiting[0]
                 if handle.stop_requested.is_set():  # left before it ran
                     self.waiting.pop(0)
                     handle.complete(SequenceResult([], "", "interrupted", len(handle.request.prompt_ids)))
                     continue
-                if (len(joining) + 1) * max(width, len(handle.request.prompt_ids)) > budget:
+                fits = (len(joining) + 1) * max(width, len(handle.request.prompt_ids)) <= budget
+                if not fits and (joining or chunked is not None or budget < 1):
                     break
-                if not self._cache_holds(kept + joining, handle.request):
+                if not self._cache_holds(kept + joining + ([chunked] if chunked else []), handle.request):
                     break
                 self.waiting.pop(0)
+                if not fits:  # longer than the step has room for: prefilled in chunks, this step its first
+                    chunked = self.prefilling = _new_running(handle)
+                    chunk = self._next_chunk(chunked, budget)
+                    break
                 width = max(width, len(handle.request.prompt_ids))
                 joining.append(_new_running(handle))
-            end = not kept and not joining and not self.waiting
-            self.rows = kept + joining
+            end = not kept and not joining and chunked is None and not self.waiting
+            self.rows = kept + ([chunked] if chunked else []) + joining
             if end:
                 self.running = False
         plan = StepPlan(
             leave=leave,
             decode=[seq.next_token for seq in kept],
             join=[(list(s.handle.request.prompt_ids), s.handle.request.prompt_logprobs) for s in joining],
+            chunk=chunk,
+            abandon=abandon,
             end=end,
         )
         return plan, kept, joining
+
+    def _next_chunk(self, seq: _Running, budget: int) -> Chunk | None:
+        """The next piece of `seq`'s prompt, of at most `budget` tokens (none when the step has no room)."""
+        if budget < 1:
+            return None
+        prompt, start = seq.handle.request.prompt_ids, seq.prefilled
+        seq.prefilled = min(len(prompt), start + budget)
+        return Chunk(
+            list(prompt[start : seq.prefilled]), start, seq.prefilled == len(prompt), seq.handle.request.prompt_logprobs
+        )
 
     def _cache_holds(self, rows: list[_Running], request: SequenceRequest) -> bool:
         """Whether the batch's KV cache stays within `cache_tokens` with `request` joining `rows`, until each
@@ -436,24 +479,43 @@ class BatchScheduler:
         return (len(rows) + 1) * longest <= self.cache_tokens[0]
 
     def _prefilled(self, seq: _Running, logits: torch.Tensor) -> None:
+        """Take a whole prompt's logits (every position's when it is scored, else the last one)."""
+        self._score_prompt(seq, logits, 0)
         request = seq.handle.request
-        if request.prompt_logprobs:
-            logp = torch.log_softmax(logits, dim=-1)
-            ids = torch.tensor(request.prompt_ids[1:])
-            token_lp = logp[:-1].gather(1, ids.view(-1, 1)).view(-1).tolist() if len(ids) else []
-            seq.prompt_logprobs = [None] + token_lp
-            k = request.logprobs or 0
-            tops: list[dict[int, float] | None] = [None]
-            if k and len(ids):
-                values, indices = torch.topk(logp[:-1], k, dim=-1)
-                tops += [dict(zip(i.tolist(), v.tolist())) for i, v in zip(indices, values)]
-            else:
-                tops += [{} for _ in range(len(ids))]
-            seq.prompt_top_logprobs = tops
         if request.max_new_tokens == 0:
             self._finish(seq, "length")
             return
         self._advance(seq, logits[-1])
+
+    def _chunk_fed(self, seq: _Running, logits: torch.Tensor | None, chunk: Chunk) -> None:
+        """Take a chunk's logits: the prompt tokens they score, and after the last piece the first token."""
+        if logits is None:  # a piece before the last, of a prompt not scored
+            return
+        if chunk.all_logits:
+            self._score_prompt(seq, logits, chunk.start)
+        if chunk.last:
+            if seq.handle.request.max_new_tokens == 0:
+                self._finish(seq, "length")
+                return
+            self._advance(seq, logits[-1])
+
+    def _score_prompt(self, seq: _Running, logits: torch.Tensor, start: int) -> None:
+        """Log-probabilities of the prompt tokens that `logits` (at the prompt's positions from `start` on)
+        predict, after those already scored (a prompt prefilled in chunks is scored a chunk at a time)."""
+        request = seq.handle.request
+        if not request.prompt_logprobs:
+            return
+        if start == 0:
+            seq.prompt_logprobs, seq.prompt_top_logprobs = [None], [None]
+        ids = torch.tensor(request.prompt_ids[start + 1 : start + 1 + len(logits)])
+        logp = torch.log_softmax(logits, dim=-1)[: len(ids)]
+        seq.prompt_logprobs += logp.gather(1, ids.view(-1, 1)).view(-1).tolist() if len(ids) else []
+        k = request.logprobs or 0
+        if k and len(ids):
+            values, indices = torch.topk(logp, k, dim=-1)
+            seq.prompt_top_logprobs += [dict(zip(i.tolist(), v.tolist())) for i, v in zip(indices, values)]
+        else:
+            seq.prompt_top_logprobs += [{} for _ in range(len(ids))]
 
     def _take(self, method: Callable[[_Running, torch.Tensor], None], seq: _Running, logits: torch.Tensor) -> None:
         """`method(seq, logits)`; if it raises (scores that are not numbers, a tokenizer's error), `seq` fails
@@ -565,7 +627,7 @@ class BatchScheduler:
         broadcast that a failed follower never joined, the command around it), no submitter is left waiting."""
         with self.lock:
             planned, waiting = self.rows, self.waiting
-            self.waiting, self.running, self.rows = [], False, []
+            self.waiting, self.running, self.rows, self.prefilling = [], False, [], None
         for seq in rows + planned:
             if not seq.finished:
                 self._finish(seq, "error", error=why)
