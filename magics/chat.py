@@ -187,6 +187,9 @@ class ChatMagics(Magics):
         use_widget = args.output == "widget" or (args.output is None and widgets_available(self.shell))
         view = WidgetChatView() if use_widget else TextChatView()
         relay = RankRelay(frontend_for(self.shell), label_ranks=True)
+        notice = model.template_notice(request.template_options)
+        if notice:
+            relay.notice(notice)
         if args.no_batch or batch_refusal(runtime) is not None:  # the model or its interventions need one reply
             stream = ChatStream(runtime, request, on_notice=relay.notice, start=False)
         else:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
-from shardbook.kernel.api.conversation import template_options_for, with_system_prompt
+from shardbook.kernel.api.conversation import template_options_for, unread_template_options, with_system_prompt
 from shardbook.kernel.ranks.foreground import sigint_calls
 from shardbook.kernel.ranks.generation_queue import CHAT_SOURCE, Turn
 from shardbook.kernel.ranks.pool import Command, Outcome, PoolError
@@ -495,9 +495,21 @@ class ChatModel:
         self, thinking: bool | None = None, options: dict[str, Any] | None = None
     ) -> dict[str, Any]:
         """The chat-template keywords for ``thinking`` (the loaded template's own switch) and ``options``."""
+        return template_options_for(self._chat_template(), thinking, dict(options or {}))
+
+    def template_notice(self, options: dict[str, Any]) -> str | None:
+        """What to tell the user when the loaded chat template reads none of some ``options`` (else None)."""
+        unread = unread_template_options(self._chat_template(), options)
+        if not unread:
+            return None
+        return (
+            f"the model's chat template does not read {', '.join(unread)}: passed to it, "
+            f"{'it changes' if len(unread) == 1 else 'they change'} nothing in the prompt"
+        )
+
+    def _chat_template(self) -> str | dict | None:
         loaded = self.runtime.ctx0.state.get("loaded")
-        template = getattr(getattr(loaded, "tokenizer", None), "chat_template", None)
-        return template_options_for(template, thinking, dict(options or {}))
+        return getattr(getattr(loaded, "tokenizer", None), "chat_template", None)
 
     def stream_chat(
         self, messages: str | list[dict[str, str]], *, on_notice=None, batch: bool = False, **settings: Any

@@ -47,12 +47,21 @@ def parse_template_args(texts: list[str] | None) -> dict[str, Any]:
     return dict(parse_template_arg(text) for text in texts or ())
 
 
+def _reads(chat_template: str | dict | None, key: str) -> bool:
+    """Whether the template's source names ``key`` as a variable (a word of its own, not an attribute)."""
+    source = " ".join(chat_template.values()) if isinstance(chat_template, dict) else chat_template or ""
+    return re.search(rf"(?<![\w.]){re.escape(key)}(?!\w)", source) is not None
+
+
 def thinking_keys(chat_template: str | dict | None) -> tuple[str, ...]:
     """The thinking switches the template's source reads; both when it names neither (a template ignores a
     keyword it does not read, so setting both is harmless)."""
-    source = " ".join(chat_template.values()) if isinstance(chat_template, dict) else chat_template or ""
-    found = tuple(key for key in THINKING_KEYS if re.search(rf"(?<![\w.]){key}(?!\w)", source))
-    return found or THINKING_KEYS
+    return tuple(key for key in THINKING_KEYS if _reads(chat_template, key)) or THINKING_KEYS
+
+
+def unread_template_options(chat_template: str | dict | None, options: dict[str, Any]) -> list[str]:
+    """The option names the template never mentions: passed on, they change nothing (worth a notice)."""
+    return [key for key in options if not _reads(chat_template, key)]
 
 
 def template_options_for(chat_template: str | dict | None, thinking: bool | None, options: dict[str, Any]) -> dict:

@@ -460,6 +460,9 @@ class TerminalChat:
         except ValueError as e:
             self.terminal.error(str(e))
             return
+        notice = self.model.template_notice(request.template_options)
+        if notice:
+            self.terminal.notice(notice)
         stream = ChatStream(self.model.runtime, request, on_notice=self.terminal.notice, start=False)
         with sigint_calls(stream.stop):
             stream.start()

@@ -94,6 +94,16 @@ def test_chat_model_sets_the_familys_switch_and_options_win():
         chat_model(QWEN3).build_request("hi", template_options={"tokenize": True})
 
 
+def test_options_the_template_never_reads_get_a_notice():
+    assert chat_model(QWEN3).template_notice({"enable_thinking": False}) is None
+    assert chat_model(QWEN3).template_notice({"thinking": False, "persona": "x"}) == (
+        "the model's chat template does not read thinking, persona: passed to it, they change nothing in the prompt"
+    )
+    assert "does not read enable_thinking, thinking:" in chat_model("{{ messages }}").template_notice(
+        chat_model("{{ messages }}").resolve_template_options(False)
+    )
+
+
 def test_the_conversation_keeps_and_saves_its_template_options(tmp_path):
     conversation = Conversation(thinking=False, template_options={"persona": "pirate"})
     conversation.add_turn("hi", "ahoy", "stop")

@@ -86,6 +86,11 @@ def test_chat_cells_and_chat_model_send_the_template_options(kernel, thinker, nu
         bad = kernel.run(f"%%chat --output text {flags}\nhi")
         assert bad.status == "error" and message in bad.stderr(), bad.error_text() + bad.stderr()
         assert "Traceback" not in bad.stderr()
+    unread = kernel.run("%%chat --output text --max-new-tokens 2 --template-arg nosuch=1\nhi")
+    assert unread.status == "ok", unread.error_text()
+    assert "[shardbook] the model's chat template does not read nosuch: passed to it, it changes nothing" in (
+        unread.stderr()
+    )
 
     api = kernel.run(
         "from shardbook.kernel import ChatModel\nm = ChatModel()\n"
