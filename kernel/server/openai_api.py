@@ -1,7 +1,7 @@
 """The OpenAI chat-completions protocol: request bodies checked and translated, replies and errors in its shapes.
 
 Only what the ranks can honour is accepted: ``messages`` (system, developer, user, assistant;
-text content), ``max_tokens`` / ``max_completion_tokens``, ``temperature`` (0 is greedy),
+text content; an assistant's ``reasoning_content``), ``max_tokens`` / ``max_completion_tokens``, ``temperature`` (0 is greedy),
 ``top_p``, ``seed``, ``stop``, ``stream``, ``stream_options.include_usage``, ``chat_template_kwargs``
 (keywords for the chat template, JSON scalars) and ``reasoning_effort``. Fields that change
 nothing at their default value (``n: 1``, ``logprobs: false``, ...) pass; any other field or
@@ -212,8 +212,13 @@ def parse_messages(messages: Any) -> list[dict[str, str]]:
 
 
 def parse_message(message: Any, i: int) -> dict[str, str]:
+    """One message; an assistant's may bring back its ``reasoning_content`` (templates that keep the reasoning
+    of the last turns, such as Qwen3's, read it). Keys set to null count as absent."""
     param = f"messages[{i}]"
-    if not isinstance(message, dict) or set(message) - {"role", "content"}:
+    if isinstance(message, dict):
+        message = {k: v for k, v in message.items() if v is not None}
+    allowed = {"role", "content", "reasoning_content"} if isinstance(message, dict) else set()
+    if not isinstance(message, dict) or set(message) - allowed:
         raise ApiError(400, f"{param} must be an object with only 'role' and 'content'", param=param)
     role = message.get("role")
     if role not in ROLES:
@@ -227,7 +232,17 @@ def parse_message(message: Any, i: int) -> dict[str, str]:
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise ApiError(400, f"{param}.content must be a string", param=f"{param}.content")
-    return {"role": ROLES[role], "content": content}
+    parsed = {"role": ROLES[role], "content": content}
+    if "reasoning_content" in message:
+        reasoning = message["reasoning_content"]
+        if role != "assistant" or not isinstance(reasoning, str):
+            raise ApiError(
+                400,
+                f"{param}.reasoning_content must be a string, on an assistant message",
+                param=f"{param}.reasoning_content",
+            )
+        parsed["reasoning_content"] = reasoning
+    return parsed
 
 
 def parse_settings(body: dict[str, Any]) -> dict[str, Any]:

@@ -24,6 +24,10 @@ openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.timeout(60)
 
 THINK_TEMPLATE = CHATML_TEMPLATE.replace(
+    "'\\n' + message['content']",
+    "'\\n' + ('<think>' + message['reasoning_content'] + '</think>' if message['reasoning_content'] else '')"
+    " + message['content']",  # as Qwen3's: an earlier turn's reasoning, when the client sends it back
+).replace(
     "{{ '<|im_start|>assistant\\n' }}",
     "{{ '<|im_start|>assistant\\n' }}{% if enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
     "{% else %}{{ '<think>\\n' }}{% endif %}",  # as DeepSeek-V3.1 / GLM-5: the prompt opens the block
@@ -47,6 +51,8 @@ def reply_to(prompt: str) -> list[str]:
     """What the scripted model says: it thinks when its prompt opens a think block or asks for low effort."""
     if prompt.endswith("<think>\n"):
         return THINKING
+    if "<think>An earlier thought.</think>" in prompt:
+        return ["I remember thinking it."]
     if "Reasoning: low" in prompt:
         return HARMONY
     return ["Hello!"]
@@ -222,3 +228,20 @@ def test_reasoning_effort_becomes_the_familys_switch(caplog):
     with caplog.at_level("WARNING"):
         assert template_options("think", deepseek, {"thinking": False}, "low") == {"thinking": False}
     assert "reasoning_effort 'low' ignored" in caplog.text  # the request's own keyword wins, said so
+
+
+def test_an_assistant_turn_may_bring_its_reasoning_back(serve):
+    client, _ = serve("think")
+    turns = [
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "Hi!", "reasoning_content": "An earlier thought.", "refusal": None},
+        {"role": "user", "content": "What did you think?"},
+    ]
+    reply = client.chat.completions.create(
+        model="m", messages=turns, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
+    assert reply.choices[0].message.content == "I remember thinking it."  # the template saw the reasoning
+    turns[0]["reasoning_content"] = "users do not reason"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="m", messages=turns)
+    assert refused.value.body["param"] == "messages[0].reasoning_content"
