@@ -2,10 +2,16 @@
 
 The server runs in this process over scripted ranks: the reply depends on the prompt the chat template rendered
 (so `chat_template_kwargs` and `reasoning_effort` are seen to reach it), and comes in pieces cut inside the tags.
+The last test serves a tiny model taught to answer with a think block (``reasoning_serve_check.py``): real tokens.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -245,3 +251,24 @@ def test_an_assistant_turn_may_bring_its_reasoning_back(serve):
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model="m", messages=turns)
     assert refused.value.body["param"] == "messages[0].reasoning_content"
+
+
+@pytest.mark.timeout(240)
+def test_a_taught_model_reasons_apart_on_both_paths():
+    """Real generated tokens: a tiny model taught (in `reasoning_serve_check.py`) to answer with a think block."""
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("reasoning_serve_check.py"))],
+        capture_output=True,
+        text=True,
+        timeout=220,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    for where in ("batch", "no_batch"):
+        assert found[f"{where}_whole"] == ["Greet back.", "Hello!"], found
+        assert found[f"{where}_stream"] == ["Greet back.", "Hello!"], found
+        assert found[f"{where}_reasoning_tokens"] == found["expected_reasoning_tokens"]
+        assert found[f"{where}_stream_reasoning_tokens"] == found["expected_reasoning_tokens"]
+        reasoning, content, finish = found[f"{where}_cut"]  # cut while thinking: all of it reasoning
+        assert reasoning and "Greet back.".startswith(reasoning) and (content, finish) == ("", "length"), found
