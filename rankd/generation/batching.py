@@ -1,16 +1,18 @@
 """Continuous batching: many sequences decoded together, every rank running the same forward steps.
 
-Rank 0 owns a :class:`BatchScheduler`. Requests are submitted to it from any thread; its loop
-(:meth:`BatchScheduler.run`) decides each step's composition (which sequences leave, the token
-each remaining one feeds, which waiting requests join with their prompts) and broadcasts that
-:class:`StepPlan` to every rank, then every rank executes it with :func:`execute_step` on its
-own :class:`BatchState` (the followers in :func:`follow_batch`; both in `batch_steps.py`, with how
-every rank agrees that a step failed and which rows that fails). Only rank 0 looks at the
-logits: it samples every sequence's next token (`sampling.py`; each request with its own seeded
-`torch.Generator`, so a sampled reply does not depend on its batch-mates), checks stop strings,
-token limits and stop requests, and streams text, decoded incrementally. A row whose token cannot
-be taken (scores that are not numbers) fails alone. Nothing a follower does depends on time,
-memory or randomness, so every rank's forwards have the same shapes by construction.
+Rank 0 owns a :class:`BatchScheduler`. Requests are submitted to it from any thread (each a
+`SequenceRequest` with its `SequenceHandle`, and once admitted its `RunningSequence`: `sequences.py`);
+its loop (:meth:`BatchScheduler.run`) decides each step's composition (which sequences leave, the
+token each remaining one feeds, the next chunk of a prompt prefilled in chunks, which waiting
+requests join with their prompts) and broadcasts that :class:`StepPlan` to every rank, then every
+rank executes it with :func:`execute_step` on its own :class:`BatchState` (the followers in
+:func:`follow_batch`; both in `batch_steps.py`, with how every rank agrees that a step failed and
+which rows that fails). Only rank 0 looks at the logits: it samples every sequence's next token
+(`sampling.py`; each request with its own seeded `torch.Generator`, so a sampled reply does not
+depend on its batch-mates), checks stop strings, token limits and stop requests, and streams text,
+decoded incrementally. A row whose token cannot be taken (scores that are not numbers) fails alone.
+Nothing a follower does depends on time, memory or randomness, so every rank's forwards have the
+same shapes by construction.
 
 The KV cache is one transformers `DynamicCache` of the running batch, left-padded: the prompts
 joining at a step are prefilled together in one forward (left-padded to the longest, with their
@@ -20,6 +22,14 @@ are padding in every row are cut. Each row carries its own attention mask (0 on 
 position ids (its own count of real tokens), so a row's attention sees exactly its own tokens, at
 its own positions. A padding query sees no key at all; PyTorch's attention gives such a row zeros
 (and eager attention a finite average), so nothing not-a-number reaches the cache.
+
+Chunked prefill: a prompt longer than a step has room for (`max_step_tokens` less one token per
+decoding row) is not prefilled in one forward. Each step the running rows decode one token, then the
+prompt's next chunk (the rest of the step's room) is fed into its own one-row cache at its own
+positions; after the last chunk that cache joins the batch as above. So a long prompt never stalls
+the others for its whole prefill, it is accepted up to the model's context, and a stop ends it after
+the chunk that is running. One prompt is prefilled in chunks at a time; the waiting line is first
+come, first served, so the requests after it join with its last chunk or after it.
 """
 
 from __future__ import annotations
@@ -27,7 +37,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,176 +52,33 @@ from shardbook.rankd.generation.batch_steps import (
     execute_step,
     follow_batch,
 )
-from shardbook.rankd.generation.sampling import check_sampling, next_token
+from shardbook.rankd.generation.sampling import next_token
+from shardbook.rankd.generation.sequences import (
+    BatchLimitError,
+    RunningSequence,
+    SequenceHandle,
+    SequenceRequest,
+    SequenceResult,
+    StreamDelta,
+    admit,
+    next_delta,
+    reach,
+)
 from shardbook.rankd.generation.streaming import INCOMPLETE, IncrementalText, find_stop
 
-__all__ = ["BatchScheduler", "SequenceRequest", "SequenceResult", "StepPlan", "cache_refusal", "follow_batch"]
+__all__ = [
+    "BatchLimitError",
+    "BatchScheduler",
+    "SequenceHandle",
+    "SequenceRequest",
+    "SequenceResult",
+    "StepPlan",
+    "StreamDelta",
+    "cache_refusal",
+    "follow_batch",
+]
 
 DECODE_KWARGS = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
-MAX_LOGPROBS = 5
-"""Most alternatives per token a request may ask for (OpenAI's legacy completions limit)."""
-
-
-class BatchLimitError(ValueError):
-    """A request that can never run under the batch limits (or the model's context); `param` names the
-    request field to change (``prompt`` or ``max_tokens``)."""
-
-    def __init__(self, message: str, param: str = "prompt"):
-        super().__init__(message)
-        self.param = param
-
-
-@dataclass(frozen=True)
-class SequenceRequest:
-    """One sequence to decode: its prompt as token ids and its own settings."""
-
-    prompt_ids: list[int]
-    max_new_tokens: int = 16
-    """Most tokens to generate; 0 only scores the prompt (with `prompt_logprobs`)."""
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    repetition_penalty: float = 1.0
-    seed: int = 0
-    """Seeds this request's own generator (only used when sampling)."""
-    stop: list[str] = field(default_factory=list)
-    eos_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    """Do not end on an end-of-text token (vLLM's extension)."""
-    min_tokens: int = 0
-    """End-of-text tokens are forbidden before this many tokens (vLLM's extension)."""
-    logprobs: int | None = None
-    """Record each generated token's log-probability and this many most likely alternatives (0-5)."""
-    prompt_logprobs: bool = False
-    """Also score every prompt token after the first (`echo` with `logprobs`)."""
-
-    def __post_init__(self) -> None:
-        _check(len(self.prompt_ids) >= 1, "the prompt must have at least one token")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.prompt_ids), "prompt token ids must be ints >= 0")
-        _check(self.max_new_tokens >= 0, f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        _check(
-            self.max_new_tokens >= 1 or self.prompt_logprobs,
-            "max_new_tokens=0 only scores the prompt: ask for prompt log-probabilities (echo with logprobs)",
-        )
-        _check(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
-        wrong = check_sampling(self.do_sample, self.temperature, self.repetition_penalty, "use do_sample=False")
-        _check(wrong is None, wrong)
-        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
-        _check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
-        _check(
-            self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-            f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}",
-        )
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings")
-
-
-@dataclass
-class SequenceResult:
-    """What one sequence produced (rank 0 only)."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    """"stop" (end-of-text or a stop string), "length", "interrupted" (stopped) or "error"."""
-    prompt_tokens: int
-    token_logprobs: list[float] | None = None
-    top_logprobs: list[dict[int, float]] | None = None
-    prompt_logprobs: list[float | None] | None = None
-    """Log-probability of each prompt token given those before it (None for the first)."""
-    prompt_top_logprobs: list[dict[int, float] | None] | None = None
-    queue_s: float = 0.0
-    time_to_first_token_s: float = 0.0
-    total_s: float = 0.0
-    """Seconds from submission to the end."""
-    error: str | None = None
-
-    @property
-    def generated_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass
-class StreamDelta:
-    """What one streamed piece of a reply holds (``on_delta``): its text, and the tokens generated since the
-    previous piece with their log-probabilities (when the request asks for them). The first piece also
-    carries the prompt's log-probabilities (with `prompt_logprobs`)."""
-
-    text: str
-    token_ids: list[int]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[int, float]]
-    prompt_logprobs: list[float | None] | None = None
-    prompt_top_logprobs: list[dict[int, float] | None] | None = None
-
-
-class SequenceHandle:
-    """Rank 0's handle on a submitted sequence: stop it, wait for its result."""
-
-    def __init__(
-        self,
-        request: SequenceRequest,
-        on_text: Callable[[str], None] | None,
-        on_done: Callable[[SequenceResult], None] | None = None,
-        on_delta: Callable[[StreamDelta], None] | None = None,
-        owner: Hashable | None = None,
-    ):
-        self.request = request
-        self.on_text = on_text
-        self.on_done = on_done
-        self.on_delta = on_delta
-        self.owner = owner
-        """Who submitted it (a notebook cell, say), for :meth:`BatchScheduler.stop_owned`; None for nobody."""
-        self.submitted_at = time.perf_counter()
-        self.stop_requested = threading.Event()
-        self.done = threading.Event()
-        self.result: SequenceResult | None = None
-        self.starts_loop = False
-        """True when the submitter must start the batch loop (none was running)."""
-
-    def complete(self, result: SequenceResult) -> None:
-        """Set the result, wake the waiters and call `on_done` (whose errors are not the batch's)."""
-        self.result = result
-        self.done.set()
-        if self.on_done is not None:
-            try:
-                self.on_done(result)
-            except Exception:
-                pass
-
-    def stop(self) -> None:
-        """Stop this sequence: it leaves the batch at the next step; the others keep running."""
-        self.stop_requested.set()
-
-    def wait(self, timeout: float | None = None) -> SequenceResult:
-        if not self.done.wait(timeout):
-            raise TimeoutError("the sequence did not finish in time")
-        assert self.result is not None
-        return self.result
-
-
-@dataclass
-class _Running:
-    handle: SequenceHandle
-    generator: torch.Generator | None
-    tokens: list[int] = field(default_factory=list)
-    next_token: int = -1
-    text: IncrementalText | None = None
-    """The reply's text so far, decoded as tokens come (when it has stop strings or a consumer)."""
-    emitted: int = 0
-    """Characters of the reply already handed to `on_text`."""
-    streamed: int = 0
-    """Tokens already handed to `on_delta`."""
-    finished: bool = False
-    token_logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[dict[int, float]] = field(default_factory=list)
-    prompt_logprobs: list[float | None] | None = None
-    prompt_top_logprobs: list[dict[int, float] | None] | None = None
-    first_token_at: float = 0.0
-    admitted_at: float = 0.0
-    prefilled: int = 0
-    """Prompt tokens planned into its cache so far, when its prompt is prefilled in chunks."""
 
 
 class BatchScheduler:
@@ -241,9 +107,9 @@ class BatchScheduler:
         """Notified by `submit` (under `lock`), for `_settle`."""
         self.waiting: list[SequenceHandle] = []
         self.running = False
-        self.rows: list[_Running] = []
+        self.rows: list[RunningSequence] = []
         """The sequences of the step planned last, joining ones included (set under `lock`)."""
-        self.prefilling: _Running | None = None
+        self.prefilling: RunningSequence | None = None
         """The sequence whose prompt is being prefilled in chunks, one chunk a step (the loop's own)."""
         self.stats = {"steps": 0, "largest_batch": 0}
         self.failure: Any = None
@@ -262,9 +128,9 @@ class BatchScheduler:
                 f"the prompt has {n} tokens but the model's context is {self.context} tokens "
                 "(max_position_embeddings): shorten the prompt"
             )
-        if self.cache_tokens is not None and _reach(request) > self.cache_tokens[0]:
+        if self.cache_tokens is not None and reach(request) > self.cache_tokens[0]:
             raise BatchLimitError(
-                f"the prompt ({n} tokens) plus max_tokens ({request.max_new_tokens}) needs {_reach(request)} tokens "
+                f"the prompt ({n} tokens) plus max_tokens ({request.max_new_tokens}) needs {reach(request)} tokens "
                 f"of KV cache, but the batch may hold {self.cache_tokens[0]} ({self.cache_tokens[1]}): shorten the "
                 "prompt, lower max_tokens, or set inference.max_cache_tokens if the ranks have room",
                 param="max_tokens",
@@ -330,8 +196,8 @@ class BatchScheduler:
                     raise
 
     def _step(
-        self, state: BatchState, plan: StepPlan, rows: list[_Running], joining: list[_Running], group: Any
-    ) -> list[_Running]:
+        self, state: BatchState, plan: StepPlan, rows: list[RunningSequence], joining: list[RunningSequence], group: Any
+    ) -> list[RunningSequence]:
         """Run `plan` on every rank and take its logits: each row's next token, the chunk's (its prompt's scores,
         the first token after its last piece), each joining prompt's first. The rows of the batch after it. A
         step that failed (on any rank) fails the rows it must (`batch_steps`)."""
@@ -409,7 +275,7 @@ class BatchScheduler:
 
     # ------------------------------------------------------------------ rank 0 only
 
-    def _plan(self, rows: list[_Running]) -> tuple[StepPlan, list[_Running], list[_Running]]:
+    def _plan(self, rows: list[RunningSequence]) -> tuple[StepPlan, list[RunningSequence], list[RunningSequence]]:
         """The next step: who leaves, the running rows' tokens, the next chunk of the prompt prefilled in chunks,
         and who joins (in arrival order, within `max_sequences` rows and `max_step_tokens` tokens)."""
         leave = [i for i, seq in enumerate(rows) if seq.finished or seq.handle.stop_requested.is_set()]
@@ -422,7 +288,7 @@ class BatchScheduler:
             if not chunked.finished:  # stopped mid-prefill: the chunk it was fed last is its last
                 self._finish(chunked, "interrupted")
             chunked, abandon, self.prefilling = None, True, None
-        joining: list[_Running] = []
+        joining: list[RunningSequence] = []
         with self.lock:
             budget, width = self.max_step_tokens - len(kept), 0  # the joiners' forward is padded to `width`
             chunk = None if chunked is None else self._next_chunk(chunked, budget)
@@ -440,11 +306,11 @@ class BatchScheduler:
                     break
                 self.waiting.pop(0)
                 if not fits:  # longer than the step has room for: prefilled in chunks, this step its first
-                    chunked = self.prefilling = _new_running(handle)
+                    chunked = self.prefilling = admit(handle)
                     chunk = self._next_chunk(chunked, budget)
                     break
                 width = max(width, len(handle.request.prompt_ids))
-                joining.append(_new_running(handle))
+                joining.append(admit(handle))
             end = not kept and not joining and chunked is None and not self.waiting
             self.rows = kept + ([chunked] if chunked else []) + joining
             if end:
@@ -459,7 +325,7 @@ class BatchScheduler:
         )
         return plan, kept, joining
 
-    def _next_chunk(self, seq: _Running, budget: int) -> Chunk | None:
+    def _next_chunk(self, seq: RunningSequence, budget: int) -> Chunk | None:
         """The next piece of `seq`'s prompt, of at most `budget` tokens (none when the step has no room)."""
         if budget < 1:
             return None
@@ -469,16 +335,16 @@ class BatchScheduler:
             list(prompt[start : seq.prefilled]), start, seq.prefilled == len(prompt), seq.handle.request.prompt_logprobs
         )
 
-    def _cache_holds(self, rows: list[_Running], request: SequenceRequest) -> bool:
+    def _cache_holds(self, rows: list[RunningSequence], request: SequenceRequest) -> bool:
         """Whether the batch's KV cache stays within `cache_tokens` with `request` joining `rows`, until each
         row has its prompt and all its max_tokens. The cache is left-padded: it holds (rows) x (the longest row)
         tokens, and no row grows beyond its reach. An empty batch takes any request `check` let through."""
         if self.cache_tokens is None or not rows:
             return True
-        longest = max(_reach(request), *(_reach(seq.handle.request) for seq in rows))
+        longest = max(reach(request), *(reach(seq.handle.request) for seq in rows))
         return (len(rows) + 1) * longest <= self.cache_tokens[0]
 
-    def _prefilled(self, seq: _Running, logits: torch.Tensor) -> None:
+    def _prefilled(self, seq: RunningSequence, logits: torch.Tensor) -> None:
         """Take a whole prompt's logits (every position's when it is scored, else the last one)."""
         self._score_prompt(seq, logits, 0)
         request = seq.handle.request
@@ -487,7 +353,7 @@ class BatchScheduler:
             return
         self._advance(seq, logits[-1])
 
-    def _chunk_fed(self, seq: _Running, logits: torch.Tensor | None, chunk: Chunk) -> None:
+    def _chunk_fed(self, seq: RunningSequence, logits: torch.Tensor | None, chunk: Chunk) -> None:
         """Take a chunk's logits: the prompt tokens they score, and after the last piece the first token."""
         if logits is None:  # a piece before the last, of a prompt not scored
             return
@@ -499,7 +365,7 @@ class BatchScheduler:
                 return
             self._advance(seq, logits[-1])
 
-    def _score_prompt(self, seq: _Running, logits: torch.Tensor, start: int) -> None:
+    def _score_prompt(self, seq: RunningSequence, logits: torch.Tensor, start: int) -> None:
         """Log-probabilities of the prompt tokens that `logits` (at the prompt's positions from `start` on)
         predict, after those already scored (a prompt prefilled in chunks is scored a chunk at a time)."""
         request = seq.handle.request
@@ -517,7 +383,9 @@ class BatchScheduler:
         else:
             seq.prompt_top_logprobs += [{} for _ in range(len(ids))]
 
-    def _take(self, method: Callable[[_Running, torch.Tensor], None], seq: _Running, logits: torch.Tensor) -> None:
+    def _take(
+        self, method: Callable[[RunningSequence, torch.Tensor], None], seq: RunningSequence, logits: torch.Tensor
+    ) -> None:
         """`method(seq, logits)`; if it raises (scores that are not numbers, a tokenizer's error), `seq` fails
         alone: its row leaves at the next step and the others go on."""
         try:
@@ -525,7 +393,7 @@ class BatchScheduler:
         except Exception as exc:
             self._fail(seq, f"{type(exc).__name__}: {exc}")
 
-    def _fail(self, seq: _Running, why: str) -> None:
+    def _fail(self, seq: RunningSequence, why: str) -> None:
         """Finish `seq` with an error (even if its text cannot be decoded)."""
         if seq.finished:
             return
@@ -536,7 +404,7 @@ class BatchScheduler:
             request = seq.handle.request
             seq.handle.complete(SequenceResult(list(seq.tokens), "", "error", len(request.prompt_ids), error=why))
 
-    def _advance(self, seq: _Running, logits: torch.Tensor) -> None:
+    def _advance(self, seq: RunningSequence, logits: torch.Tensor) -> None:
         """Pick `seq`'s next token from its logits; finish it if it is done."""
         request = seq.handle.request
         seq.first_token_at = seq.first_token_at or time.perf_counter()
@@ -570,7 +438,7 @@ class BatchScheduler:
         if seq.text is not None:
             self._stream(seq, seq.text, final=False)
 
-    def _stream(self, seq: _Running, text: IncrementalText | str, *, final: bool) -> None:
+    def _stream(self, seq: RunningSequence, text: IncrementalText | str, *, final: bool) -> None:
         """Hand the reply's text after what was handed on so far to its consumers; unless `final`, hold back an
         incomplete character and what could begin a stop string."""
         if seq.handle.on_text is None and seq.handle.on_delta is None:
@@ -588,11 +456,11 @@ class BatchScheduler:
                 if seq.handle.on_text is not None:
                     seq.handle.on_text(chunk)
                 if seq.handle.on_delta is not None:
-                    seq.handle.on_delta(_delta(seq, chunk))
+                    seq.handle.on_delta(next_delta(seq, chunk))
             except Exception:  # a consumer that fails stops its own sequence only
                 seq.handle.stop()
 
-    def _finish(self, seq: _Running, reason: str, error: str | None = None) -> None:
+    def _finish(self, seq: RunningSequence, reason: str, error: str | None = None) -> None:
         request = seq.handle.request
         tokens = seq.tokens
         if reason == "stop" and tokens and tokens[-1] in request.eos_ids:
@@ -622,7 +490,7 @@ class BatchScheduler:
             )
         )
 
-    def _fail_all(self, rows: list[_Running], why: str) -> None:
+    def _fail_all(self, rows: list[RunningSequence], why: str) -> None:
         """Fail `rows`, every row of the last planned step and every waiting sequence: whatever raised (a step, a
         broadcast that a failed follower never joined, the command around it), no submitter is left waiting."""
         with self.lock:
@@ -633,35 +501,3 @@ class BatchScheduler:
                 self._finish(seq, "error", error=why)
         for handle in waiting:
             handle.complete(SequenceResult([], "", "error", len(handle.request.prompt_ids), error=why))
-
-
-def _delta(seq: _Running, text: str) -> StreamDelta:
-    """`text` with the tokens generated since the last piece (and, on the first, the prompt's log-probabilities)."""
-    first, start, seq.streamed = seq.emitted == len(text), seq.streamed, len(seq.tokens)
-    return StreamDelta(
-        text,
-        seq.tokens[start:],
-        seq.token_logprobs[start:],
-        seq.top_logprobs[start:],
-        seq.prompt_logprobs if first else None,
-        seq.prompt_top_logprobs if first else None,
-    )
-
-
-def _reach(request: SequenceRequest) -> int:
-    """The most tokens a sequence holds in the cache: its prompt and every token it may generate."""
-    return len(request.prompt_ids) + max(request.max_new_tokens, 1)
-
-
-def _new_running(handle: SequenceHandle) -> _Running:
-    request = handle.request
-    generator = None
-    if request.do_sample:
-        generator = torch.Generator(device="cpu")
-        generator.manual_seed(request.seed)
-    return _Running(handle=handle, generator=generator, admitted_at=time.perf_counter())
-
-
-def _check(condition: Any, message: str) -> None:
-    if not condition:
-        raise ValueError(message)

@@ -258,3 +258,39 @@ def test_the_stop_button_spares_an_http_requests_turn() -> None:
     assert turn.wait()
     assert queue.stop_running(spare=(HTTP_SOURCE,)) is None and not stopped
     assert queue.stop_running() is turn and stopped == [turn]
+
+
+def test_a_chunk_of_a_long_prompt_that_raises_fails_only_that_prompt(model_and_tokenizer) -> None:
+    """A prompt longer than a step (`max_step_tokens` 16) is prefilled a chunk per step; when its second chunk's
+    forward raises, that request fails, its cache is dropped, and the running rows and the request waiting
+    behind it decode as they do without the fault."""
+    model, tokenizer = model_and_tokenizer
+    long_ids = tokenizer(" ".join([PROMPTS[0]] * 20))["input_ids"][:100]
+    running = [_request(tokenizer, p, max_new_tokens=12) for p in PROMPTS[1:3]]
+    behind = _request(tokenizer, PROMPTS[3], max_new_tokens=6)
+    requests = [*running, SequenceRequest(prompt_ids=long_ids, max_new_tokens=4, ignore_eos=True), behind]
+
+    def run() -> list:
+        scheduler = BatchScheduler(tokenizer, max_step_tokens=16)
+        handles = [scheduler.submit(r) for r in requests]
+        scheduler.run(model, "cpu")
+        return [h.wait(0) for h in handles]
+
+    def raise_on_the_second_chunk(_module, _args, kwargs) -> None:
+        ids = kwargs["input_ids"]
+        if ids.shape == (1, 14) and int(kwargs["position_ids"][0, 0]) == 14:
+            raise RuntimeError("the second chunk failed")
+
+    clean = run()
+    hook = model.register_forward_pre_hook(raise_on_the_second_chunk, with_kwargs=True)
+    try:
+        faulty = run()
+    finally:
+        hook.remove()
+    assert [r.finish_reason for r in clean] == ["length"] * 4
+    assert faulty[2].finish_reason == "error" and "the second chunk failed" in faulty[2].error, faulty[2]
+    assert "the prefill of the joining prompts failed" in faulty[2].error
+    others = [0, 1, 3]
+    assert [(faulty[i].finish_reason, faulty[i].token_ids) for i in others] == [
+        (clean[i].finish_reason, clean[i].token_ids) for i in others
+    ]
