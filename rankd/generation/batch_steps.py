@@ -316,12 +316,19 @@ def _agree(code: int, error: BaseException | None, device: torch.device, group: 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     codes = torch.zeros(world, dtype=torch.long, device=device)
     codes[rank] = code
-    dist.all_reduce(codes, group=group)
-    codes = codes.tolist()
-    if not any(codes):
-        return STEP_OK, {}
-    texts: list[Any] = [None] * world
-    dist.all_gather_object(texts, mine, group=group)
+    try:
+        dist.all_reduce(codes, group=group)
+        codes = codes.tolist()
+        if not any(codes):
+            return STEP_OK, {}
+        texts: list[Any] = [None] * world
+        dist.all_gather_object(texts, mine, group=group)
+    except Exception as exc:
+        if error is None:
+            raise
+        # the failure came first: the other ranks may still be in the step's own collectives (tp), and
+        # the agreement then fails too; this rank's report must name the cause, not the timeout after it
+        raise RuntimeError(f"{mine} (then the ranks could not agree on the failed step: {_error_text(exc)})") from error
     return max(codes), {r: text for r, text in enumerate(texts) if text is not None}
 
 
