@@ -1,12 +1,12 @@
 """The OpenAI chat-completions protocol: request bodies checked and translated, replies and errors in its shapes.
 
 Only what the ranks can honour is accepted: ``messages`` (system, developer, user, assistant;
-text content; an assistant's ``reasoning_content``), ``max_tokens`` / ``max_completion_tokens``, ``temperature`` (0 is greedy),
-``top_p``, ``seed``, ``stop``, ``stream``, ``stream_options.include_usage``, ``chat_template_kwargs``
-(keywords for the chat template, JSON scalars) and ``reasoning_effort``. Fields that change
-nothing at their default value (``n: 1``, ``logprobs: false``, ...) pass; any other field or
-value is a 400 naming it, never silently ignored. Unset settings come from the loaded config's
-``inference`` section, as for ``%%chat``.
+text content; an assistant's ``reasoning_content``), ``max_tokens`` / ``max_completion_tokens``,
+``temperature`` (0 is greedy), ``top_p``, ``seed``, ``stop``, ``stream``,
+``stream_options.include_usage``, ``chat_template_kwargs`` (keywords for the chat template, JSON
+scalars) and ``reasoning_effort``. Fields that change nothing at their default value (``n: 1``,
+``logprobs: false``, ...) pass; any other field or value is a 400 naming it, never silently
+ignored. Unset settings come from the loaded config's ``inference`` section, as for ``%%chat``.
 """
 
 from __future__ import annotations
