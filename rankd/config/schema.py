@@ -152,7 +152,7 @@ class InferenceConfig:
     """Most sequences decoded together in one batch (continuous batching); more wait for a place."""
     max_step_tokens: int = 2048
     """Most tokens one batch step forwards (decoding rows plus the joining prompts padded to the longest); a longer
-    prompt is refused."""
+    prompt is prefilled in chunks, the rest of each step's room a step, while the running rows decode."""
     max_cache_tokens: int | None = None
     """Most tokens the batch's KV cache holds (sequences times the longest, each counted with its prompt and all
     its max_tokens); a request that would exceed it waits, one that never fits is refused. null: what fits in
