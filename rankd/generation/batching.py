@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -114,11 +115,23 @@ class BatchScheduler:
         self.stats = {"steps": 0, "largest_batch": 0}
         self.failure: Any = None
         """What the last failed batch command left (rank 0's driver sets it: every rank's reply)."""
-        self.loaded: Any = None
-        """The loaded model this scheduler serves (rank 0's driver sets it; a reload makes a new scheduler)."""
+        self._loaded: Any = None
         self.driven = threading.Event()
         """Set while no batch command runs on the ranks (rank 0's driver clears it for the command's span)."""
         self.driven.set()
+
+    @property
+    def loaded(self) -> Any:
+        """The loaded model this scheduler serves (rank 0's driver sets it; a reload makes a new scheduler).
+
+        Held weakly: the scheduler of the previous model stays in the kernel's state until the next request
+        replaces it, and must not keep that model's memory (0.3 GB of the demo model's) until then.
+        """
+        return self._loaded() if self._loaded is not None else None
+
+    @loaded.setter
+    def loaded(self, loaded: Any) -> None:
+        self._loaded = weakref.ref(loaded) if loaded is not None else None
 
     def check(self, request: SequenceRequest) -> None:
         """Raise :class:`BatchLimitError` if `request` could never run."""
