@@ -199,8 +199,8 @@ class ChatMagics(Magics):
         with sigint_calls(stream.stop):
             try:
                 stream.start()
-            except (PoolError, ValueError) as e:  # e.g. a prompt longer than a batch step may take
-                raise UsageError(f"{e} (`%%chat --no-batch` prefills a long prompt in chunks)") from e
+            except (PoolError, ValueError) as e:  # e.g. a prompt beyond the model's context or the KV budget
+                raise UsageError(str(e)) from e
             try:
                 for chunk in stream:
                     view.add(chunk)
