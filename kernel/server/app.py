@@ -10,10 +10,10 @@ from shardbook.kernel.server.batched_chat import BatchedChatCompletionsHandler
 from shardbook.kernel.server.completions import (
     ChatCompletionsHandler,
     HealthHandler,
+    MetricsHandler,
     ModelsHandler,
     NotFoundHandler,
 )
-from shardbook.kernel.server.metrics import MetricsHandler
 from shardbook.kernel.server.state import ServerState
 from shardbook.kernel.server.text_completions import TextCompletionsHandler
 

@@ -311,3 +311,15 @@ def failure_error(error: Exception) -> ApiError:
             503, f"the ranks cannot generate now: {error}", type="server_error", headers={"Retry-After": "5"}
         )
     return generation_failed(str(error) if isinstance(error, GenerationFailed) else f"generation failed: {error}")
+
+
+class MetricsHandler(ApiHandler):
+    """``/metrics`` in Prometheus' format; checked as every endpoint but ``/health`` is: with an API key, a scrape
+    sends it (Prometheus' ``authorization: {credentials: KEY}``)."""
+
+    def get(self) -> None:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        scheduler = self.server.runtime.ctx0.state.get("batch_scheduler")
+        self.set_header("Content-Type", CONTENT_TYPE_LATEST)
+        self.finish(self.server.metrics.render(scheduler))

@@ -1,4 +1,4 @@
-"""``GET /metrics``: the server's counters and histograms in Prometheus' text format (``prometheus_client``).
+"""The server's counters and histograms in Prometheus' text format (``prometheus_client``), for ``GET /metrics``.
 
 One registry per server (never the process-wide default), so two servers or a restarted one start at zero.
 """
@@ -7,9 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-
-from shardbook.kernel.server.completions import ApiHandler
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -70,13 +68,3 @@ class Metrics:
             self.waiting.set(waiting)
             self.batch_size.observe(max(scheduler.stats.get("rows", 0), 1))
         return generate_latest(self.registry)
-
-
-class MetricsHandler(ApiHandler):
-    """Checked as every endpoint but ``/health`` is: with an API key, a scrape sends it (Prometheus'
-    ``authorization: {credentials: KEY}``)."""
-
-    def get(self) -> None:
-        scheduler = self.server.runtime.ctx0.state.get("batch_scheduler")
-        self.set_header("Content-Type", CONTENT_TYPE_LATEST)
-        self.finish(self.server.metrics.render(scheduler))

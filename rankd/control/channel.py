@@ -142,15 +142,24 @@ class DeferredInterrupts:
     def _catch(self, signum: int, frame: Any) -> None:
         self.caught.setdefault(signum, frame)
 
-    def __exit__(self, *exc: object) -> None:
-        for signum, handler in self.saved.items():
-            _signal.signal(signum, handler)
-        for signum, frame in self.caught.items():
+    def run_caught(self) -> None:
+        """Run the handlers of the signals held so far, now, inside the block (later ones are held again).
+
+        For a block that waits and can stop safely while it waits (a shared-memory sum waiting for a peer).
+        """
+        caught, self.caught = self.caught, {}
+        for signum, frame in caught.items():
             handler = self.saved[signum]
             if callable(handler):
                 handler(signum, frame)
             elif handler == signal.SIG_DFL:
+                _signal.signal(signum, handler)
                 signal.raise_signal(signum)
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self.saved.items():
+            _signal.signal(signum, handler)
+        self.run_caught()
 
 
 class Channel:

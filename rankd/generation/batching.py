@@ -125,13 +125,17 @@ class BatchScheduler:
         """The loaded model this scheduler serves (rank 0's driver sets it; a reload makes a new scheduler).
 
         Held weakly: the scheduler of the previous model stays in the kernel's state until the next request
-        replaces it, and must not keep that model's memory (0.3 GB of the demo model's) until then.
+        replaces it, and must not keep that model's memory (0.3 GB of the demo model's) until then. (A
+        `LoadedModel` takes a weak reference; a stand-in that cannot, in tests, is held as it is.)
         """
-        return self._loaded() if self._loaded is not None else None
+        return self._loaded() if callable(self._loaded) else self._loaded
 
     @loaded.setter
     def loaded(self, loaded: Any) -> None:
-        self._loaded = weakref.ref(loaded) if loaded is not None else None
+        try:
+            self._loaded = weakref.ref(loaded)
+        except TypeError:
+            self._loaded = loaded
 
     def check(self, request: SequenceRequest) -> None:
         """Raise :class:`BatchLimitError` if `request` could never run."""

@@ -31,13 +31,11 @@ and `SHARDBOOK_HOST_SUM=0`, use `torch.distributed` as before.
 
 from __future__ import annotations
 
-import _signal
 import contextlib
 import logging
 import mmap
 import os
 import platform
-import signal
 import socket
 import tempfile
 import threading
@@ -45,12 +43,11 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from shardbook.rankd.control.channel import DEFERRED_SIGNALS
+from shardbook.rankd.control.channel import DeferredInterrupts
 from shardbook.rankd.control.lifetime import pid_alive
 from shardbook.rankd.control.world import process_group_timeout
 
@@ -130,7 +127,7 @@ class HostSum:
         """Sum `tensor` in place over the group: the same bits on every rank."""
         flat, words, mine, hook = tensor.view(-1), self._words, self._mine, self.stage_hook
         shape = tensor.nbytes << 8 | DTYPE_CODES[tensor.dtype]
-        with self._lock, _HeldInterrupts() as held:
+        with self._lock, DeferredInterrupts() as held:
             if words[self._shared + EPOCH] != self.epoch:
                 self._resync(held)
             call = words[mine + COUNTER] + 1
@@ -183,7 +180,7 @@ class HostSum:
         words[mine + OUT_COUNTER] = words[mine + COUNTER]
         words[mine + OUT_EPOCH] = words[self._shared + EPOCH]
 
-    def _resync(self, held: _HeldInterrupts) -> None:
+    def _resync(self, held: DeferredInterrupts) -> None:
         """After an abandoned sum: wait until every rank is out of the old epoch, then go on from the highest call."""
         words = self._words
         while True:
@@ -196,7 +193,7 @@ class HostSum:
             self.epoch = epoch
             return
 
-    def _wait_for(self, call: int, held: _HeldInterrupts) -> None:
+    def _wait_for(self, call: int, held: DeferredInterrupts) -> None:
         words, epoch = self._words, self.epoch
 
         def arrived() -> bool:
@@ -208,7 +205,7 @@ class HostSum:
 
         self._wait(arrived, held, call)
 
-    def _wait(self, done: Callable[[], bool], held: _HeldInterrupts, call: int | None = None) -> None:
+    def _wait(self, done: Callable[[], bool], held: DeferredInterrupts, call: int | None = None) -> None:
         if done():
             return
         start = time.perf_counter()
@@ -266,47 +263,6 @@ def _describe(shape: int) -> str:
         return "nothing written"
     dtype = DTYPES[code - 1]
     return f"{nbytes // dtype.itemsize} x {str(dtype).removeprefix('torch.')}"
-
-
-class _HeldInterrupts:
-    """In the main thread, hold the interrupt signals' handlers back for one sum; `run_caught` runs them early.
-
-    Other threads never run Python signal handlers. A handler that raises in `run_caught` (while the
-    sum waits for a peer) makes the sum abandon; one held to the end runs once the sum is complete.
-    """
-
-    _main = threading.main_thread().ident
-
-    def __enter__(self) -> _HeldInterrupts:
-        self.saved: dict[int, Any] = {}
-        self.caught: list[tuple[int, Any]] = []
-        if threading.get_ident() == self._main:
-            for signum in DEFERRED_SIGNALS:
-                handler = _signal.getsignal(signum)  # None: installed outside Python, cannot be put back
-                if handler is not None:
-                    self.saved[signum] = handler
-                    _signal.signal(signum, self._catch)
-        return self
-
-    def _catch(self, signum: int, frame: Any) -> None:
-        self.caught.append((signum, frame))
-
-    def run_caught(self) -> None:
-        while self.caught:
-            self._run(*self.caught.pop(0))
-
-    def _run(self, signum: int, frame: Any) -> None:
-        handler = self.saved[signum]
-        if callable(handler):
-            handler(signum, frame)
-        elif handler == signal.SIG_DFL:
-            _signal.signal(signum, handler)
-            signal.raise_signal(signum)
-
-    def __exit__(self, *exc: object) -> None:
-        for signum, handler in self.saved.items():
-            _signal.signal(signum, handler)
-        self.run_caught()
 
 
 _SUMS: dict[int, tuple[dist.ProcessGroup, HostSum | None]] = {}
