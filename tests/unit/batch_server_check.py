@@ -18,29 +18,39 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def main(model_dir: str, sliding_dir: str) -> None:
+def one_rank_serving(model, tokenizer, model_path: str):
+    """This process's runtime (rank 0 of a world of one) holding `model` as the loaded model, a free port for a
+    server, and an openai client for that port: what every in-process serving check starts from."""
     import openai
+
+    import shardbook.rankd.commands.generate  # noqa: F401  (registers the batch handler)
+    from shardbook.kernel.ranks.runtime import get_runtime
+    from shardbook.rankd.config.schema import ModelConfig, ShardbookConfig
+
+    torch.set_num_threads(1)
+    runtime = get_runtime(shell=object())
+    runtime.ctx0.state["loaded"] = types.SimpleNamespace(model=model, tokenizer=tokenizer, summary={})
+    runtime.ctx0.state["config"] = ShardbookConfig(model=ModelConfig(model_name_or_path=model_path, dtype="float32"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    return runtime, port, client
+
+
+def main(model_dir: str, sliding_dir: str) -> None:
     import requests
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import shardbook.rankd.commands.generate  # noqa: F401  (registers the batch handler)
     from shardbook.kernel.api.chat import ChatModel
-    from shardbook.kernel.ranks.runtime import get_runtime
     from shardbook.kernel.server.server import Server
     from shardbook.kernel.server.state import ServeOptions
-    from shardbook.rankd.config.schema import ModelConfig, ShardbookConfig
 
-    torch.set_num_threads(1)
-    runtime = get_runtime(shell=object())
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    runtime.ctx0.state["loaded"] = types.SimpleNamespace(model=model, tokenizer=tokenizer, summary={})
-    runtime.ctx0.state["config"] = ShardbookConfig(model=ModelConfig(model_name_or_path=model_dir, dtype="float32"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    runtime, port, client = one_rank_serving(model, tokenizer, model_dir)
     server = Server(runtime, ServeOptions(port=port, max_waiting=4)).start()
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
     name = Path(model_dir).name
     out: dict = {}
 

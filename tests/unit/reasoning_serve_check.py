@@ -5,9 +5,7 @@ openai client whole, streamed and cut inside its reasoning. Prints one JSON line
 from __future__ import annotations
 
 import json
-import socket
 import sys
-import types
 from pathlib import Path
 
 import torch
@@ -51,24 +49,15 @@ def taught_model():
 
 
 def main() -> None:
-    import openai
 
-    import shardbook.rankd.commands.generate  # noqa: F401  (registers the batch handler)
-    from shardbook.kernel.ranks.runtime import get_runtime
+    from batch_server_check import one_rank_serving  # a sibling script: this one runs as a file too
+
     from shardbook.kernel.server.server import Server
     from shardbook.kernel.server.state import ServeOptions
-    from shardbook.rankd.config.schema import ModelConfig, ShardbookConfig
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # before the model is taught
     model, tokenizer = taught_model()
-    runtime = get_runtime(shell=object())
-    runtime.ctx0.state["loaded"] = types.SimpleNamespace(model=model, tokenizer=tokenizer, summary={})
-    path = "/models/tiny-think"
-    runtime.ctx0.state["config"] = ShardbookConfig(model=ModelConfig(model_name_or_path=path, dtype="float32"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    runtime, port, client = one_rank_serving(model, tokenizer, "/models/tiny-think")
     ask = dict(model="tiny-think", messages=QUESTION, max_tokens=20, temperature=0)
     out: dict = {}
     for batch in (True, False):

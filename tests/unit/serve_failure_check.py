@@ -6,12 +6,8 @@ JSON line of findings."""
 from __future__ import annotations
 
 import json
-import socket
 import sys
-import types
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 FAIL_AFTER = 4
@@ -36,27 +32,16 @@ class FailingForward:
 
 
 def main(model_dir: str) -> None:
-    import openai
+    from batch_server_check import one_rank_serving  # a sibling script: this one runs as a file too
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import shardbook.rankd.commands.generate  # noqa: F401  (registers the batch handler)
-    from shardbook.kernel.ranks.runtime import get_runtime
     from shardbook.kernel.server.server import Server
     from shardbook.kernel.server.state import ServeOptions
-    from shardbook.rankd.config.schema import ModelConfig, ShardbookConfig
 
-    torch.set_num_threads(1)
-    runtime = get_runtime(shell=object())
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     failing = FailingForward(model.forward)
     model.forward = failing
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    runtime.ctx0.state["loaded"] = types.SimpleNamespace(model=model, tokenizer=tokenizer, summary={})
-    runtime.ctx0.state["config"] = ShardbookConfig(model=ModelConfig(model_name_or_path=model_dir, dtype="float32"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    runtime, port, client = one_rank_serving(model, AutoTokenizer.from_pretrained(model_dir), model_dir)
     name = Path(model_dir).name
     ask = dict(model=name, messages=[{"role": "user", "content": "Hello"}], max_tokens=40, temperature=0)
     out: dict = {}
