@@ -18,7 +18,6 @@ may start or end inside a block, in chunks of bounded size straight from the map
 from __future__ import annotations
 
 import itertools
-import math
 import sys
 from dataclasses import dataclass
 
@@ -70,7 +69,7 @@ class QuantizedTensor:
 
     @property
     def stored_bytes(self) -> int:
-        return sum(math.prod(t.shape) * t.dtype.itemsize for t in (self.codes, self.scales))
+        return self.codes.nbytes + self.scales.nbytes
 
     def grid(self) -> tuple[int, ...]:
         """The scale grid the values and blocks call for: ceil(values / block) per dim."""

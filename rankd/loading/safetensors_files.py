@@ -45,6 +45,10 @@ class StoredTensor:
     offset: int
     """Bytes from the start of the file to the tensor's first byte."""
 
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
 
 def read_index(directory: Path) -> dict[str, StoredTensor]:
     """Every tensor of every `*.safetensors` file in `directory`, by name, from the headers alone.
@@ -144,6 +148,5 @@ class MappedFiles:
         itemsize = stored.dtype.itemsize
         if stored.offset % itemsize == 0:
             return torch.empty(0, dtype=stored.dtype).set_(storage, stored.offset // itemsize, stored.shape)
-        nbytes = math.prod(stored.shape) * itemsize
-        raw = torch.empty(0, dtype=torch.uint8).set_(storage, stored.offset, (nbytes,))
+        raw = torch.empty(0, dtype=torch.uint8).set_(storage, stored.offset, (stored.nbytes,))
         return raw.clone().view(stored.dtype).view(stored.shape)

@@ -7,7 +7,6 @@ the kernel shows rank 0's.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -88,7 +87,7 @@ def checkpoint_figures(targets: dict[str, Any]) -> dict[str, Any]:
                 on_disk += part.stored_bytes
                 formats[part.format] = formats.get(part.format, 0) + 1
             else:
-                on_disk += math.prod(part.shape) * part.dtype.itemsize
+                on_disk += part.nbytes
     return {"checkpoint_bytes": on_disk, "quantized_tensors": formats}
 
 
