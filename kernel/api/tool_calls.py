@@ -1,0 +1,95 @@
+"""Tool calls: the format of a model's calls chosen from its config and vocabulary, and a reply split into its
+reasoning, its content and its calls, whole or as it streams.
+
+The public face of ``tool_parse.py`` (calls, formats, their stream) and ``tool_formats.py`` (the families:
+``hermes``, ``glm45``, ``deepseek_v31``, ``kimi_k2``, ``minimax_m2``, ``harmony``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from shardbook.kernel.api.reasoning import ReasoningFormat, Split
+from shardbook.kernel.api.tool_formats import FORMATS, MODEL_TYPES, TELLTALES
+from shardbook.kernel.api.tool_parse import (
+    MalformedCall,
+    ParsedReply,
+    ToolCall,
+    ToolDelta,
+    ToolFormat,
+    ToolStreamParser,
+    make_call,
+)
+
+__all__ = [
+    "FORMATS",
+    "MalformedCall",
+    "ParsedReply",
+    "ReplyStream",
+    "ToolCall",
+    "ToolDelta",
+    "ToolFormat",
+    "ToolStreamParser",
+    "make_call",
+    "split_reply",
+    "tool_format_for",
+]
+
+
+class ReplyStream:
+    """A reply split into reasoning, content and calls as it streams, in the order its formats need: the
+    reasoning split first (a ``<tool_call>`` inside a think block is thought, not called), except for formats
+    read from the raw text (harmony), whose calls are taken out before the reasoning is split."""
+
+    def __init__(self, reasoning: ReasoningFormat, tools: ToolFormat | None):
+        self.reasoning = reasoning.stream()
+        self.tools = tools.stream() if tools else None
+        self.first = tools is not None and tools.before_reasoning
+
+    def feed(self, delta: str) -> Split:
+        return self.step(delta, final=False)
+
+    def finish(self) -> Split:
+        """The rest of the reasoning and content; the calls are in ``reply()``."""
+        return self.step("", final=True)
+
+    def step(self, delta: str, final: bool) -> Split:
+        if self.tools is None:
+            return self.reasoning.feed(delta) + (self.reasoning.finish() if final else Split())
+        if self.first:
+            content = self.tools.feed(delta).content + (self.tools.finish().content if final else "")
+            return self.reasoning.feed(content) + (self.reasoning.finish() if final else Split())
+        split = self.reasoning.feed(delta) + (self.reasoning.finish() if final else Split())
+        content = self.tools.feed(split.content).content + (self.tools.finish().content if final else "")
+        return Split(split.reasoning, content)
+
+    def reply(self) -> ParsedReply:
+        return self.tools.reply() if self.tools else ParsedReply("")
+
+
+def split_reply(text: str, reasoning: ReasoningFormat, tools: ToolFormat | None) -> tuple[str, ParsedReply]:
+    """A whole reply's reasoning, and its content and calls."""
+    stream = ReplyStream(reasoning, tools)
+    split = stream.feed(text) + stream.finish()
+    parsed = stream.reply()
+    return split.reasoning, ParsedReply(split.content, parsed.calls, parsed.malformed)
+
+
+def tool_format_for(
+    model_type: str | None, vocab: set[str] | Mapping[str, Any], override: str | None = None
+) -> ToolFormat | None:
+    """The tool format of a model: `override` (a name of FORMATS, or ``none``) if given, else the one of its
+    config's ``model_type``, else the first whose telltale tokens are all in `vocab`, else None (no format)."""
+    if override not in (None, "auto"):
+        if override == "none":
+            return None
+        if override not in FORMATS:
+            raise ValueError(f"unknown tool-call parser {override!r}; use one of auto, none, {', '.join(FORMATS)}")
+        return FORMATS[override]
+    if model_type in MODEL_TYPES:
+        return FORMATS[MODEL_TYPES[model_type]]
+    for name, tokens in TELLTALES:
+        if all(token in vocab for token in tokens):
+            return FORMATS[name]
+    return None

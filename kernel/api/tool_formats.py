@@ -1,0 +1,219 @@
+"""The families' tool-call formats, each read from its documented shape (the formats are facts; see
+docs/serving.md, "Tool calls"):
+
+- ``hermes`` (Qwen3, Qwen3-Next): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one per call.
+- ``glm45`` (GLM-4.5/4.6/4.7/5): ``<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>``,
+  newlines between the parts; a value is JSON when it parses as JSON, else a string.
+- ``deepseek_v31`` (DeepSeek-V3.1/V3.2): ``<｜tool▁calls▁begin｜>`` then per call
+  ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{json}<｜tool▁call▁end｜>``, then ``<｜tool▁calls▁end｜>``.
+- ``kimi_k2``: ``<|tool_calls_section_begin|>`` then per call ``<|tool_call_begin|>functions.NAME:IDX
+  <|tool_call_argument_begin|>{json}<|tool_call_end|>`` (``functions.NAME:IDX`` is the call's id), then
+  ``<|tool_calls_section_end|>``.
+- ``minimax_m2``: ``<minimax:tool_call><invoke name="NAME"><parameter name="K">V</parameter>...</invoke>
+  </minimax:tool_call>``, values as glm45's.
+- ``harmony`` (gpt-oss): a message whose header is addressed ``to=functions.NAME`` (on the ``commentary``
+  channel, ``<|constrain|>json``), its body ``{json}`` up to ``<|call|>``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from shardbook.kernel.api.reasoning import HARMONY_ENDS, partial_suffix
+from shardbook.kernel.api.tool_parse import MalformedCall, ToolCall, ToolFormat, load_json, make_call
+
+
+class TaggedFormat(ToolFormat):
+    """Calls between an opening and a closing tag, optionally inside a section's tags; text between the calls
+    (other than the section's tags and whitespace) is content."""
+
+    call_tags: tuple[str, str] = ("", "")
+    section_tags: tuple[str, str] | None = None
+
+    def read_calls(self, tail: str) -> tuple[str, list[ToolCall]]:
+        around, calls, rest = [], [], tail
+        opening, closing = self.call_tags
+        while rest:
+            at = rest.find(opening)
+            if at < 0:
+                around.append(rest)
+                break
+            end = rest.find(closing, at + len(opening))
+            if end < 0:
+                raise MalformedCall(f"a call opened with {opening} is never closed with {closing}")
+            around.append(rest[:at])
+            calls.append(self.read_call(rest[at + len(opening) : end], len(calls)))
+            rest = rest[end + len(closing) :]
+        text = "".join(around)
+        for tag in self.section_tags or ():
+            text = text.replace(tag, "")
+        if not calls:
+            raise MalformedCall(f"{self.markers[0]} opens no call")
+        return text.strip(), calls
+
+    def read_call(self, body: str, index: int) -> ToolCall:
+        raise NotImplementedError
+
+
+class Hermes(TaggedFormat):
+    name = "hermes"
+    markers = ("<tool_call>",)
+    call_tags = ("<tool_call>", "</tool_call>")
+
+    def read_call(self, body: str, index: int) -> ToolCall:
+        call = load_json(body, "the call")
+        if not isinstance(call, dict):
+            raise MalformedCall("the call is not a JSON object with 'name' and 'arguments'")
+        arguments = call.get("arguments", call.get("parameters", {}))
+        return make_call(call.get("name"), arguments)
+
+
+def scalar_or_text(value: str) -> Any:
+    """A value written bare in an XML-like format: JSON when it parses as JSON, else the text itself."""
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
+def read_pairs(body: str, pattern: re.Pattern[str], what: str) -> dict[str, Any]:
+    """The key/value pairs `pattern` finds in `body`; MalformedCall if anything but whitespace is left."""
+    pairs = {key.strip(): scalar_or_text(value.strip()) for key, value in pattern.findall(body)}
+    if pattern.sub("", body).strip():
+        raise MalformedCall(f"{what} has text that is not a complete argument: {pattern.sub('', body).strip()[:80]!r}")
+    return pairs
+
+
+class Glm45(TaggedFormat):
+    name = "glm45"
+    markers = ("<tool_call>",)
+    call_tags = ("<tool_call>", "</tool_call>")
+    pair = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+    def read_call(self, body: str, index: int) -> ToolCall:
+        at = body.find("<arg_key>")
+        name, args = (body, "") if at < 0 else (body[:at], body[at:])
+        if "\n" in name.strip() or "<" in name:
+            raise MalformedCall(f"the call's name {name.strip()[:80]!r} is not a function name")
+        return make_call(name, read_pairs(args, self.pair, f"the call of {name.strip()}"))
+
+
+class DeepSeekV31(TaggedFormat):
+    name = "deepseek_v31"
+    markers = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>")
+    call_tags = ("<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>")
+    section_tags = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
+
+    def read_call(self, body: str, index: int) -> ToolCall:
+        name, sep, arguments = body.partition("<｜tool▁sep｜>")
+        if not sep:
+            raise MalformedCall("a call without <｜tool▁sep｜> between its name and its arguments")
+        return make_call(name, arguments)
+
+
+class KimiK2(TaggedFormat):
+    name = "kimi_k2"
+    markers = ("<|tool_calls_section_begin|>", "<|tool_call_begin|>")
+    call_tags = ("<|tool_call_begin|>", "<|tool_call_end|>")
+    section_tags = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
+
+    def read_call(self, body: str, index: int) -> ToolCall:
+        call_id, sep, arguments = body.partition("<|tool_call_argument_begin|>")
+        call_id = call_id.strip()
+        if not sep or ":" not in call_id:
+            raise MalformedCall("a call that is not functions.NAME:INDEX<|tool_call_argument_begin|>{arguments}")
+        name = call_id.rsplit(":", 1)[0].removeprefix("functions.")
+        return make_call(name, arguments, call_id)
+
+
+class MiniMaxM2(TaggedFormat):
+    name = "minimax_m2"
+    markers = ("<minimax:tool_call>",)
+    call_tags = ("<invoke name=", "</invoke>")
+    section_tags = ("<minimax:tool_call>", "</minimax:tool_call>")
+    head = re.compile(r'\s*"([^"]*)"\s*>(.*)', re.DOTALL)
+    pair = re.compile(r'<parameter name="([^"]*)">(.*?)</parameter>', re.DOTALL)
+
+    def read_call(self, body: str, index: int) -> ToolCall:
+        head = self.head.fullmatch(body)
+        if head is None:
+            raise MalformedCall('an <invoke> without name="NAME">')
+        name, params = head.groups()
+        return make_call(name, read_pairs(params, self.pair, f"the call of {name}"))
+
+
+class Harmony(ToolFormat):
+    """gpt-oss's calls are messages addressed ``to=functions.NAME``; the rest of a reply (its analysis and final
+    messages, markers and all) is left for the harmony reasoning parser, so this format reads the raw reply."""
+
+    name = "harmony"
+    before_reasoning = True
+    message = "<|message|>"
+    header_starts = ("<|start|>", "<|channel|>", " to=", "to=")
+    recipient = re.compile(r"to=functions\.([^\s<]+)")
+
+    def segments(self, text: str) -> list[tuple[int, str]]:
+        """(start, text) of each message in `text`: a message ends at and with an end marker."""
+        pattern = "(" + "|".join(re.escape(m) for m in HARMONY_ENDS) + ")"
+        out, start = [], 0
+        for match in re.finditer(pattern, text):
+            out.append((start, text[start : match.end()]))
+            start = match.end()
+        return [*out, (start, text[start:])]
+
+    def is_call(self, segment: str) -> bool:
+        header, sep, _ = segment.partition(self.message)
+        return bool(sep) and self.recipient.search(header) is not None
+
+    def call_start(self, text: str) -> int | None:
+        return next((start for start, seg in self.segments(text) if self.is_call(seg)), None)
+
+    def held_suffix(self, text: str) -> int:
+        start, last = self.segments(text)[-1]
+        opening = last.lstrip()
+        if self.message not in last and any(h.startswith(opening) or opening.startswith(h) for h in self.header_starts):
+            return len(last)  # a header still being written: it may yet name a recipient
+        return partial_suffix(text, (*HARMONY_ENDS, "<|start|>"))
+
+    def read_calls(self, tail: str) -> tuple[str, list[ToolCall]]:
+        around, calls = [], []
+        for _, segment in self.segments(tail):
+            if not self.is_call(segment):
+                around.append(segment)
+                continue
+            header, _, body = segment.partition(self.message)
+            name = self.recipient.search(header).group(1)
+            body = body.removesuffix("<|call|>")
+            if body.endswith(HARMONY_ENDS):
+                raise MalformedCall(f"the call of {name} ends with {body[-7:]} instead of <|call|>")
+            calls.append(make_call(name, body))
+        return "".join(around), calls
+
+
+FORMATS: dict[str, ToolFormat] = {
+    f.name: f for f in (Hermes(), Glm45(), DeepSeekV31(), KimiK2(), MiniMaxM2(), Harmony())
+}
+MODEL_TYPES = {
+    "qwen3": "hermes",
+    "qwen3_moe": "hermes",
+    "qwen3_next": "hermes",
+    "glm4_moe": "glm45",
+    "glm_moe_dsa": "glm45",
+    "deepseek_v3": "deepseek_v31",
+    "deepseek_v32": "deepseek_v31",
+    "kimi_k2": "kimi_k2",
+    "minimax_m2": "minimax_m2",
+    "gpt_oss": "harmony",
+}
+"""A model's config ``model_type`` -> its family's format."""
+TELLTALES = (
+    ("deepseek_v31", ("<｜tool▁calls▁begin｜>", "<｜tool▁sep｜>")),
+    ("kimi_k2", ("<|tool_calls_section_begin|>", "<|tool_call_argument_begin|>")),
+    ("minimax_m2", ("<minimax:tool_call>",)),
+    ("harmony", ("<|channel|>", "<|call|>")),
+    ("glm45", ("<tool_call>", "<arg_key>", "<arg_value>")),
+    ("hermes", ("<tool_call>", "</tool_call>")),
+)
+"""Tokens whose presence in a vocabulary shows a format, in the order they are tried."""
