@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DECODE_LAYOUTS = ("auto", "tp", "gather", "reshard")
+FP8_WEIGHTS = ("dequantize", "keep", "keep-reference")
 INFER_BACKENDS = ("huggingface",)
 BOOL_WORDS = {
     "true": True,
@@ -52,6 +53,9 @@ class ModelConfig:
     """Weight dtype: auto (the checkpoint's own), float32, bfloat16 or float16."""
     trust_remote_code: bool = False
     """Run modelling code shipped inside the checkpoint directory; only for checkpoints you trust."""
+    fp8_weights: str = "dequantize"
+    """FP8 block weights: dequantize, keep (FP8 under tp where torch's FP8 matmul runs, else dequantized with a
+    warning) or keep-reference (FP8 on any device, computed by the slow reference path; for checking)."""
 
     def __post_init__(self) -> None:
         coerce_fields(self, "model")
@@ -61,6 +65,7 @@ class ModelConfig:
             "or a demo name such as smollm2-135m-instruct",
         )
         check_choice("model.dtype", self.dtype, DTYPES)
+        check_choice("model.fp8_weights", self.fp8_weights, FP8_WEIGHTS)
 
 
 @dataclass

@@ -97,6 +97,10 @@ class QuantizedTensor:
             raise ValueError("packed integer checkpoints are read as little-endian bytes; this host is big-endian")
         return view.contiguous().view(torch.uint8).reshape(*self.values[:-1], -1)
 
+    def scale_grid(self, files: MappedFiles) -> torch.Tensor:
+        """The scales as float32, one per block of the stored grid (`grid()`)."""
+        return _decode_scale(self._scale_view(files), self.scale_code)
+
     def _scale_view(self, files: MappedFiles) -> torch.Tensor:
         view = files.view(self.scales).reshape(self.grid())
         return view.view(torch.uint8) if view.dtype.itemsize == 1 else view

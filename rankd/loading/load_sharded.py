@@ -30,9 +30,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardbook.rankd.loading.fp8_keep import FP8Keeping, fp8_keeping, require_keep_layout
 from shardbook.rankd.loading.load_steps import LoadSteps
 from shardbook.rankd.loading.summary import (
     checkpoint_figures,
+    fp8_figures,
     full_param_bytes,
     kv_cache_figures,
     load_summary,
@@ -85,6 +87,10 @@ class _Checkpoint:
     mesh_shape: tuple[int, ...]
     mesh_axes: tuple[str, ...]
     trust_remote_code: bool
+    fp8: FP8Keeping | None = None
+    """How FP8 block weights are kept (`model.fp8_weights`); None: dequantized."""
+    fp8_note: str = ""
+    """What `model.fp8_weights` came to, for the summary ('' for the default)."""
 
 
 def load_sharded(
@@ -176,7 +182,7 @@ def _load(
         decode_reason=reason,
     )
     if steps.ok:
-        summary.update(checkpoint_figures(targets))
+        summary.update(checkpoint_figures(targets), **fp8_figures(model, ckpt.fp8_note))
     if layout == "tp" and steps.ok:
         summary.update(tp_figures(model, ckpt.mesh_shape[-1]))
     if layout == "gather" and steps.ok:  # every rank settled above: the warm-up's collectives line up
@@ -198,11 +204,15 @@ def _decide_layout(parallel: Any, ckpt: _Checkpoint, views: list) -> tuple[str, 
     ep_sizes = (parallel.ep_size, parallel.ep_fsdp_size)
     tp_reason = tp_unavailable(ckpt.hf_config, parts) or expert_layout_problem(ckpt.hf_config, parts, *ep_sizes)
     experts_on = ep_sizes[0] * ep_sizes[1] > 1
-    requested = "tp" if parallel.decode == "auto" and experts_on else parallel.decode
+    fp8_kept = ckpt.fp8 is not None
+    requested = "tp" if parallel.decode == "auto" and (experts_on or fp8_kept) else parallel.decode
+    require_keep_layout(ckpt.fp8, requested)
     layout, reason = choose_layout(requested, views, tp_reason)
     if requested != parallel.decode:
         reason = (
             f"parallel.ep_size x ep_fsdp_size = {ep_sizes[0] * ep_sizes[1]}: expert parallelism runs in the tp layout"
+            if experts_on
+            else "model.fp8_weights keeps FP8 weights, which the tp layout holds"
         )
     return layout, reason, ep_sizes
 
@@ -233,7 +243,8 @@ def _shard_and_read_tp(
     if steps.ok:
         report("shard", 1, 1)
     rank = mesh.get_local_rank("shard")
-    steps.run("read", read_tp_slices, model, targets, plan, rank, device, steps.progress(report, "read"))
+    read_progress = steps.progress(report, "read")
+    steps.run("read", read_tp_slices, model, targets, plan, rank, device, read_progress, ckpt.fp8)
     return targets, f"; {experts.describe()}" if experts is not None else ""
 
 
@@ -296,6 +307,7 @@ def read_checkpoint(config: Any, model_path: str | Path | None, device: torch.de
     trust = bool(config.model.trust_remote_code)
     hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
     _require_causal_lm(hf_config, path)
+    fp8, fp8_note = fp8_keeping(getattr(config.model, "fp8_weights", "dequantize"), hf_config, device)
     return _Checkpoint(
         path=path,
         hf_config=hf_config,
@@ -305,6 +317,8 @@ def read_checkpoint(config: Any, model_path: str | Path | None, device: torch.de
         mesh_shape=mesh_shape,
         mesh_axes=mesh_axes,
         trust_remote_code=trust,
+        fp8=fp8,
+        fp8_note=fp8_note,
     )
 
 

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from shardbook.rankd.loading.checkpoint_names import ExpertStack, Selection, checkpoint_sources, select
 from shardbook.rankd.loading.dequantize import QuantizedTensor
+from shardbook.rankd.loading.fp8_keep import FP8Keeping
 from shardbook.rankd.loading.quantized_formats import dequantizing_index
 from shardbook.rankd.loading.safetensors_files import MappedFiles, StoredTensor, read_index
 from shardbook.rankd.parallel.layout import chunk_rows
@@ -107,12 +108,20 @@ def read_tp_slices(
     rank: int,
     device: torch.device,
     on_progress: Callable[[int, int], None],
+    keeping: FP8Keeping | None = None,
 ) -> None:
-    """Fill a `tp` model: each sliced parameter with rank `rank`'s selection in `plan`, the others whole."""
+    """Fill a `tp` model: each sliced parameter with rank `rank`'s selection in `plan`, the others whole.
+
+    With `keeping`, the linear weights stored as FP8 blocks are held as their codes and scales (`fp8_keep`).
+    """
     for target, read in _readers(targets, on_progress):
         shard = next((plan[name] for name in target.names if name in plan), None)
         selection = shard.selections[rank] if shard is not None else _whole(target.tensor)
-        tensor = read(selection, target.tensor.dtype, device)
+        module = keeping.module_of(model, target.names, target.stored) if keeping is not None else None
+        if module is not None:
+            tensor = keeping.keep(module, target.names[0], target.stored, selection, device)
+        else:
+            tensor = read(selection, target.tensor.dtype, device)
         if isinstance(target.tensor, nn.Parameter):
             tensor = nn.Parameter(tensor, requires_grad=False)
             tensor.tp_shard = shard

@@ -1,0 +1,112 @@
+"""FP8 block weights kept as FP8 (`model.fp8_weights keep`), in one process: a layer holding any rank's slice of the
+codes computes the dequantized weight's matmul, whatever the slice's boundaries inside blocks.
+
+The multi-process tests (tests/multiproc/test_fp8_keep.py) load whole checkpoints this way on 2 ranks.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from shardbook.rankd.loading.fp8_keep import FP8Keeping, fp8_keeping, require_keep_layout
+from shardbook.rankd.loading.quantized_formats import dequantizing_index
+from shardbook.rankd.loading.safetensors_files import read_index
+from shardbook.rankd.parallel import fp8_linear
+from shardbook.rankd.parallel.fp8_linear import FP8Linear, dequantized, kernel_matmul, reference_matmul
+from tests.quantized import BLOCK, expand_blocks, fp8_blocks
+
+CPU = torch.device("cpu")
+FP8_CONFIG = SimpleNamespace(
+    quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [BLOCK, BLOCK]}
+)
+
+
+@pytest.fixture(scope="module")
+def stored_weight(tmp_path_factory):
+    """A [70, 90] weight in 32 x 32 blocks (partial last blocks both ways), its stored entry and its dequantization."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    weight = torch.randn(70, 90) * 0.02
+    codes, inv = fp8_blocks(weight, BLOCK)
+    path = tmp_path_factory.mktemp("fp8")
+    save_file({"layer.weight": codes, "layer.weight_scale_inv": inv}, path / "model.safetensors")
+    stored = dequantizing_index(read_index(path), FP8_CONFIG)["layer.weight"]
+    return stored, codes.float() * expand_blocks(inv, (BLOCK, BLOCK), weight.shape)
+
+
+SELECTIONS = {
+    "whole": (None, None),
+    "rows inside blocks (colwise tp)": ((range(7, 45),), None),
+    "rows in two ranges (shared kv rows)": ((range(10), range(40, 50)), None),
+    "columns inside blocks (rowwise tp)": (None, (range(20, 77),)),
+    "columns from a block boundary": (None, (range(32, 90),)),
+}
+
+
+@pytest.mark.parametrize("selection", list(SELECTIONS))
+def test_a_kept_slice_computes_the_dequantized_matmul(stored_weight, monkeypatch, selection):
+    monkeypatch.setattr(fp8_linear, "PIECE_ELEMENTS", 200)  # a few rows at a time: pieces end mid-block
+    stored, values = stored_weight
+    rows, columns = SELECTIONS[selection]
+    want = values
+    if rows is not None:
+        want = torch.cat([want[r.start : r.stop] for r in rows])
+    if columns is not None:
+        want = want[:, columns[0].start : columns[0].stop]
+    layer = nn.Linear(want.shape[1], want.shape[0], bias=True)
+    codes = FP8Keeping(kernel=False).keep(layer, "layer.weight", stored, (rows, columns), CPU)
+    layer.weight = nn.Parameter(codes, requires_grad=False)
+    assert isinstance(layer, FP8Linear) and layer.weight.dtype == torch.float8_e4m3fn
+    assert layer.weight.shape == want.shape  # the codes of exactly the held slice
+    assert torch.equal(dequantized(layer), want)
+    x = torch.randn(3, 4, want.shape[1])
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), x @ want.T + layer.bias, rtol=1e-5, atol=1e-6)
+
+
+def test_the_reference_path_passes_gradients_to_its_input(stored_weight):
+    stored, values = stored_weight
+    layer = nn.Linear(90, 70, bias=False)
+    layer.weight = nn.Parameter(FP8Keeping(kernel=False).keep(layer, "w", stored, (None, None), CPU), False)
+    x = torch.randn(2, 90, requires_grad=True)
+    layer(x).sum().backward()
+    torch.testing.assert_close(x.grad, values.sum(0).expand(2, -1), rtol=1e-5, atol=1e-6)
+
+
+def test_columns_in_two_ranges_are_refused(stored_weight):
+    with pytest.raises(ValueError, match="one range of columns per rank.*fp8_weights dequantize"):
+        FP8Keeping(kernel=False).keep(nn.Linear(20, 70), "w", stored_weight[0], (None, (range(10), range(50, 60))), CPU)
+
+
+def test_each_choice_says_what_happens_on_a_cpu(caplog):
+    assert fp8_keeping("dequantize", FP8_CONFIG, CPU) == (None, "")
+    keeping, note = fp8_keeping("keep-reference", FP8_CONFIG, CPU)
+    assert keeping is not None and not keeping.kernel and "reference path" in note
+    keeping, note = fp8_keeping("keep", FP8_CONFIG, CPU)  # no FP8 matmul on a CPU: overridden, with a warning
+    assert keeping is None and "cpu devices have no FP8 matmul" in note and "dequantized" in note
+    assert note in caplog.text
+    unquantized = SimpleNamespace(quantization_config=None)
+    assert fp8_keeping("keep-reference", unquantized, CPU)[0] is None  # nothing to keep
+    with pytest.raises(ValueError, match="parallel.decode tp only.*parallel.decode is gather"):
+        require_keep_layout(FP8Keeping(kernel=False), "gather")
+
+
+@pytest.mark.gpu
+def test_the_kernel_agrees_with_the_reference_path():
+    """torch's blockwise FP8 matmul (activations quantized to e4m3 too) against the exact reference."""
+    if not torch.cuda.is_available() or fp8_linear.kernel_unavailable(torch.device("cuda")):
+        pytest.skip("needs a CUDA GPU of compute capability 8.9 or higher")
+    torch.manual_seed(0)
+    weight = torch.randn(256, 512) * 0.02
+    codes, inv = fp8_blocks(weight, 128)
+    scales = inv.repeat_interleave(128, dim=0).cuda()  # per row, 1 x 128
+    codes = codes.cuda()
+    x = torch.randn(5, 512, device="cuda", dtype=torch.bfloat16)
+    want = reference_matmul(x.float(), codes, scales, 0, 128)
+    got = kernel_matmul(x, codes, scales.t().contiguous().t()).float()
+    torch.testing.assert_close(got, want, rtol=0.1, atol=0.02 * want.abs().max().item())
