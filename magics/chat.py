@@ -8,6 +8,7 @@ from IPython.core.magic_arguments import argument, argument_group, magic_argumen
 from IPython.display import display
 
 from shardbook.kernel.api.conversation import Conversation, parse_template_args
+from shardbook.kernel.api.reasoning import Split
 from shardbook.kernel.ranks.pool import PoolError
 from shardbook.kernel.ranks.runtime import get_runtime
 from shardbook.magics.arguments import parse_line
@@ -158,15 +159,7 @@ class ChatMagics(Magics):
 
     def _reply(self, text: str, args):
         # imported on first use: it brings in transformers, which the kernel's start need not wait for
-        from shardbook.kernel.api.batch import batch_refusal
-        from shardbook.kernel.api.chat import (
-            SETTINGS,
-            BatchChatStream,
-            ChatModel,
-            ChatStream,
-            GenerationFailed,
-        )
-        from shardbook.kernel.ranks.foreground import sigint_calls
+        from shardbook.kernel.api.chat import SETTINGS, ChatModel
 
         try:
             runtime = get_runtime(self.shell)
@@ -184,12 +177,22 @@ class ChatMagics(Magics):
             )
         except (PoolError, ValueError) as e:
             raise UsageError(str(e)) from e
+        self._stream_reply(runtime, model, request, args, text)
+
+    def _stream_reply(self, runtime, model, request, args, text: str):
+        """One reply streamed into a view, its reasoning apart; it joins the conversation and becomes ``_chat``."""
+        from shardbook.kernel.api.batch import batch_refusal
+        from shardbook.kernel.api.chat import BatchChatStream, ChatStream, GenerationFailed
+        from shardbook.kernel.api.replies import ReplyParts, request_format
+        from shardbook.kernel.ranks.foreground import sigint_calls
+
         use_widget = args.output == "widget" or (args.output is None and widgets_available(self.shell))
         view = WidgetChatView() if use_widget else TextChatView()
         relay = RankRelay(frontend_for(self.shell), label_ranks=True)
         notice = model.template_notice(request.template_options)
         if notice:
             relay.notice(notice)
+        parts = ReplyParts(request_format(runtime, request))
         if args.no_batch or batch_refusal(runtime) is not None:  # the model or its interventions need one reply
             stream = ChatStream(runtime, request, on_notice=relay.notice, start=False)
         else:
@@ -203,18 +206,20 @@ class ChatMagics(Magics):
                 raise UsageError(str(e)) from e
             try:
                 for chunk in stream:
-                    view.add(chunk)
+                    view.add(parts.feed(chunk))
+                view.add(parts.finish())
             except GenerationFailed as e:
                 if stream.stopped and stream.response is not None:  # the partial reply happened: keep the turn
-                    self.conversation.add_turn(text, stream.response.text, stream.response.finish_reason)
+                    partial = parts.apart(stream.response)
+                    self.conversation.add_turn(text, partial.text, partial.finish_reason, partial.reasoning)
                 view.fail("a rank failed")
                 raise_for_outcome(e.outcome)
             except PoolError as e:
                 view.fail(str(e))
                 raise UsageError(str(e)) from e
-            response = stream.response
-            self.conversation.add_turn(text, response.text, response.finish_reason)
+            response = parts.apart(stream.response)
+            self.conversation.add_turn(text, response.text, response.finish_reason, response.reasoning)
             self.shell.user_ns["_chat"] = response
-            view.finish(response.status_line(), response.text)
+            view.finish(response.status_line(), Split(response.reasoning, response.text))
             if response.scores:
                 display(ScoresView(response.scores))

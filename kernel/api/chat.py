@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from shardbook.kernel.api.conversation import template_options_for, unread_template_options, with_system_prompt
+from shardbook.kernel.api.replies import ReplyParts, request_format
 from shardbook.kernel.ranks.foreground import sigint_calls
 from shardbook.kernel.ranks.generation_queue import CHAT_SOURCE, Turn
 from shardbook.kernel.ranks.pool import Command, Outcome, PoolError
@@ -44,12 +45,19 @@ SETTINGS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "rep
 class ChatResponse(GenerationResult):
     """A finished reply with its measurements (rank 0's ``GenerationResult``, received as a dict).
 
-    ``scores``, when asked for, arrive as plain dicts: ``{token_id, text, prob, alternatives}``.
+    ``scores``, when asked for, arrive as plain dicts: ``{token_id, text, prob, alternatives}``. Once split by
+    the model's reasoning format (``ChatModel.chat``, ``%%chat``), ``text`` is the answer and ``reasoning`` the
+    reasoning; after a tool loop ``steps`` holds each tool call (:class:`~shardbook.kernel.api.tools.ToolStep`).
     """
+
+    reasoning: str = ""
+    """The reply's reasoning, apart from its answer (``text``); empty when the model wrote none."""
+    steps: tuple = ()
+    """The tool calls run before this reply, in order (``ChatModel.chat(tools=...)``, ``%%chat --tools``)."""
 
     @classmethod
     def from_result(cls, result: dict[str, Any]) -> ChatResponse:
-        return cls(**{f.name: result.get(f.name) for f in fields(cls)})
+        return cls(**{f.name: result[f.name] for f in fields(cls) if f.name in result})
 
     def status_line(self) -> str:
         return (
@@ -520,14 +528,16 @@ class ChatModel:
         return ChatStream(self.runtime, self.build_request(messages, **settings), on_notice)
 
     def chat(self, messages: str | list[dict[str, str]], *, batch: bool = False, **settings: Any) -> ChatResponse:
-        return self.stream_chat(messages, batch=batch, **settings).wait()
+        """The finished reply, its ``reasoning`` apart from its answer (``text``)."""
+        stream = self.stream_chat(messages, batch=batch, **settings)
+        return ReplyParts(request_format(self.runtime, stream.request)).apart(stream.wait())
 
     async def achat(self, messages: str | list[dict[str, str]], **settings: Any) -> ChatResponse:
         """``chat`` without blocking the caller's event loop (the ranks are driven from a worker thread)."""
         stream = AsyncChatStream(self.runtime, self.build_request(messages, **settings))
         async for _ in stream:
             pass
-        return stream.response
+        return ReplyParts(request_format(self.runtime, stream.request)).apart(stream.response)
 
     def generate_many(
         self,

@@ -12,6 +12,8 @@ from shardbook.rankd.control.text import check_valid
 
 THINKING_KEYS = ("enable_thinking", "thinking")
 """The families' thinking switches: Qwen3 and GLM read ``enable_thinking``, DeepSeek-V3.1 and V3.2 ``thinking``."""
+MESSAGE_KEYS = ("role", "content", "reasoning_content", "tool_calls", "tool_call_id", "name")
+"""What a kept turn sends back to the chat template (``interrupted`` is the history's own mark)."""
 PYTHON_CONSTANTS = {"True": True, "False": False, "None": None}
 """Python's spellings read as JSON's: ``enable_thinking=False`` must not reach the template as the string 'False'."""
 
@@ -101,14 +103,23 @@ class Conversation:
     thinking: bool | None = None
     template_options: dict[str, Any] = field(default_factory=dict)
 
-    def request_messages(self, user_text: str) -> list[dict[str, str]]:
-        """The whole conversation plus the new user message, as the chat template wants it."""
-        history = [{"role": t["role"], "content": t["content"]} for t in self.turns]
+    def request_messages(self, user_text: str) -> list[dict[str, Any]]:
+        """The whole conversation plus the new user message, as the chat template wants it: an assistant turn
+        brings its ``reasoning_content`` and ``tool_calls``, a tool result its ``tool_call_id`` and ``name``
+        (the template decides what to render; most drop earlier reasoning)."""
+        history = [{k: v for k, v in t.items() if k in MESSAGE_KEYS} for t in self.turns]
         return with_system_prompt([*history, {"role": "user", "content": user_text}], self.system_prompt)
 
-    def add_turn(self, user_text: str, reply: str, finish_reason: str) -> None:
-        self.turns.append({"role": "user", "content": user_text})
-        assistant = {"role": "assistant", "content": reply}
+    def add_turn(self, user_text: str, reply: str, finish_reason: str, reasoning: str = "") -> None:
+        """The user's message and the assistant's reply (its reasoning kept apart, as ``reasoning_content``)."""
+        self.add_messages([{"role": "user", "content": user_text}], reply, finish_reason, reasoning)
+
+    def add_messages(self, messages: list[dict[str, Any]], reply: str, finish_reason: str, reasoning: str = "") -> None:
+        """`messages` (the user's, then a tool loop's calls and results), then the assistant's final reply."""
+        from shardbook.kernel.api.replies import assistant_message
+
+        self.turns.extend(messages)
+        assistant = assistant_message(reply, reasoning)
         if finish_reason == "interrupted":
             assistant["interrupted"] = True
         self.turns.append(assistant)
@@ -187,6 +198,23 @@ class Conversation:
         if self.thinking is not None or self.template_options:
             lines.append(self.template_line())
         for turn in self.turns:
-            mark = " (interrupted)" if turn.get("interrupted") else ""
-            lines.append(f"[{turn['role']}{mark}] {turn['content']}")
+            lines.extend(turn_lines(turn))
         return "\n".join(lines) or "(empty conversation)"
+
+
+def turn_lines(turn: dict[str, Any]) -> list[str]:
+    """A kept turn as history lines: an assistant's reasoning on a line of its own before its answer, its tool
+    calls as ``name(arguments)``, a tool's result under the tool's name."""
+    role = turn["role"]
+    if role == "tool":
+        name = f" {turn['name']}" if turn.get("name") else ""
+        return [f"[tool{name}] {turn['content']}"]
+    mark = " (interrupted)" if turn.get("interrupted") else ""
+    lines = [f"[{role} reasoning{mark}] {turn['reasoning_content']}"] if turn.get("reasoning_content") else []
+    calls = turn.get("tool_calls") or []
+    if turn["content"] or not calls:
+        lines.append(f"[{role}{mark}] {turn['content']}")
+    for call in calls:
+        function = call.get("function", {})
+        lines.append(f"[{role} calls] {function.get('name')}({json.dumps(function.get('arguments'))})")
+    return lines

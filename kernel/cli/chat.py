@@ -448,6 +448,7 @@ class TerminalChat:
     def reply(self, text: str) -> None:
         """Stream the reply to ``text``; Ctrl-C meanwhile stops it on every rank and keeps what was written."""
         from shardbook.kernel.api.chat import ChatStream, GenerationFailed
+        from shardbook.kernel.api.replies import ReplyParts, marked, request_format
         from shardbook.kernel.ranks.foreground import sigint_calls
 
         try:
@@ -464,17 +465,19 @@ class TerminalChat:
         if notice:
             self.terminal.notice(notice)
         stream = ChatStream(self.model.runtime, request, on_notice=self.terminal.notice, start=False)
+        parts = ReplyParts(request_format(self.model.runtime, request))
         with sigint_calls(stream.stop):
             stream.start()
             try:
                 for chunk in stream:
-                    self.terminal.write_reply(chunk)
+                    self.terminal.write_reply(marked(parts.feed(chunk), parts))
+                self.terminal.write_reply(marked(parts.finish(), parts))
             except (GenerationFailed, TimeoutError) as e:
                 self.terminal.end_reply()
                 why = describe_failures(e.outcome) if isinstance(e, GenerationFailed) else str(e)
                 self.terminal.error(f"no reply: {why}")
                 return
             self.terminal.end_reply()
-            response = stream.response
+            response = parts.apart(stream.response)
             self.terminal.status(response.status_line())
-            self.conversation.add_turn(text, response.text, response.finish_reason)
+            self.conversation.add_turn(text, response.text, response.finish_reason, response.reasoning)

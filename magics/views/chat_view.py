@@ -15,40 +15,57 @@ import time
 
 from IPython.display import display
 
+from shardbook.kernel.api.reasoning import Split
+from shardbook.kernel.api.replies import ANSWER_MARK, REASONING_MARK, marked
+
 MAX_UPDATES_PER_S = 20
 
 
 class WidgetChatView:
-    """An HTML widget holding the reply so far, and a status line under it, each in a display of its own."""
+    """The reply so far in an HTML widget, under a collapsible "Reasoning" part (hidden until the model reasons),
+    and a status line, each in a display of its own. ``add`` takes :class:`Split` pieces."""
 
     def __init__(self):
         import ipywidgets as w
 
+        self.thoughts = w.HTML(value=self._render("", "shardbook-reasoning"))
+        self.reasoning_part = w.Accordion(children=[self.thoughts], titles=("Reasoning",))
+        self.reasoning_part.layout.display = "none"
         self.reply = w.HTML(value=self._render(""))
         self.status = w.HTML(value="<i>generating…</i>")
-        self.text = ""
-        self._shown = ""
+        self.whole = Split()
+        self._shown = Split()
         self._last_update = 0.0
-        self._reply_display = display(self.reply, display_id=True)
+        self._reply_display = display(w.VBox([self.reasoning_part, self.reply]), display_id=True)
         self._status_display = display(self.status, display_id=True)
 
-    @staticmethod
-    def _render(text: str) -> str:
-        return f"<div class='shardbook-reply' style='white-space: pre-wrap'>{html.escape(text)}</div>"
+    @property
+    def text(self) -> str:
+        return self.whole.content
 
-    def add(self, chunk: str) -> None:
-        self.text += chunk
+    @staticmethod
+    def _render(text: str, kind: str = "shardbook-reply") -> str:
+        return f"<div class='{kind}' style='white-space: pre-wrap'>{html.escape(text)}</div>"
+
+    def add(self, piece: Split) -> None:
+        self.whole += piece
         if time.monotonic() - self._last_update >= 1 / MAX_UPDATES_PER_S:
             self._refresh()
 
     def _refresh(self) -> None:
-        if self.text != self._shown:
-            self.reply.value = self._render(self.text)
-            self._shown = self.text
+        """Replace the values that changed (never append): the reasoning part shows itself on its first text."""
+        if self.whole == self._shown:  # nothing new (a tag held back): the next piece may show at once
+            return
+        if self.whole.reasoning != self._shown.reasoning:
+            self.thoughts.value = self._render(self.whole.reasoning, "shardbook-reasoning")
+            self.reasoning_part.layout.display = None
+        if self.whole.content != self._shown.content:
+            self.reply.value = self._render(self.whole.content)
+        self._shown = self.whole
         self._last_update = time.monotonic()
 
-    def finish(self, status: str, final_text: str) -> None:
-        self.text = final_text
+    def finish(self, status: str, final: Split) -> None:
+        self.whole = final
         self._settle(status)
 
     def fail(self, why: str) -> None:
@@ -56,25 +73,40 @@ class WidgetChatView:
 
     def _settle(self, status: str) -> None:
         """Replace the live widgets, in place, by the reply as markdown and the status as HTML; close the widgets."""
-        self._reply_display.update({"text/markdown": self.text, "text/plain": self.text}, raw=True)
+        self._reply_display.update(final_data(self.whole), raw=True)
         self._status_display.update(
             {"text/html": f"<small>{html.escape(status)}</small>", "text/plain": f"[{status}]"}, raw=True
         )
-        self.reply.close()
-        self.status.close()
+        for widget in (self.reply, self.thoughts, self.reasoning_part, self.status):
+            widget.close()
+
+
+def final_data(reply: Split) -> dict[str, str]:
+    """A finished reply as display data: the answer as markdown, under its reasoning (if any) in a collapsed
+    ``<details>`` block quoted and headed "Reasoning"; the plain text marks the two parts too."""
+    if not reply.reasoning:
+        return {"text/markdown": reply.content, "text/plain": reply.content}
+    quoted = "\n".join(f"> {line}" for line in reply.reasoning.splitlines())
+    return {
+        "text/markdown": f"<details><summary>Reasoning</summary>\n\n{quoted}\n\n</details>\n\n{reply.content}",
+        "text/plain": f"{REASONING_MARK}\n{reply.reasoning}\n{ANSWER_MARK}\n{reply.content}",
+    }
 
 
 class TextChatView:
-    """Chunks written to stdout, at most ``MAX_UPDATES_PER_S`` writes a second; the status line after."""
+    """Chunks written to stdout, at most ``MAX_UPDATES_PER_S`` writes a second, the reasoning between
+    ``[reasoning]`` and ``[answer]`` marks; the status line after. ``add`` takes :class:`Split` pieces."""
 
     def __init__(self, stream=None):
         self.stream = stream or sys.stdout
         self.text = ""
+        """What was (or is about to be) written, marks included."""
+        self.in_reasoning = False
         self._written = 0
         self._last_write = 0.0
 
-    def add(self, chunk: str) -> None:
-        self.text += chunk
+    def add(self, piece: Split) -> None:
+        self.text += marked(piece, self)
         if time.monotonic() - self._last_write >= 1 / MAX_UPDATES_PER_S:
             self._write_pending()
 
@@ -85,9 +117,7 @@ class TextChatView:
             self._written = len(self.text)
         self._last_write = time.monotonic()
 
-    def finish(self, status: str, final_text: str) -> None:
-        if final_text.startswith(self.text):
-            self.text = final_text
+    def finish(self, status: str, final: Split | None = None) -> None:
         self._write_pending()
         self.stream.write(f"\n[{status}]\n")
         self.stream.flush()

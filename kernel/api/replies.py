@@ -1,0 +1,89 @@
+"""A chat reply's reasoning apart from its answer, as it streams and once finished, for rank 0's own chat callers
+(``%%chat``, the terminal chat, ``ChatModel.chat``): the same parsers as the endpoint's ``reasoning_content``."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from shardbook.kernel.api.reasoning import ReasoningFormat, Split, reasoning_format
+
+REASONING_MARK, ANSWER_MARK = "[reasoning]", "[answer]"
+"""How plain text marks a reply's reasoning apart from its answer (``%%chat --output text``, the terminal)."""
+
+if TYPE_CHECKING:
+    from shardbook.kernel.api.chat import ChatResponse
+    from shardbook.kernel.api.tool_calls import ParsedReply, ToolFormat
+    from shardbook.kernel.ranks.runtime import Runtime
+    from shardbook.rankd.generation.engine import GenerationRequest
+
+
+def request_format(runtime: Runtime, request: GenerationRequest) -> ReasoningFormat:
+    """How the loaded model's reply to `request` carries its reasoning (its prompt may open a think block)."""
+    from shardbook.rankd.generation.engine import build_prompt_ids
+
+    loaded = runtime.ctx0.state["loaded"]
+    prompt = build_prompt_ids(loaded.tokenizer, request.messages, request.template_options)[0].tolist()
+    return reasoning_format(getattr(loaded.model, "config", None), loaded.tokenizer, prompt)
+
+
+class ReplyParts:
+    """One reply's text chunks split as they stream (``feed``, then ``finish``): its reasoning apart from its
+    content, and, given a tool format, its calls held out of the content; ``split`` reads the finished response."""
+
+    def __init__(self, fmt: ReasoningFormat, tools: ToolFormat | None = None):
+        from shardbook.kernel.api.tool_calls import ReplyStream
+
+        self.fmt = fmt
+        self.tools = tools
+        self.stream = ReplyStream(fmt, tools)
+        self.in_reasoning = False
+        """Which part :func:`marked` wrote last."""
+
+    def feed(self, chunk: str) -> Split:
+        return self.stream.feed(chunk)
+
+    def finish(self) -> Split:
+        return self.stream.finish()
+
+    def split(self, response: ChatResponse) -> tuple[ChatResponse, ParsedReply]:
+        """The response with ``text`` its content and ``reasoning`` apart, and its calls (none without tools)."""
+        from shardbook.kernel.api.tool_calls import split_reply
+
+        reasoning, parsed = split_reply(response.text, self.fmt, self.tools)
+        return replace(response, text=parsed.content, reasoning=reasoning), parsed
+
+    def apart(self, response: ChatResponse) -> ChatResponse:
+        return self.split(response)[0]
+
+
+def prompt_text(runtime: Runtime, request: GenerationRequest) -> str:
+    """The request's prompt as text, rendered as every rank renders it (what ``%trace`` reads as a prompt)."""
+    tokenizer = runtime.ctx0.state["loaded"].tokenizer
+    return tokenizer.apply_chat_template(
+        request.messages, add_generation_prompt=True, tokenize=False, **request.template_options
+    )
+
+
+def assistant_message(answer: str, reasoning: str = "", **extra: Any) -> dict[str, Any]:
+    """The assistant's turn as chat templates read it back: the answer as ``content``, the reasoning as
+    ``reasoning_content`` (Qwen3's and GLM's templates read it; most drop it from earlier turns)."""
+    message: dict[str, Any] = {"role": "assistant", "content": answer}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    return {**message, **extra}
+
+
+def marked(piece: Split, state) -> str:
+    """A piece as streamed text: ``[reasoning]`` opens the reasoning and ``[answer]`` the answer after it, each
+    on a line of its own; `state.in_reasoning` (a view, the terminal) remembers which part is being written."""
+    out = ""
+    if piece.reasoning:
+        out += "" if state.in_reasoning else f"{REASONING_MARK}\n"
+        out += piece.reasoning
+        state.in_reasoning = True
+    if piece.content:
+        out += f"\n{ANSWER_MARK}\n" if state.in_reasoning else ""
+        out += piece.content
+        state.in_reasoning = False
+    return out

@@ -1,0 +1,81 @@
+"""%%chat shows a reply's reasoning apart from its answer, on 2 ranks: a tiny model taught to answer "Hello" with a
+think block, its reasoning in the widget's own part and marked in plain text, `_chat.reasoning` / `_chat.text`,
+`%chat --history`, and the next turn's prompt built by the template's rule for earlier reasoning."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_chat import final_outputs
+from tests.taught import THINK_TAGS, save_taught, tag_tokenizer, teach
+
+pytestmark = pytest.mark.timeout(240)
+
+REASONING, ANSWER = "Greet back.", "Hello!"
+KEEPING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if keep_reasoning is defined and keep_reasoning and m.reasoning_content %}"
+    "<think>{{ m.reasoning_content }}</think>{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""Drops earlier reasoning, as most families' templates do, unless ``keep_reasoning`` is set."""
+
+
+def prompt_length(tokenizer, messages: list[dict], options: dict | None = None) -> int:
+    from shardbook.rankd.generation.engine import build_prompt_ids
+
+    return build_prompt_ids(tokenizer, messages, options).shape[1]
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory) -> tuple[Path, object]:
+    """The taught model saved where `%load_sharded` reads it, and its tokenizer."""
+    tokenizer = tag_tokenizer(THINK_TAGS, KEEPING_TEMPLATE)
+    hello = [{"role": "user", "content": "Hello"}]
+    from shardbook.rankd.generation.engine import build_prompt_ids
+
+    model = teach(tokenizer, [(build_prompt_ids(tokenizer, hello)[0].tolist(), f"<think>{REASONING}</think>{ANSWER}")])
+    return save_taught(tmp_path_factory.mktemp("thinker") / "llama", model, tokenizer), tokenizer
+
+
+def test_reasoning_apart_in_the_widget_chat_history_and_next_prompt(kernel, thinker):
+    path, tokenizer = thinker
+    ex = kernel.run(f"%load_sharded --model.model_name_or_path {path} --inference.system_prompt none", timeout=120)
+    assert ex.status == "ok", ex.error_text() + ex.stderr()
+    assert kernel.run('%chat --reset --system "" --clear-template-args').status == "ok"
+
+    ex = kernel.run("%%chat --max-new-tokens 24\nHello", timeout=60)
+    assert ex.status == "ok", ex.error_text() + ex.stderr()
+    live = [
+        m["content"]["data"]["state"]["value"]
+        for m in ex.of_type("comm_open", "comm_msg")
+        if "shardbook-reasoning" in str(m["content"].get("data", {}).get("state", {}).get("value", ""))
+    ]
+    assert any("Greet" in v for v in live), f"the reasoning never streamed into its own part: {live}"
+    [reply] = [o["data"] for o in final_outputs(ex) if "text/markdown" in o["data"]]
+    assert reply["text/markdown"].startswith("<details><summary>Reasoning</summary>\n\n> Greet back.\n")
+    assert reply["text/markdown"].endswith(f"</details>\n\n{ANSWER}")
+    assert reply["text/plain"] == f"[reasoning]\n{REASONING}\n[answer]\n{ANSWER}"
+    parts = kernel.run("print(repr(_chat.reasoning), repr(_chat.text), _chat.finish_reason)").stdout().strip()
+    assert parts == f"{REASONING!r} {ANSWER!r} stop"
+
+    history = kernel.run("%chat --history").stdout()
+    assert f"[assistant reasoning] {REASONING}\n[assistant] {ANSWER}" in history, history
+    kept = {"role": "assistant", "content": ANSWER, "reasoning_content": REASONING}
+    asked = [{"role": "user", "content": "Hello"}, kept, {"role": "user", "content": "Hello"}]
+    raw = [asked[0], {"role": "assistant", "content": f"<think>{REASONING}</think>{ANSWER}"}, asked[2]]
+
+    def second_turn_tokens(flags: str) -> int:
+        ex = kernel.run(f"%%chat --output text --max-new-tokens 24 {flags}\nHello", timeout=60)
+        assert ex.status == "ok", ex.error_text() + ex.stderr()
+        assert kernel.run("%chat --reset").status == "ok"
+        first = kernel.run("%%chat --output text --max-new-tokens 24\nHello")  # the first turn again
+        assert first.stdout().startswith(f"[reasoning]\n{REASONING}\n[answer]\n{ANSWER}\n["), first.stdout()
+        return int(ex.stdout().rsplit("[", 1)[1].split()[0])
+
+    dropped = second_turn_tokens("")
+    assert dropped == prompt_length(tokenizer, asked) < prompt_length(tokenizer, raw)
+    kept_tokens = second_turn_tokens("--template-arg keep_reasoning=true")
+    assert kept_tokens == prompt_length(tokenizer, asked, {"keep_reasoning": True}) > dropped
