@@ -78,17 +78,19 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict:
     """name -> (quantized path, its reference logits, the reference of its named weight, experts?)."""
+    return {name: make_checkpoint(name, tmp_path_factory.mktemp(name)) for name in CHECKPOINTS}
+
+
+def make_checkpoint(name: str, root: Path) -> tuple:
+    """`CHECKPOINTS[name]` written under `root`: its path, its reference logits and weight, whether it has experts."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    made = {}
-    for name, (make, fmt, experts, weight) in CHECKPOINTS.items():
-        root = tmp_path_factory.mktemp(name)
-        quantized, twin = write_quantized(make(root / "float32"), root / "model", fmt)
-        model = AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
-        with torch.no_grad():
-            logits = model(prompt_ids(AutoTokenizer.from_pretrained(twin))).logits
-        made[name] = (quantized, logits, model.get_parameter(weight).detach().clone(), experts)
-    return made
+    make, fmt, experts, weight = CHECKPOINTS[name]
+    quantized, twin = write_quantized(make(root / "float32"), root / "model", fmt)
+    model = AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(prompt_ids(AutoTokenizer.from_pretrained(twin))).logits
+    return quantized, logits, model.get_parameter(weight).detach().clone(), experts
 
 
 def load_each(rank: int, paths: dict, parallel: dict) -> dict:
