@@ -40,6 +40,8 @@ def summary_table(summary: dict[str, Any]) -> Table:
     ]
     if summary.get("quantized_tensors"):
         facts.append(["checkpoint", quantized_line(summary)])
+    if summary.get("fp8_weights"):
+        facts.append(["fp8 weights", fp8_line(summary)])
     if "warm_up_s" in summary:  # gather: one forward inside the load gathered every layer
         facts.append(["warm-up forward", f"{summary['warm_up_s']:.2f} s (every layer gathered, kept)"])
     if "replicated_param_bytes" in summary:  # the tp layout: what every rank keeps whole
@@ -67,6 +69,19 @@ def quantized_line(summary: dict[str, Any]) -> str:
     return (
         f"{formats}, dequantized to {summary['dtype']}; {format_bytes(summary['checkpoint_bytes'])} on disk, "
         f"{format_bytes(summary['full_param_bytes'])} dequantized, held per rank: {held}"
+    )
+
+
+def fp8_line(summary: dict[str, Any]) -> str:
+    """What `model.fp8_weights` came to: which layers hold FP8 codes, and how they compute."""
+    kept = summary["fp8_kept_modules"]
+    if not kept:
+        return summary["fp8_weights"]
+    reference = kept - summary["fp8_kernel_modules"]
+    return (
+        f"{kept} linear layer(s) held as e4m3 codes with their scales ({format_bytes(summary['fp8_scale_bytes'])} "
+        f"of scales on rank 0), {summary['fp8_kernel_modules']} computed by torch's FP8 matmul, {reference} by the "
+        f"reference path; the other quantized tensors dequantized to {summary['dtype']}"
     )
 
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardbook.rankd.parallel.fp8_linear import FP8Linear, dequantized
 from shardbook.rankd.parallel.tp_modules import TPShard, tp_shard_of
 
 SIBLING_SPLITS = {"act_fn": "gate_proj", "q_norm": "q_proj", "k_norm": "k_proj"}
@@ -167,10 +168,17 @@ def full_parameter_on_rank0(model: nn.Module, param: torch.Tensor) -> torch.Tens
     if isinstance(param, DTensor):
         whole = param.full_tensor()  # an all-gather over the parameter's mesh
         return whole if dist.get_rank() == 0 else None
+    local = _values(model, param)
     shard = tp_shard_of(param)
     if shard is None:
-        return param.detach() if dist.get_rank() == 0 else None
-    return _gather_selections(param.detach(), shard, tp_group(model))
+        return local if dist.get_rank() == 0 else None
+    return _gather_selections(local, shard, tp_group(model))
+
+
+def _values(model: nn.Module, param: torch.Tensor) -> torch.Tensor:
+    """This rank's values of `param`: the dequantized weight (float32) where an FP8 layer holds it as codes."""
+    owner = next((m for m in model.modules() if isinstance(m, FP8Linear) and m.weight is param), None)
+    return param.detach() if owner is None else dequantized(owner)
 
 
 def full_gradient_on_rank0(model: nn.Module, param: torch.Tensor) -> torch.Tensor | None:

@@ -14,7 +14,7 @@ import torch
 
 from tests.multiproc.test_loading import prompt_ids
 from tests.multiproc.test_mla import close
-from tests.multiproc.test_quantized import make_checkpoint
+from tests.multiproc.test_quantized import CHECKPOINTS, make_checkpoint
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -39,9 +39,10 @@ def load_runs(rank: int, runs: dict) -> dict:
     from shardbook.rankd.config.schema import ModelConfig, ParallelConfig, ShardbookConfig
     from shardbook.rankd.loading.load_sharded import load_sharded
     from shardbook.rankd.parallel.fp8_linear import FP8Linear
+    from shardbook.rankd.parallel.wholes import full_parameter_on_rank0
 
     results = {}
-    for name, (path, fp8_weights, parallel) in runs.items():
+    for name, (path, weight, fp8_weights, parallel) in runs.items():
         model = ModelConfig(model_name_or_path=str(path), dtype="float32", fp8_weights=fp8_weights)
         try:
             loaded = load_sharded(ShardbookConfig(model=model, parallel=ParallelConfig(**parallel)), device="cpu")
@@ -57,12 +58,15 @@ def load_runs(rank: int, runs: dict) -> dict:
             "code_dtypes": {m.weight.dtype for m in kept},
             "code_elements": sum(m.weight.numel() for m in kept),
             "held_bytes": sum(m.weight.nbytes + m.weight_scale_inv.nbytes for m in kept),
+            "whole": full_parameter_on_rank0(loaded.model, loaded.model.get_parameter(weight)),
         }
     return results
 
 
 def test_kept_fp8_weights_match_their_dequantization(ranks, checkpoints):
-    runs = {name: (checkpoints[ckpt][0], fp8, parallel) for name, (ckpt, fp8, parallel) in RUNS.items()}
+    from shardbook.magics.views.tables import fp8_line
+
+    runs = {name: (checkpoints[c][0], CHECKPOINTS[c][3], fp8, parallel) for name, (c, fp8, parallel) in RUNS.items()}
     per_rank = ranks(load_runs, runs, deadline=500)
     for name, (ckpt, fp8, _) in RUNS.items():
         reference = checkpoints[ckpt][1]
@@ -81,6 +85,8 @@ def test_kept_fp8_weights_match_their_dequantization(ranks, checkpoints):
             # one byte a code plus a float32 scale per row per 32 columns: 0.56 of bf16's two bytes (0.52 at 128)
             assert got["held_bytes"] <= 0.6 * 2 * got["code_elements"], got
             assert summary["fp8_kept_modules"] > 0 and summary["fp8_kernel_modules"] == 0, summary
+        if "whole" in per_rank[0][name]:  # full_parameter dequantizes kept codes: q_proj split, kv_a_proj whole
+            torch.testing.assert_close(per_rank[0][name]["whole"], checkpoints[ckpt][2], atol=0, rtol=0, msg=name)
     llama = per_rank[0]["llama tp"]["summary"]["fp8_kept"]
     # every FP8 linear of both layers is kept (lm_head and embeddings are not FP8 in the checkpoint)
     assert set(llama) == {
@@ -95,5 +101,7 @@ def test_kept_fp8_weights_match_their_dequantization(ranks, checkpoints):
             "mlp.down_proj",
         )
     }, llama
+    line = fp8_line(per_rank[0]["llama tp"]["summary"])
+    assert line.startswith("14 linear layer(s) held as e4m3 codes") and "14 by the reference path" in line, line
     deepseek = per_rank[0]["deepseek-v3.1 tp ep2"]["summary"]["fp8_kept"]
     assert "model.layers.*.self_attn.kv_a_proj_with_mqa" in deepseek, deepseek
