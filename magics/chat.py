@@ -9,12 +9,13 @@ from IPython.display import display
 
 from shardbook.kernel.api.conversation import Conversation, parse_template_args
 from shardbook.kernel.api.reasoning import Split
+from shardbook.kernel.api.tools import MAX_TOOL_STEPS
 from shardbook.kernel.ranks.pool import PoolError
 from shardbook.kernel.ranks.runtime import get_runtime
 from shardbook.magics.arguments import parse_line
 from shardbook.magics.errors import raise_for_outcome
 from shardbook.magics.relay import RankRelay, frontend_for
-from shardbook.magics.views.chat_view import ScoresView, TextChatView, WidgetChatView
+from shardbook.magics.views.chat_view import ScoresView, TextChatView, WidgetChatView, show_step
 from shardbook.magics.views.progress import widgets_available
 
 
@@ -86,6 +87,20 @@ class ChatMagics(Magics):
     )
     @argument_group("chat template")
     @template_flags
+    @argument_group("tools")
+    @argument(
+        "--tools",
+        metavar="NAME",
+        help="let the model call the functions of the list NAME (defined in the notebook): each call runs here, "
+        "its result goes back to the model, until it answers; every call is shown and kept in _chat.steps",
+    )
+    @argument(
+        "--max-tool-steps",
+        type=int,
+        default=MAX_TOOL_STEPS,
+        metavar="N",
+        help=f"with --tools: stop after N tool calls (default {MAX_TOOL_STEPS})",
+    )
     @argument_group("conversation")
     @argument("--new", action="store_true", help="start a new conversation with this message")
     @argument(
@@ -113,6 +128,9 @@ class ChatMagics(Magics):
         Chat-template options: ``%%chat --no-thinking`` (or ``--template-arg reasoning_effort=low``) for one
         cell; ``%chat --no-thinking`` / ``%chat --template-arg KEY=VALUE`` keep them for the conversation,
         ``%chat --clear-template-args`` forgets them.
+
+        Tools: ``%%chat --tools tools`` with ``tools = [get_weather]`` (functions with type hints and a docstring)
+        lets the model call them; each call runs here and is shown, ``_chat.steps`` keeps them.
         """
         args = parse_line(self.chat, line)
         try:
@@ -160,44 +178,106 @@ class ChatMagics(Magics):
     def _reply(self, text: str, args):
         # imported on first use: it brings in transformers, which the kernel's start need not wait for
         from shardbook.kernel.api.chat import SETTINGS, ChatModel
+        from shardbook.kernel.api.replies import ReplyParts, request_format
 
+        relay = RankRelay(frontend_for(self.shell), label_ranks=True)
         try:
             runtime = get_runtime(self.shell)
             model = ChatModel(runtime)
             if self.conversation.system_prompt is None and runtime.ctx0.state.get("config") is not None:
                 self.conversation.system_prompt = runtime.ctx0.state["config"].inference.system_prompt
             settings = {k: getattr(args, k) for k in SETTINGS if k != "want_scores"}
-            request = model.build_request(
-                self.conversation.request_messages(text),
-                system_prompt=None,
-                want_scores=args.scores,
-                thinking=self.conversation.thinking if args.thinking is None else args.thinking,
-                template_options={**self.conversation.template_options, **args.template_options},
-                **settings,
-            )
+            options = {**self.conversation.template_options, **args.template_options}
+            loop = self._tool_loop(runtime, args, relay) if args.tools else None
+            if loop is not None:
+                if "tools" in options:
+                    relay.notice("--tools replaces the template option tools given by --template-arg")
+                options["tools"] = loop.schemas
+
+            def request_for(messages):
+                return model.build_request(
+                    messages,
+                    system_prompt=None,
+                    want_scores=args.scores,
+                    thinking=self.conversation.thinking if args.thinking is None else args.thinking,
+                    template_options=options,
+                    **settings,
+                )
+
+            request = request_for(self.conversation.request_messages(text))
         except (PoolError, ValueError) as e:
             raise UsageError(str(e)) from e
-        self._stream_reply(runtime, model, request, args, text)
+        notice = model.template_notice({k: v for k, v in request.template_options.items() if k != "tools"})
+        if notice:
+            relay.notice(notice)
+        if loop is not None:
+            return self._run_tool_loop(runtime, loop, request_for, args, text, relay)
 
-    def _stream_reply(self, runtime, model, request, args, text: str):
-        """One reply streamed into a view, its reasoning apart; it joins the conversation and becomes ``_chat``."""
+        def keep(response):
+            self.conversation.add_turn(text, response.text, response.finish_reason, response.reasoning)
+
+        parts = ReplyParts(request_format(runtime, request))
+        response = parts.apart(self._stream_reply(runtime, request, parts, args, relay, keep_partial=keep))
+        keep(response)
+        self.shell.user_ns["_chat"] = response
+
+    def _tool_loop(self, runtime, args, relay):
+        """The loop for ``--tools NAME``: NAME is a list of functions in the notebook's namespace."""
+        from shardbook.kernel.api.tools import ToolLoop, tool_format
+
+        tools = self.shell.user_ns.get(args.tools)
+        if callable(tools):
+            tools = [tools]
+        if not isinstance(tools, (list, tuple)):
+            raise ValueError(
+                f"--tools {args.tools}: the notebook has no list of functions named {args.tools!r} "
+                f"(found {type(tools).__name__}); define one first, e.g. `{args.tools} = [get_weather]`"
+            )
+        return ToolLoop(list(tools), tool_format(runtime), max_steps=args.max_tool_steps, on_step=show_step)
+
+    def _run_tool_loop(self, runtime, loop, request_for, args, text: str, relay):
+        """Each of the model's replies streamed into a view of its own, each call shown as it runs; the user's
+        message, the calls, their results and the answer join the conversation, even when interrupted."""
+        from dataclasses import replace
+
+        from shardbook.kernel.api.replies import ReplyParts, prompt_text, request_format
+        from shardbook.kernel.api.tools import ModelReply
+
+        def reply(messages):
+            request = request_for(messages)
+            parts = ReplyParts(request_format(runtime, request), loop.format)
+            response = self._stream_reply(runtime, request, parts, args, relay)
+            return ModelReply(response, parts, request.messages, prompt_text(runtime, request))
+
+        try:
+            response = loop.run(self.conversation.request_messages(text), reply)
+        except KeyboardInterrupt:  # between two replies, outside the streams and the tools
+            if loop.last is None:
+                raise
+            response = replace(loop.last, finish_reason="interrupted", steps=tuple(loop.steps))
+        finally:
+            if loop.last is not None:
+                done = response if "response" in locals() else replace(loop.last, steps=tuple(loop.steps))
+                user = {"role": "user", "content": text}
+                self.conversation.add_messages([user, *loop.messages], done.text, done.finish_reason, done.reasoning)
+                self.shell.user_ns["_chat"] = done
+        if loop.limit_message:
+            relay.notice(loop.limit_message)
+
+    def _stream_reply(self, runtime, request, parts, args, relay, keep_partial=None):
+        """One reply streamed into a view, its reasoning apart (``parts``); the response as generated.
+        ``keep_partial`` gets the split reply when a rank failed after the reply was stopped."""
         from shardbook.kernel.api.batch import batch_refusal
         from shardbook.kernel.api.chat import BatchChatStream, ChatStream, GenerationFailed
-        from shardbook.kernel.api.replies import ReplyParts, request_format
         from shardbook.kernel.ranks.foreground import sigint_calls
 
         use_widget = args.output == "widget" or (args.output is None and widgets_available(self.shell))
         view = WidgetChatView() if use_widget else TextChatView()
-        relay = RankRelay(frontend_for(self.shell), label_ranks=True)
-        notice = model.template_notice(request.template_options)
-        if notice:
-            relay.notice(notice)
-        parts = ReplyParts(request_format(runtime, request))
         if args.no_batch or batch_refusal(runtime) is not None:  # the model or its interventions need one reply
             stream = ChatStream(runtime, request, on_notice=relay.notice, start=False)
         else:
             stream = BatchChatStream(runtime, request, on_notice=relay.notice, start=False)
-        # from the start of the command until its reply is in the history, the stop button only stops
+        # from the start of the command until its reply is kept, the stop button only stops
         # the reply: a KeyboardInterrupt elsewhere would end the cell with the ranks still generating
         with sigint_calls(stream.stop):
             try:
@@ -209,17 +289,15 @@ class ChatMagics(Magics):
                     view.add(parts.feed(chunk))
                 view.add(parts.finish())
             except GenerationFailed as e:
-                if stream.stopped and stream.response is not None:  # the partial reply happened: keep the turn
-                    partial = parts.apart(stream.response)
-                    self.conversation.add_turn(text, partial.text, partial.finish_reason, partial.reasoning)
+                if stream.stopped and stream.response is not None and keep_partial:  # the partial reply happened
+                    keep_partial(parts.apart(stream.response))
                 view.fail("a rank failed")
                 raise_for_outcome(e.outcome)
             except PoolError as e:
                 view.fail(str(e))
                 raise UsageError(str(e)) from e
             response = parts.apart(stream.response)
-            self.conversation.add_turn(text, response.text, response.finish_reason, response.reasoning)
-            self.shell.user_ns["_chat"] = response
             view.finish(response.status_line(), Split(response.reasoning, response.text))
             if response.scores:
                 display(ScoresView(response.scores))
+        return stream.response

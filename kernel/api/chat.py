@@ -27,6 +27,7 @@ from typing import Any, NoReturn
 
 from shardbook.kernel.api.conversation import template_options_for, unread_template_options, with_system_prompt
 from shardbook.kernel.api.replies import ReplyParts, request_format
+from shardbook.kernel.api.tools import MAX_TOOL_STEPS
 from shardbook.kernel.ranks.foreground import sigint_calls
 from shardbook.kernel.ranks.generation_queue import CHAT_SOURCE, Turn
 from shardbook.kernel.ranks.pool import Command, Outcome, PoolError
@@ -527,8 +528,24 @@ class ChatModel:
             return BatchChatStream(self.runtime, self.build_request(messages, **settings), on_notice)
         return ChatStream(self.runtime, self.build_request(messages, **settings), on_notice)
 
-    def chat(self, messages: str | list[dict[str, str]], *, batch: bool = False, **settings: Any) -> ChatResponse:
-        """The finished reply, its ``reasoning`` apart from its answer (``text``)."""
+    def chat(
+        self,
+        messages: str | list[dict[str, Any]],
+        *,
+        batch: bool = False,
+        tools: list | None = None,
+        max_tool_steps: int = MAX_TOOL_STEPS,
+        **settings: Any,
+    ) -> ChatResponse:
+        """The finished reply, its ``reasoning`` apart from its answer (``text``).
+
+        With ``tools`` (Python functions with type hints and a docstring) the model may call them: each call runs
+        here and its result goes back to the model, until it answers or ``max_tool_steps`` calls have run; the
+        reply's ``steps`` holds every call (see ``kernel/api/tools.py``)."""
+        if tools is not None:
+            from shardbook.kernel.api.tools import chat_with_tools
+
+            return chat_with_tools(self, messages, tools, max_tool_steps, batch=batch, **settings)
         stream = self.stream_chat(messages, batch=batch, **settings)
         return ReplyParts(request_format(self.runtime, stream.request)).apart(stream.wait())
 

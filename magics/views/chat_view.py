@@ -128,6 +128,17 @@ class TextChatView:
         self.stream.flush()
 
 
+def show_step(step) -> None:
+    """Display one call of a tool loop (:class:`~shardbook.kernel.api.tools.ToolStep`) as it runs: the tool, its
+    arguments and what the model is told back."""
+    import json
+
+    arguments = json.dumps(step.arguments, ensure_ascii=False)
+    verdict = "failed" if step.failed else "returned"
+    markdown = f"🔧 **{html.escape(step.name)}** `{arguments}` {verdict}:\n\n```\n{step.result}\n```"
+    display({"text/markdown": markdown, "text/plain": f"[tool] {step.describe()}"}, raw=True)
+
+
 class ScoresView:
     """A reply's tokens coloured by their probability, the top alternatives in each token's tooltip.
 
