@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -22,13 +23,17 @@ from shardbook.kernel.ranks.pool import Pool, PoolError
 from shardbook.rankd.control import protocol
 from shardbook.rankd.control.dispatch import RankContext
 from shardbook.rankd.control.startup_marks import mark
-from shardbook.rankd.control.world import JobShape, World, init_world
+from shardbook.rankd.control.world import CONNECT_TIMEOUT_S, JobShape, World, init_world, set_current_device
 
 log = logging.getLogger(__name__)
 _runtime: Runtime | None = None
 _failure: str | None = None
 """Why the runtime failed to start, kept for the kernel's life: start-up is tried once."""
 _lock = threading.Lock()
+_starter: threading.Thread | None = None
+"""The thread :func:`begin_runtime` started, until a caller has waited for it."""
+STARTING_NOTICE_S = 1.0
+"""A cell that has waited this long for the ranks to start says so."""
 
 
 class RunningServer(Protocol):
@@ -83,8 +88,7 @@ def start_runtime(shell: Any, key: bytes | None = None, world: World | None = No
     pool = Pool(world, session, ctx0)
     runtime = Runtime(world, pool, ctx0)
     atexit.register(runtime.close)
-    if shape.under_torchrun:
-        signal.signal(signal.SIGTERM, _on_sigterm)
+    handle_sigterm(shape)
     try:
         pool.wait_connected()
     except BaseException:
@@ -93,12 +97,67 @@ def start_runtime(shell: Any, key: bytes | None = None, world: World | None = No
     return runtime
 
 
+def handle_sigterm(shape: JobShape) -> None:
+    """Under a launcher, name a dead rank in the running cell when the launcher's SIGTERM comes (main thread only)."""
+    if shape.under_torchrun and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def begin_runtime(shell: Any, on_end: Callable[[Runtime | None, str | None], None]) -> None:
+    """Start the runtime in a thread of its own, so the kernel answers its frontends while the ranks start.
+
+    Joining the job waits for every rank, up to ``SHARDBOOK_CONNECT_TIMEOUT`` (120 s): done before
+    ipykernel's loop started, it left ``kernel_info`` unanswered that long, and JupyterLab showed a
+    kernel "starting" with no word why. ``on_end`` gets the runtime, or the failure's text, in that
+    thread once the start has ended; :func:`get_runtime` waits for both.
+    """
+    global _starter
+
+    def start() -> None:
+        try:
+            runtime, failure = _start_once(shell), None
+        except PoolError as e:
+            runtime, failure = None, str(e)
+        on_end(runtime, failure)
+
+    handle_sigterm(JobShape.from_env())
+    _starter = threading.Thread(target=start, name="shardbook-start", daemon=True)
+    _starter.start()
+
+
 def get_runtime(shell: Any = None) -> Runtime:
     """The runtime, started on first use from ``shell`` (IPython's, when called from a magic).
 
-    Start-up is tried once: a failure is kept and raised again at once by every later call (a
-    second try would wait the whole connect timeout again, or join a half-made process group).
+    A start begun by :func:`begin_runtime` is waited for (it ends by its deadline; the stop button
+    interrupts the wait). Start-up is tried once: a failure is kept and raised again at once by
+    every later call (a second try would wait the whole connect timeout again, or join a half-made
+    process group).
     """
+    _wait_for_starter()
+    return _start_once(shell)
+
+
+def _wait_for_starter() -> None:
+    global _starter
+    starter = _starter
+    if starter is None or starter is threading.current_thread():
+        return
+    starter.join(STARTING_NOTICE_S)
+    if starter.is_alive():
+        print(
+            f"[shardbook] waiting for the ranks of this kernel to start (up to {CONNECT_TIMEOUT_S:.0f} s, "
+            "SHARDBOOK_CONNECT_TIMEOUT); the stop button stops waiting",
+            file=sys.stderr,
+            flush=True,
+        )
+    while starter.is_alive():
+        starter.join(0.1)
+    _starter = None
+    if _runtime is not None and threading.current_thread() is threading.main_thread():
+        set_current_device(_runtime.world.device)  # as the start's thread did: cells run model code here
+
+
+def _start_once(shell: Any) -> Runtime:
     global _runtime, _failure
     with _lock:
         if _failure is not None:

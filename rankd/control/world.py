@@ -6,6 +6,7 @@ Every rank of a shardbook job calls :func:`init_world` once at start-up. Outside
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import importlib.util
 import logging
@@ -15,6 +16,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from shardbook.rankd.control import startup_notes
 
 log = logging.getLogger(__name__)
 
@@ -212,9 +215,13 @@ class StartupAbandoned(RuntimeError):
 def report_startup_failure(shape: JobShape, text: str) -> bool:
     """Tell the job (rank 0 first, which reports it) that this rank cannot start, and why.
 
-    False when the job's store cannot be reached (torch itself failed to import, or rank 0 never
-    opened its store): this rank's own log line is then the only report.
+    A rank on rank 0's node leaves a note (:mod:`.startup_notes`), which needs neither torch nor the
+    store; a rank on another node reports through the store. False when neither can be done (on
+    another node, torch itself failed to import, or rank 0 never opened its store): this rank's own
+    log line is then the only report.
     """
+    if startup_notes.leave_note(shape.rank, text):
+        return True
     try:
         store = job_store(shape)
         store.set(f"{STARTUP_ERROR_KEY}/{shape.rank}", text)
@@ -226,14 +233,19 @@ def report_startup_failure(shape: JobShape, text: str) -> bool:
 
 
 def startup_errors(store: Any, world_size: int) -> str | None:
-    """The start-up failures ranks reported (each distinct error once, with its ranks), or None if none did."""
-    if store.add(STARTUP_ERROR_KEY, 0) == 0:
+    """The start-up failures ranks reported, through the store or in a note on this node (each distinct error
+    once, with its ranks), or None if none did."""
+    reported = startup_notes.read_notes(world_size)
+    if store.add(STARTUP_ERROR_KEY, 0):
+        for r in range(world_size):
+            key = f"{STARTUP_ERROR_KEY}/{r}"
+            if store.check([key]):
+                reported[r] = store.get(key).decode()
+    if not reported:
         return None
     errors: dict[str, list[int]] = {}
-    for r in range(world_size):
-        key = f"{STARTUP_ERROR_KEY}/{r}"
-        if store.check([key]):
-            errors.setdefault(store.get(key).decode(), []).append(r)
+    for r, error in sorted(reported.items()):
+        errors.setdefault(error, []).append(r)
     parts = [
         f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {world_size} failed at start-up: {error}"
         for error, ranks in errors.items()
@@ -254,6 +266,8 @@ def wait_for_every_rank(store: Any, world_size: int, rank: int | None = None) ->
     since a follower's failed exit would make the launcher end the kernel before it could say why.
     """
     deadline = time.monotonic() + CONNECT_TIMEOUT_S
+    if rank == 0:  # the notes of followers that fail later are no longer read
+        atexit.register(startup_notes.clear_notes)
     if rank is not None:
         store.set(f"shardbook/arrived/{rank}", "1")  # who arrived, so a failure can name who did not
     store.add("shardbook/arrived", 1)

@@ -274,6 +274,8 @@ def test_a_follower_only_connects_after_the_rendezvous(fresh_kernel, tmp_path):
 def test_a_rank_that_never_starts_is_reported_at_once_by_every_magic(fresh_kernel, tmp_path):
     handle = fresh_kernel(**late_follower_env(tmp_path, 600, connect_timeout=15))
     try:
+        first = handle.run("%dist", timeout=150)  # the first magic waits for the start, then names its cause
+        assert first.status == "error" and "rank 1 of 2 did not start" in first.stderr(), first.stderr()
         announced = iopub_text(handle.kc, handle.kc.kernel_info(), timeout=10)
         assert "rank 1 of 2 did not start" in announced and "restart the kernel" in announced, announced
         threads = handle.run("import threading; print(threading.active_count())").stdout()

@@ -1,14 +1,17 @@
 """A rank that fails or never starts at kernel start-up is named where a person looks.
 
-In the Jupyter server's log (the kernel process's stderr, here a file) and, once the kernel is up,
-on IOPub: the ``kernel_info`` banner, the stream that answers ``kernel_info``, and the output of
-the first cell.
+The kernel answers at once, while its ranks start. Once the start failed, the cause is in the
+Jupyter server's log (the kernel process's stderr, here a file) and on IOPub: a stream published
+as it fails, the ``kernel_info`` banner, the stream that answers ``kernel_info``, and the output of
+the next cell.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import signal
+import time
 
 import pytest
 from jupyter_client.manager import KernelManager
@@ -72,10 +75,23 @@ def banner(kc) -> str:
             return reply["content"]["banner"]
 
 
+def published(kc, text: str, timeout: float) -> str:
+    """The first IOPub stream (under any request) that holds ``text``, waiting up to ``timeout``; "" if none."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            msg = kc.get_iopub_msg(timeout=0.2)
+        except queue.Empty:
+            continue
+        if msg["msg_type"] == "stream" and text in msg["content"]["text"]:
+            return msg["content"]["text"]
+    return ""
+
+
 def assert_reported_at_start(kernel: LoggedKernel, cause: str) -> None:
-    """The cause in the server log, in the banner, on IOPub after kernel_info and in the first cell's output."""
-    kernel.kc.wait_for_ready(timeout=120)  # the kernel is up: only its pool failed
-    assert wait_until(lambda: cause in kernel.server_log(), timeout=10), kernel.server_log()[-3000:]
+    """The cause in the server log, in the banner, on IOPub after kernel_info, in the next cell's output, and in
+    the refusal of a cell that needs the ranks."""
+    assert wait_until(lambda: cause in kernel.server_log(), timeout=150), kernel.server_log()[-3000:]
     assert "[shardbook rank 0] ERROR the rank pool of this kernel failed to start" in kernel.server_log()
     assert cause in banner(kernel.kc)
     announced = iopub_text(kernel.kc, kernel.kc.kernel_info(), timeout=30)
@@ -95,6 +111,7 @@ def test_a_rank_failing_at_import_is_named_in_the_server_log_and_on_iopub(logged
     (tmp_path / "sitecustomize.py").write_text(FAILS_AT_IMPORT)
     path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
     kernel = logged_kernel(tmp_path / "server.log", PYTHONPATH=path)
+    kernel.kc.wait_for_ready(timeout=120)
     assert_reported_at_start(kernel, "rank 1 of 2 failed at start-up: ImportError: cannot import shardbook.rankd")
     log = kernel.server_log()
     assert "[shardbook rank 1] ERROR" in log and "rank 1 failed at start-up: ImportError" in log, log[-3000:]
@@ -112,11 +129,47 @@ def execute_ok(kernel: LoggedKernel, code: str) -> str:
     return ex.stdout()
 
 
+BROKEN_TORCH = """import os, sys
+if os.environ.get("RANK") not in (None, "0"):  # a follower whose torch is broken: it fails before any store
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "broken"))
+"""
+
+
+def test_a_rank_whose_torch_fails_to_import_is_named_though_it_cannot_reach_the_store(logged_kernel, tmp_path):
+    """Rank 1's `import torch` raises: it cannot use the job's store, so it leaves a note on the node that rank 0
+    reads (before, rank 1 exited 1, the launcher ended the kernel, and nobody said why)."""
+    (tmp_path / "sitecustomize.py").write_text(BROKEN_TORCH)
+    (tmp_path / "broken" / "torch").mkdir(parents=True)
+    (tmp_path / "broken" / "torch" / "__init__.py").write_text(
+        "import os\n"
+        "open(os.path.join(os.path.dirname(__file__), 'failed.pid'), 'w').write(str(os.getpid()))\n"
+        "raise ImportError('libtorch_cpu.so: cannot open shared object file (injected by the test)')\n"
+    )
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
+    kernel = logged_kernel(tmp_path / "server.log", PYTHONPATH=path)  # the default 120 s connect timeout
+    kernel.kc.wait_for_ready(timeout=120)
+    assert_reported_at_start(kernel, "rank 1 of 2 failed at start-up: ImportError: libtorch_cpu.so: cannot open")
+    assert "[shardbook rank 1] ERROR" in kernel.server_log()
+    assert "did not start within" not in kernel.server_log()  # the note, not the deadline, ended the wait
+    failed = int((tmp_path / "broken" / "torch" / "failed.pid").read_text())
+    assert wait_until(lambda: gone(failed), timeout=30), "the failed rank is still running"
+    assert execute_ok(kernel, "print('kernel alive')") == "kernel alive\n"
+
+
 def test_a_rank_that_never_starts_is_named_in_the_server_log_and_on_iopub(logged_kernel, tmp_path):
-    kernel = logged_kernel(tmp_path / "server.log", **late_follower_env(tmp_path, 600, connect_timeout=10))
+    """The kernel answers kernel_info at once, its banner saying the ranks are starting, and runs cells that do not
+    need them; at the deadline it says which rank never came, in the server log and on IOPub."""
+    kernel = logged_kernel(tmp_path / "server.log", **late_follower_env(tmp_path, 600, connect_timeout=15))
     stuck = tmp_path / "stuck.pid"
     try:
-        assert_reported_at_start(kernel, "rank 1 of 2 did not start within SHARDBOOK_CONNECT_TIMEOUT")
+        kernel.kc.wait_for_ready(timeout=120)
+        assert "ranks of this kernel are still starting" in banner(kernel.kc)
+        assert execute_ok(kernel, "print('while they start')") == "while they start\n"
+        cause = "rank 1 of 2 did not start within SHARDBOOK_CONNECT_TIMEOUT"
+        published_at_deadline = published(kernel.kc, cause, timeout=150)  # with no request of ours: as it fails
+        assert "restart the kernel" in published_at_deadline, published_at_deadline
+        assert_reported_at_start(kernel, cause)
+        assert "still starting" not in banner(kernel.kc)
     finally:
         if wait_until(stuck.exists, timeout=5):
             os.kill(int(stuck.read_text()), signal.SIGKILL)

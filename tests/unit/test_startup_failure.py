@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from shardbook.kernel.ranks import runtime
 from shardbook.kernel.ranks.pool import PoolError
-from shardbook.rankd.control import world
+from shardbook.rankd.control import startup_notes, world
 
 
 def test_a_rank_that_never_arrived_is_named(monkeypatch):
@@ -55,3 +55,26 @@ def test_a_follower_that_waited_leaves_quietly_since_rank_0_reports_it(monkeypat
     store = dist.HashStore()
     with pytest.raises(world.StartupAbandoned, match="ranks 0, 2 of 3 did not start"):
         world.wait_for_every_rank(store, 3, rank=1)  # a failed exit would make the launcher end the kernel
+
+
+@pytest.fixture
+def job_notes(monkeypatch, tmp_path):
+    """A job of its own (its notes' directory is named from MASTER_PORT), on rank 0's node."""
+    monkeypatch.setenv("MASTER_PORT", f"test-{tmp_path.name}")
+    monkeypatch.setenv("GROUP_RANK", "0")
+    yield startup_notes.notes_dir()
+    startup_notes.clear_notes()
+
+
+def test_a_note_left_without_torch_or_the_store_ends_the_wait_naming_its_error(job_notes):
+    assert startup_notes.leave_note(1, "ImportError: libtorch_cpu.so: cannot open shared object file")
+    assert job_notes.stat().st_mode & 0o777 == 0o700 and job_notes.parent.parent.stat().st_mode & 0o777 == 0o700
+    with pytest.raises(RuntimeError, match=r"rank 1 of 2 failed at start-up: ImportError: libtorch_cpu.so") as failed:
+        world.wait_for_every_rank(dist.HashStore(), 2, rank=0)  # long before SHARDBOOK_CONNECT_TIMEOUT (120 s)
+    assert "(the Jupyter server's log has the traceback)" in str(failed.value)
+
+
+def test_a_rank_on_another_node_reports_through_the_store_only(job_notes, monkeypatch):
+    monkeypatch.setenv("GROUP_RANK", "1")
+    assert not startup_notes.leave_note(3, "ImportError: x")
+    assert not job_notes.exists()
