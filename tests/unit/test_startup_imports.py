@@ -10,6 +10,8 @@ import sys
 from IPython.core.interactiveshell import InteractiveShell
 shell = InteractiveShell.instance()
 shell.run_line_magic("load_ext", "shardbook.magics")
+from shardbook.kernel.ranks.runtime import get_runtime
+get_runtime(shell)  # the ranks start in a thread: wait for it, so its imports count too
 assert "shardbook.magics.generate" in sys.modules, "the magics did not load"
 print("transformers imported:", "transformers" in sys.modules)
 """
