@@ -20,7 +20,12 @@ class ServeMagics(Magics):
     @argument("--host", default="127.0.0.1", help="address to listen on (default loopback; others need an API key)")
     @argument("--api-key", help="key clients must send as 'Authorization: Bearer KEY'")
     @argument("--api-key-file", help="file whose first line is the API key")
-    @argument("--max-waiting", type=int, help="requests that may wait beyond the running batch before 429 (default 16)")
+    @argument(
+        "--max-waiting",
+        type=int,
+        help="requests that may wait beyond the running batch before 429 (default: as many as the batch holds, at "
+        "least 32; 16 for replies that take turns)",
+    )
     @argument(
         "--no-batch",
         action="store_true",
@@ -51,7 +56,8 @@ class ServeMagics(Magics):
             # OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none").chat.completions.create(...)
 
         Concurrent requests and %%chat cells decode together in one continuous batch (up to
-        ``inference.max_batch_sequences``; ``--max-waiting`` more wait, then 429); the stop button stops
+        ``inference.max_batch_sequences``, sized from the KV budget by default; ``--max-waiting`` more wait,
+        then 429); the stop button stops
         the replies in flight and the server keeps running. ``%serve --status`` and
         ``%serve --stop``. Loading another model switches what is served.
         """
@@ -94,3 +100,4 @@ class ServeMagics(Magics):
             raise UsageError(str(e)) from e
         model = server.model_id() or "(no model loaded yet: %load_sharded one)"
         print(f"serving {model} at {server.url} (OpenAI chat completions); `%serve --stop` stops it")
+        print(f"batch: {server.batch_text()}")

@@ -15,6 +15,7 @@ from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
+from shardbook.kernel.api.batch_sizing import batch_limits
 from shardbook.kernel.api.conversation import with_system_prompt
 from shardbook.kernel.ranks import foreground
 from shardbook.kernel.ranks.pool import PoolError
@@ -35,16 +36,26 @@ def scheduler_for(runtime: Runtime) -> BatchScheduler:
         raise PoolError("no model is loaded: run `%load_sharded configs/smollm2-135m.yaml` (or your config) first")
     scheduler = state.get("batch_scheduler")
     if scheduler is None or scheduler.loaded is not loaded:
+        inference = config.inference
         context = getattr(loaded.model.config.get_text_config(), "max_position_embeddings", None)
+        budget = cache_budget(inference.max_cache_tokens, loaded.summary)
+        device = next(loaded.model.parameters()).device.type
+        limits = batch_limits(
+            inference.max_batch_sequences,
+            budget,
+            max_new_tokens=inference.max_new_tokens,
+            context=context,
+            device=device,
+        )
         scheduler = BatchScheduler(
             loaded.tokenizer,
-            max_sequences=config.inference.max_batch_sequences,
-            max_step_tokens=config.inference.max_step_tokens,
+            max_sequences=limits.max_sequences,
+            max_step_tokens=inference.max_step_tokens,
             context=context,
-            cache_tokens=cache_budget(config.inference.max_cache_tokens, loaded.summary),
-            join_window=config.inference.join_window_ms / 1000,
+            cache_tokens=budget,
+            join_window=inference.join_window_ms / 1000,
         )
-        scheduler.loaded = loaded
+        scheduler.limits, scheduler.loaded = limits, loaded
         state["batch_scheduler"] = scheduler
     return scheduler
 

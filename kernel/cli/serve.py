@@ -45,7 +45,8 @@ def add_serve_flags(parser: argparse.ArgumentParser, default=None) -> None:
         "--max-waiting",
         type=int,
         default=default,
-        help="requests that may wait beyond the running batch before 429 (default 16)",
+        help="requests that may wait beyond the running batch before 429 (default: as many as the batch holds, at "
+        "least 32; 16 for replies that take turns)",
     )
     parser.add_argument(
         "--no-batch",
@@ -153,6 +154,7 @@ def serve_until_stopped(options: ServeOptions, runtime: Runtime, config: Shardbo
         terminal.error(str(e))
         return 1
     terminal.info(f"serving {server.model_id()} at {server.url} (OpenAI chat completions); Ctrl-C stops")
+    terminal.info(f"batch: {server.batch_text()}")
     while not stop.wait(0.5):
         pass
     terminal.info("stopping: the reply in flight is stopped on every rank")

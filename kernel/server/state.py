@@ -199,6 +199,7 @@ class ServerState:
             f"serving {self.model_id() or '(no model loaded)'} at {self.url}\n"
             f"queue: {self.runtime.generation_queue.describe()}\n"
             f"chat completions: {self.chat_text()}\n"
+            f"batch: {self.batch_text()}\n"
             f"requests: {s.served} served, {s.errors} errors, {s.in_flight} in flight"
             + ("" if self.options.api_key else "\nno API key: loopback clients only")
         )
@@ -209,6 +210,14 @@ class ServerState:
         from shardbook.kernel.api.batch import batch_refusal
 
         return "--no-batch" if not self.options.batch else batch_refusal(self.runtime, interventions=False)
+
+    def batch_text(self) -> str:
+        """The batch's size and waiting line, and where they come from (for the start-up line and the status)."""
+        from shardbook.kernel.server.batch_reply import serving_limits
+
+        if self.model_id() is None:
+            return "sized from the KV budget when a model is loaded"
+        return serving_limits(self).describe()
 
     def chat_text(self) -> str:
         refusal = self.chat_refusal()

@@ -153,8 +153,9 @@ class InferenceConfig:
     """Seed every rank samples with; null lets rank 0 pick a fresh one for each turn."""
     system_prompt: str | None = None
     """System message put before the conversation; null sends none."""
-    max_batch_sequences: int = 8
-    """Most sequences decoded together in one batch (continuous batching); more wait for a place."""
+    max_batch_sequences: int | None = None
+    """Most sequences decoded together in one batch (continuous batching); more wait for a place. null: as many as
+    the KV budget holds at 512 prompt tokens plus max_new_tokens, at most 32 on a CPU and 256 on a GPU or NPU."""
     max_step_tokens: int = 2048
     """Most tokens one batch step forwards (decoding rows plus the joining prompts padded to the longest); a longer
     prompt is prefilled in chunks, the rest of each step's room a step, while the running rows decode."""
@@ -182,7 +183,8 @@ class InferenceConfig:
         )
         require(self.seed is None or self.seed >= 0, f"inference.seed must be >= 0 or null; got {self.seed}")
         require(
-            self.max_batch_sequences >= 1, f"inference.max_batch_sequences must be >= 1; got {self.max_batch_sequences}"
+            self.max_batch_sequences is None or self.max_batch_sequences >= 1,
+            f"inference.max_batch_sequences must be >= 1 or null; got {self.max_batch_sequences}",
         )
         require(self.max_step_tokens >= 1, f"inference.max_step_tokens must be >= 1; got {self.max_step_tokens}")
         require(

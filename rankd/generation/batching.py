@@ -113,6 +113,8 @@ class BatchScheduler:
         self.prefilling: RunningSequence | None = None
         """The sequence whose prompt is being prefilled in chunks, one chunk a step (the loop's own)."""
         self.stats = {"steps": 0, "largest_batch": 0}
+        self.limits: Any = None
+        """Where `max_sequences` and the waiting line's length come from (rank 0's driver sets it)."""
         self.failure: Any = None
         """What the last failed batch command left (rank 0's driver sets it: every rank's reply)."""
         self._loaded: Any = None

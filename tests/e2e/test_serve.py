@@ -91,6 +91,7 @@ def test_models_and_replies_through_the_openai_client_streamed_or_whole(loaded, 
     status = loaded.run("%serve --status").stdout()
     assert f"serving {MODEL} at {url}" in status and "2 served, 0 errors" in status
     assert "chat completions: continuous batch" in status
+    assert f"batch: up to {BATCH} sequences at once, 32 more waiting (inference.max_batch_sequences)" in status
 
 
 def test_error_paths_are_openai_errors_naming_the_cause(serve):

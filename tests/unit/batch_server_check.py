@@ -198,6 +198,7 @@ def main(model_dir: str, sliding_dir: str) -> None:
     out["kv_budget_refuses"] = kv_budget_refuses(runtime, server, name)
     out["refused_model_takes_turns"] = refused_model_takes_turns(runtime, server, name, messages[0], sliding_dir)
     out["stop_spares_the_notebook"] = stop_spares_the_notebook(runtime, server, name)  # stops the server
+    out["defaults_take_32"] = defaults_take_32(runtime, port, name)
 
     server = Server(runtime, ServeOptions(port=port, batch=False)).start()  # --no-batch: one at a time
     turns = client.chat.completions.create(messages=messages[0], **args)
@@ -233,6 +234,36 @@ def queued_across_a_load(runtime, port: int, name: str, messages: list) -> bool:
     error = replies[0].json().get("error", {})
     served = requests.post(url, json=body, timeout=60).status_code  # the new model answers a new request
     return replies[0].status_code == 409 and error.get("code") == "model_changed" and served == 200
+
+
+def defaults_take_32(runtime, port: int, name: str) -> list[int]:
+    """The statuses of 32 requests sent at once to a server with the default limits, all in line together (the
+    batch held back by another turn until they wait) before any is decoded."""
+    import requests
+
+    from shardbook.kernel.api.batch import scheduler_for
+    from shardbook.kernel.server.server import Server
+    from shardbook.kernel.server.state import ServeOptions
+
+    server = Server(runtime, ServeOptions(port=port)).start()
+    hold = runtime.generation_queue.enter("load")
+    assert hold.wait()
+    body = {"model": name, "prompt": "Numbers", "max_tokens": 2, "temperature": 0}
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    try:
+        with ThreadPoolExecutor(32) as pool:
+            replies = [pool.submit(requests.post, url, json=body, timeout=120) for _ in range(32)]
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                refused = sum(reply.done() for reply in replies)
+                if scheduler_for(runtime).occupancy()[1] + refused >= 32:
+                    break
+                time.sleep(0.05)
+            hold.finish()
+            return [reply.result().status_code for reply in replies]
+    finally:
+        hold.finish()  # does nothing once finished
+        server.stop()
 
 
 def kv_budget_refuses(runtime, server, name: str) -> bool:

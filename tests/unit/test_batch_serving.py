@@ -58,3 +58,4 @@ def test_completions_over_the_batch(tmp_path: Path) -> None:
     assert found["refused_model_takes_turns"]  # decided per request: a model loaded after %serve may not batch
     assert found["stop_spares_the_notebook"]  # the server's stop ends its replies, not a notebook's sequence
     assert found["no_batch_equal"] and found["no_batch_refuses_n"]  # %serve --no-batch: turns, as before
+    assert found["defaults_take_32"] == [200] * 32  # the default batch and line hold 32 clients at once

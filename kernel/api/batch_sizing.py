@@ -1,0 +1,73 @@
+"""How many sequences the continuous batch decodes together and how many more may wait, when the config leaves
+it to shardbook (``inference.max_batch_sequences: null``, no ``--max-waiting``).
+
+The batch takes as many sequences as its KV budget holds at a typical length (a ``TYPICAL_PROMPT_TOKENS``
+prompt plus the config's ``max_new_tokens``), capped per device: on a CPU a decode step's time grows with
+its rows past a few dozen, so more rows only lengthen every stream's gaps (bench/RESULTS.md, "Batch defaults");
+a GPU or an NPU takes as many as vLLM's default (``max_num_seqs`` 256). The waiting line holds one more batch,
+and never fewer than ``MIN_WAITING`` requests, so a burst of clients queues instead of being refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+TYPICAL_PROMPT_TOKENS = 512
+"""The prompt length a sequence is sized for: a chat turn with a system prompt, or a short document."""
+MAX_SEQUENCES = {"cpu": 32}
+"""The most sequences the sized batch takes on a device kind; `ACCELERATOR_MAX_SEQUENCES` on any other."""
+ACCELERATOR_MAX_SEQUENCES = 256
+MIN_WAITING = 32
+"""The fewest requests the waiting line holds when no ``--max-waiting`` is given."""
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """The batch's size, its waiting line's length, and why (shown by ``%serve`` and ``shardbook serve``)."""
+
+    max_sequences: int
+    max_waiting: int
+    reason: str
+
+    def describe(self) -> str:
+        return f"up to {self.max_sequences} sequences at once, {self.max_waiting} more waiting ({self.reason})"
+
+    def with_waiting(self, max_waiting: int | None) -> BatchLimits:
+        """These limits with a server's ``--max-waiting``, when it gave one."""
+        if max_waiting is None:
+            return self
+        return replace(self, max_waiting=max_waiting, reason=f"{self.reason}; the waiting line from --max-waiting")
+
+
+def batch_limits(
+    configured: int | None,
+    cache_tokens: tuple[int, str] | None,
+    *,
+    max_new_tokens: int,
+    context: int | None,
+    device: str,
+) -> BatchLimits:
+    """The batch's limits: `configured` (``inference.max_batch_sequences``) when given, else sized from the KV
+    budget `cache_tokens` (tokens, where they come from) and the `device` kind; the waiting line with it."""
+    if configured is not None:
+        size, reason = configured, "inference.max_batch_sequences"
+    else:
+        size, reason = sized_batch(cache_tokens, max_new_tokens=max_new_tokens, context=context, device=device)
+    return BatchLimits(size, max(MIN_WAITING, size), reason)
+
+
+def sized_batch(
+    cache_tokens: tuple[int, str] | None, *, max_new_tokens: int, context: int | None, device: str
+) -> tuple[int, str]:
+    """(how many sequences of a typical length the KV budget holds, capped for `device`; why)."""
+    cap = MAX_SEQUENCES.get(device, ACCELERATOR_MAX_SEQUENCES)
+    typical = TYPICAL_PROMPT_TOKENS + max_new_tokens
+    if context is not None:
+        typical = min(typical, context)
+    if cache_tokens is None:
+        return cap, f"auto: the most on {device}; no KV budget was measured"
+    fit = max(1, cache_tokens[0] // typical)
+    why = f"the KV budget of {cache_tokens[0]:,} tokens holds {fit} sequences of {typical:,}"
+    if fit > cap:
+        return cap, f"auto: {why}, capped at {cap} on {device}"
+    return fit, f"auto: {why}"
