@@ -20,6 +20,9 @@ library only; every stage that touches torch runs in a process of its own:
   completions sent at once (greedy, ``ignore_eos``, ``--tokens`` each): aggregate tok/s (all tokens / (last
   token - first send)), TTFT p50 and max, served and refused;
 * ``capture``: ``gpu_capture.py`` (eager step, ``torch.cuda.graph``, ``torch.compile``, reduce-overhead);
+* ``fp8 kept``: ``gpu_fp8.py``, an FP8-block checkpoint (bench/load_fp8.py's) loaded with ``model.fp8_weights
+  keep`` and ``dequantize`` on one rank under ``tp``: weight bytes, device memory and decode tok/s side by side
+  (dry: ``keep-reference``, a CPU having no FP8 matmul); "dequantized" where ``keep`` found no FP8 matmul;
 * ``vllm``: the same rows against ``python -m vllm.entrypoints.openai.api_server`` with its defaults (model,
   port and dtype given), after shardbook's server is gone; "vllm not installed" where it does not import.
 """
@@ -60,10 +63,10 @@ PLANS = {
         total_s=300,
     ),
 }
-STAGE_LIMITS = {"gpu": {"env": 40, "model": 60, "shardbook": 180, "capture": 120, "vllm": 240}}
-STAGE_LIMITS["dry"] = {"env": 30, "model": 90, "shardbook": 150, "capture": 120, "vllm": 30}
+STAGE_LIMITS = {"gpu": {"env": 40, "model": 60, "shardbook": 180, "capture": 120, "fp8": 90, "vllm": 240}}
+STAGE_LIMITS["dry"] = {"env": 30, "model": 90, "shardbook": 150, "capture": 120, "fp8": 90, "vllm": 30}
 """Dry: limits for a loaded 2-core CI machine; a quiet one needs a fraction of them."""
-STAGE_FLOORS = {"env": 10, "model": 15, "shardbook": 40, "capture": 30, "vllm": 60}
+STAGE_FLOORS = {"env": 10, "model": 15, "shardbook": 40, "capture": 30, "fp8": 45, "vllm": 60}
 """What a stage is kept of the total however long the stages before it run (dry: a third of it)."""
 CAPTURE_CHECKS = ("eager", "cuda graph", "compile", "compile + cuda graphs")
 LOADED = re.compile(r"in ([\d.]+) s, decode layout")
@@ -254,6 +257,25 @@ def capture(table: Table, plan: dict, env: dict, model: Path, limit: float) -> N
     )
 
 
+def fp8_kept(table: Table, plan: dict, env: dict, limit: float) -> None:
+    """``gpu_fp8.py``: an FP8-block checkpoint loaded kept in FP8 and dequantized, side by side."""
+    argv = [sys.executable, str(BENCH / "gpu_fp8.py"), "--device", plan["device"], "--tokens", str(plan["tokens"])]
+    modes = [json.loads(line) for line in _python(argv, env, limit).splitlines() if line.startswith("{")]
+    kept = modes[-1]
+    status = "ok" if kept["fp8_kept_modules"] else "dequantized"
+    table.set("fp8 kept", "shardbook", status, "; ".join(_fp8_mode(m) for m in modes))
+
+
+def _fp8_mode(m: dict) -> str:
+    device = f", device {m['device_bytes'] / 2**30:.2f} GiB" if m["device_bytes"] is not None else ""
+    layers = f" ({m['fp8_kept_modules']} layers FP8, {m['fp8_kernel_modules']} by torch's FP8 matmul)"
+    return (
+        f"{m['mode']}{layers if m['fp8_kept_modules'] else ''}: weights {m['held_weight_bytes'] / 2**20:.1f} MiB"
+        f"{device}, {m['decode_tok_s']:.1f} tok/s, logits max diff {m['logits_max_diff']:.3g} of "
+        f"{m['logits_max']:.3g}" + (f" [{m['note']}]" if m["note"] and not m["fp8_kept_modules"] else "")
+    )
+
+
 def _last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1][:300] if lines else ""
@@ -273,7 +295,6 @@ def main(argv: list[str] | None = None) -> int:
     floors = {k: v / 3 if args.dry else v for k, v in STAGE_FLOORS.items()}
     budget = Budget(args.total_s or plan["total_s"], STAGE_LIMITS[mode], floors)
     table = Table(plan["clients"])
-    table.set("fp8 kept", "shardbook", "absent", "no FP8-kept path yet: FP8 checkpoints load dequantized to bf16")
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         env = shardbook_env(Path(tmp))
         if args.dry:
@@ -297,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             run_stage(
                 table, "shardbook", list(CAPTURE_CHECKS), capture, table, plan, env, model, budget.stage("capture")
             )
+            run_stage(table, "shardbook", ["fp8 kept"], fp8_kept, table, plan, env, budget.stage("fp8"))
         else:
             why = "no model" if not ready else f"shardbook does not import: {found.get('shardbook')}"
             table.fill("shardbook", [s for s, system in table.rows if system == "shardbook"], "skipped", why)

@@ -44,12 +44,13 @@ SHARD_SIZE = "64MB"
 MIB = 2**20
 
 
-def write_fp8_pair(directory: Path, seed: int = 0) -> tuple[Path, Path]:
-    """Write the FP8-block checkpoint and its bf16 twin under `directory`; their two paths."""
+def write_fp8_pair(directory: Path, seed: int = 0, shape: dict = MODEL_SHAPE) -> tuple[Path, Path]:
+    """Write the FP8-block checkpoint and its bf16 twin of `shape` (linear dims multiples of 128) under `directory`;
+    their two paths."""
     from huggingface_hub import save_torch_state_dict
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(**MODEL_SHAPE, dtype="bfloat16", architectures=["LlamaForCausalLM"])
+    config = LlamaConfig(**shape, dtype="bfloat16", architectures=["LlamaForCausalLM"])
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     generator = torch.Generator().manual_seed(seed)

@@ -36,6 +36,9 @@ def test_dry_run_prints_every_row_and_measures_shardbook(tmp_path):
     ok.append(("compile", "shardbook"))
     assert all(status[key]["status"] == "ok" for key in ok), {k: status[k] for k in ok}
     assert "2/2 served" in status[("clients 2", "shardbook")]["result"]
+    fp8 = status[("fp8 kept", "shardbook")]  # the reference path on a CPU, beside the dequantized load
+    assert fp8["status"] == "ok" and fp8["result"].startswith("dequantize: weights"), fp8
+    assert "; keep-reference (14 layers FP8, 0 by torch's FP8 matmul): weights" in fp8["result"], fp8
     assert status[("cuda graph", "shardbook")]["result"].startswith("no CUDA device")
     for stage in SERVING:  # vLLM is not installed beside CI's torch; a dry run never starts it
         assert status[(stage, "vllm")]["status"] == "skipped"
