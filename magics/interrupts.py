@@ -16,6 +16,7 @@ a SIGINT there.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 from shardbook.kernel.ranks import foreground
@@ -59,8 +60,12 @@ class CellActivity:
             foreground.cell_ended()
 
 
-def install_interrupt_hook(shell: Any, generation_queue: GenerationQueue) -> None:
-    """Wrap the kernel's ``interrupt_request`` handlers (shell and control channels) once; no kernel, nothing."""
+def install_interrupt_hook(shell: Any, generation_queue: Callable[[], GenerationQueue | None]) -> None:
+    """Wrap the kernel's ``interrupt_request`` handlers (shell and control channels) once; no kernel, nothing.
+
+    Installed before the first cell (the ranks start in a thread meanwhile), so it sees every cell start;
+    ``generation_queue`` gives the runtime's queue, or None while there is none.
+    """
     kernel = getattr(shell, "kernel", None)
     if kernel is None or not hasattr(kernel, "control_handlers") or getattr(kernel, "_shardbook_interrupt_hook", False):
         return
@@ -72,11 +77,14 @@ def install_interrupt_hook(shell: Any, generation_queue: GenerationQueue) -> Non
     kernel._shardbook_interrupt_hook = True
 
 
-def _stop_reply_first(kernel: Any, original, generation_queue: GenerationQueue, activity: CellActivity):
+def _stop_reply_first(
+    kernel: Any, original, generation_queue: Callable[[], GenerationQueue | None], activity: CellActivity
+):
     async def interrupt_request(stream, ident, parent):
         replied = activity.chat_replied  # read first: a reply that starts meanwhile is stopped below, or by SIGINT
         if not (foreground.stop_foreground_reply() or replied):
-            stopped = generation_queue.stop_running(spare=(HTTP_SOURCE,))
+            queue = generation_queue()
+            stopped = queue.stop_running(spare=(HTTP_SOURCE,)) if queue is not None else None
             if activity.running and (stopped is None or stopped.source != CHAT_SOURCE):
                 result = original(stream, ident, parent)  # SIGINT for the cell's own code
                 if inspect.isawaitable(result):

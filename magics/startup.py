@@ -22,6 +22,8 @@ import inspect
 import sys
 from typing import Any
 
+from shardbook.kernel.ranks.runtime import started_runtime
+from shardbook.magics.interrupts import install_interrupt_hook
 from shardbook.magics.relay import IOPubFrontend
 from shardbook.rankd.control.startup_marks import mark
 from shardbook.rankd.control.world import CONNECT_TIMEOUT_S, JobShape, slurm_note
@@ -37,15 +39,13 @@ def report_start(shell: Any):
     )
     if world_size > 1:
         set_banner_line(shell, starting)
+    install_interrupt_hook(shell, lambda: getattr(started_runtime(), "generation_queue", None))
 
     def on_end(runtime: Any, failure: str | None) -> None:
         set_banner_line(shell, None, replacing=starting)
         kernel = getattr(shell, "kernel", None)
         if failure is None:
             mark("ranks connected")
-            from shardbook.magics.interrupts import install_interrupt_hook
-
-            install_interrupt_hook(shell, runtime.generation_queue)
         elif kernel is not None and hasattr(kernel, "shell_handlers"):
             IOPubFrontend(kernel).stream("stderr", f"[shardbook] {failure}\n")
             announce_on_connect(kernel, failure)

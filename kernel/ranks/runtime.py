@@ -137,6 +137,11 @@ def get_runtime(shell: Any = None) -> Runtime:
     return _start_once(shell)
 
 
+def started_runtime() -> Runtime | None:
+    """The runtime once it has started, else None (while it starts, or when it failed); never waits."""
+    return _runtime
+
+
 def _wait_for_starter() -> None:
     global _starter
     starter = _starter
