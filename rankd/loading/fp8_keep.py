@@ -28,7 +28,7 @@ from shardbook.rankd.loading.checkpoint_names import Selection, select
 from shardbook.rankd.loading.dequantize import QuantizedTensor
 from shardbook.rankd.loading.quantized_formats import quantization_settings
 from shardbook.rankd.loading.safetensors_files import MappedFiles
-from shardbook.rankd.parallel.fp8_linear import keep_fp8, kernel_fits, kernel_unavailable
+from shardbook.rankd.parallel.fp8_linear import KEEPABLE, keep_fp8, kernel_fits, kernel_unavailable
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class FP8Keeping:
         if len(names) != 1 or not names[0].endswith(".weight") or not _e4m3_blocks(stored):
             return None
         module = model.get_submodule(names[0].removesuffix(".weight"))
-        return module if isinstance(module, nn.Linear) else None
+        return module if type(module) in KEEPABLE else None
 
     def keep(self, module: nn.Module, name: str, stored: QuantizedTensor, selection: Selection, device) -> torch.Tensor:
         """Make `module` an FP8 layer over `selection` of `stored`; the e4m3 codes its `weight` is to hold."""

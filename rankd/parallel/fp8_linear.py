@@ -64,6 +64,10 @@ class FP8Linear:
         return reference_matmul(x, self.weight, self.weight_scale_inv, self.fp8_lead, self.fp8_block)
 
 
+KEEPABLE = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
+"""The layers whose forward `FP8Linear` stands in for (any other, e.g. the vocab-gathered output, dequantizes)."""
+
+
 def keep_fp8(module: nn.Linear, scales: torch.Tensor, lead: int, block: int, kernel: bool) -> None:
     """Turn `module`, whose `weight` already holds e4m3 codes, into its FP8 kind of layer with `scales`."""
     if kernel:  # the kernel reads the weight's scales column-major: [N, K / 128] with strides (1, N)
