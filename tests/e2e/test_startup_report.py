@@ -16,6 +16,7 @@ import time
 import pytest
 from jupyter_client.manager import KernelManager
 
+from tests.driver import interrupt_when
 from tests.e2e.conftest import gone, wait_until
 from tests.e2e.test_lifecycle import iopub_text, late_follower_env
 
@@ -44,6 +45,11 @@ class LoggedKernel:
             self.km.start_kernel(env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, stderr=err)
         self.kc = self.km.client()
         self.kc.start_channels()
+
+    def run(self, code: str, timeout: float = 60, **kw):
+        from tests.driver import execute
+
+        return execute(self.kc, code, timeout=timeout, **kw)
 
     def server_log(self) -> str:
         return self.log.read_text(errors="replace")
@@ -121,6 +127,11 @@ def test_a_rank_failing_at_import_is_named_in_the_server_log_and_on_iopub(logged
     assert execute_ok(kernel, "print('kernel alive')") == "kernel alive\n"
 
 
+def says(text: str):
+    """An IOPub message filter: a stream that holds ``text``."""
+    return lambda msg: msg["msg_type"] == "stream" and text in msg["content"]["text"]
+
+
 def execute_ok(kernel: LoggedKernel, code: str) -> str:
     from tests.driver import execute
 
@@ -157,14 +168,17 @@ def test_a_rank_whose_torch_fails_to_import_is_named_though_it_cannot_reach_the_
 
 
 def test_a_rank_that_never_starts_is_named_in_the_server_log_and_on_iopub(logged_kernel, tmp_path):
-    """The kernel answers kernel_info at once, its banner saying the ranks are starting, and runs cells that do not
-    need them; at the deadline it says which rank never came, in the server log and on IOPub."""
-    kernel = logged_kernel(tmp_path / "server.log", **late_follower_env(tmp_path, 600, connect_timeout=15))
+    """The kernel answers kernel_info at once, its banner saying the ranks are starting, runs cells that do not
+    need them, and the stop button ends a magic's wait for them; at the deadline it says which rank never came,
+    in the server log and on IOPub."""
+    kernel = logged_kernel(tmp_path / "server.log", **late_follower_env(tmp_path, 600, connect_timeout=20))
     stuck = tmp_path / "stuck.pid"
     try:
         kernel.kc.wait_for_ready(timeout=120)
         assert "ranks of this kernel are still starting" in banner(kernel.kc)
         assert execute_ok(kernel, "print('while they start')") == "while they start\n"
+        waiting, _ = interrupt_when(kernel, "%dist", says("waiting for the ranks"), wait_s=15, timeout=30)
+        assert waiting.status == "error" and "KeyboardInterrupt" in waiting.error_text(), waiting.error_text()
         cause = "rank 1 of 2 did not start within SHARDBOOK_CONNECT_TIMEOUT"
         published_at_deadline = published(kernel.kc, cause, timeout=150)  # with no request of ours: as it fails
         assert "restart the kernel" in published_at_deadline, published_at_deadline
