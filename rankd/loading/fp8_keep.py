@@ -107,8 +107,13 @@ def fp8_keeping(requested: str, hf_config: Any, device: torch.device) -> tuple[F
     return FP8Keeping(kernel=True), "FP8 block weights kept in FP8, computed by torch's blockwise FP8 matmul"
 
 
-def require_keep_layout(keeping: FP8Keeping | None, layout: str) -> None:
-    """Refuse a layout that cannot keep FP8 weights when the load keeps them."""
+def require_keep_layout(keeping: FP8Keeping | None, layout: str, tp_unavailable: str | None = None) -> None:
+    """Refuse a layout that cannot keep FP8 weights when the load keeps them, or a model `tp` cannot run."""
+    if keeping is not None and tp_unavailable:
+        raise ValueError(
+            f"model.fp8_weights keeps FP8 weights under parallel.decode tp only, which this model cannot use "
+            f"({tp_unavailable}); set model.fp8_weights dequantize"
+        )
     if keeping is not None and layout not in KEEP_LAYOUTS:
         raise ValueError(
             f"model.fp8_weights keeps FP8 weights under parallel.decode {', '.join(KEEP_LAYOUTS)} only, and "

@@ -206,7 +206,7 @@ def _decide_layout(parallel: Any, ckpt: _Checkpoint, views: list) -> tuple[str, 
     experts_on = ep_sizes[0] * ep_sizes[1] > 1
     fp8_kept = ckpt.fp8 is not None
     requested = "tp" if parallel.decode == "auto" and (experts_on or fp8_kept) else parallel.decode
-    require_keep_layout(ckpt.fp8, requested)
+    require_keep_layout(ckpt.fp8, requested, tp_reason)
     layout, reason = choose_layout(requested, views, tp_reason)
     if requested != parallel.decode:
         reason = (

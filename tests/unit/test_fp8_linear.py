@@ -94,6 +94,9 @@ def test_each_choice_says_what_happens_on_a_cpu(caplog):
     assert fp8_keeping("keep-reference", unquantized, CPU)[0] is None  # nothing to keep
     with pytest.raises(ValueError, match="parallel.decode tp only.*parallel.decode is gather"):
         require_keep_layout(FP8Keeping(kernel=False), "gather")
+    with pytest.raises(ValueError, match="which this model cannot use \\(no plan\\); set model.fp8_weights dequantize"):
+        require_keep_layout(FP8Keeping(kernel=False), "tp", "no plan")
+    require_keep_layout(None, "gather", "no plan")  # nothing kept: any layout
 
 
 @pytest.mark.gpu
