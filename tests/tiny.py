@@ -23,6 +23,19 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+TOOLS_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\nTools:' }}{% for t in tools %}{{ ' ' + t.function.name }}{% endfor %}"
+    "{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% for m in messages %}{% if m.role == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>' + m.content + '</tool_response><|im_end|>\\n' }}"
+    "{% else %}{{ '<|im_start|>' + m.role + '\\n' + m.content }}"
+    "{% for c in m.tool_calls or [] %}{{ '<tool_call>' + c.function.name }}"
+    "{% for k, v in c.function.arguments.items() %}{{ ' ' + k + '=' + v }}{% endfor %}{{ '</tool_call>' }}"
+    "{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""ChatML with tools, as Qwen3's (hermes): the tools' names in a system turn, tool results as user turns, earlier
+calls with their arguments read as a mapping (as most templates read them)."""
 
 CORPUS = [
     "What is the capital of France? The capital of France is Paris.",

@@ -13,6 +13,7 @@ from typing import Any
 from shardbook.kernel.api.reasoning import ReasoningFormat, Split
 from shardbook.kernel.api.tool_formats import FORMATS, MODEL_TYPES, TELLTALES
 from shardbook.kernel.api.tool_parse import (
+    Accept,
     MalformedCall,
     ParsedReply,
     ToolCall,
@@ -24,6 +25,7 @@ from shardbook.kernel.api.tool_parse import (
 
 __all__ = [
     "FORMATS",
+    "Accept",
     "MalformedCall",
     "ParsedReply",
     "ReplyStream",
@@ -46,32 +48,38 @@ class ReplyStream:
         self.reasoning = reasoning.stream()
         self.tools = tools.stream() if tools else None
         self.first = tools is not None and tools.before_reasoning
+        self.accept: Accept | None = None
 
     def feed(self, delta: str) -> Split:
         return self.step(delta, final=False)
 
-    def finish(self) -> Split:
-        """The rest of the reasoning and content; the calls are in ``reply()``."""
+    def finish(self, accept: Accept | None = None) -> Split:
+        """The rest of the reasoning and content; the calls (those `accept` accepts) are in ``reply()``."""
+        self.accept = accept
         return self.step("", final=True)
 
     def step(self, delta: str, final: bool) -> Split:
         if self.tools is None:
             return self.reasoning.feed(delta) + (self.reasoning.finish() if final else Split())
         if self.first:
-            content = self.tools.feed(delta).content + (self.tools.finish().content if final else "")
-            return self.reasoning.feed(content) + (self.reasoning.finish() if final else Split())
+            return self.reasoning.feed(self.call_text(delta, final)) + (self.reasoning.finish() if final else Split())
         split = self.reasoning.feed(delta) + (self.reasoning.finish() if final else Split())
-        content = self.tools.feed(split.content).content + (self.tools.finish().content if final else "")
-        return Split(split.reasoning, content)
+        return Split(split.reasoning, self.call_text(split.content, final))
+
+    def call_text(self, text: str, final: bool) -> str:
+        """The content the tool parser gives out of `text` (all it held, at the end)."""
+        return self.tools.feed(text).content + (self.tools.finish(self.accept).content if final else "")
 
     def reply(self) -> ParsedReply:
         return self.tools.reply() if self.tools else ParsedReply("")
 
 
-def split_reply(text: str, reasoning: ReasoningFormat, tools: ToolFormat | None) -> tuple[str, ParsedReply]:
-    """A whole reply's reasoning, and its content and calls."""
+def split_reply(
+    text: str, reasoning: ReasoningFormat, tools: ToolFormat | None, accept: Accept | None = None
+) -> tuple[str, ParsedReply]:
+    """A whole reply's reasoning, and its content and calls (those `accept` accepts)."""
     stream = ReplyStream(reasoning, tools)
-    split = stream.feed(text) + stream.finish()
+    split = stream.feed(text) + stream.finish(accept)
     parsed = stream.reply()
     return split.reasoning, ParsedReply(split.content, parsed.calls, parsed.malformed)
 

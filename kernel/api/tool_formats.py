@@ -149,6 +149,8 @@ class Harmony(ToolFormat):
     messages, markers and all) is left for the harmony reasoning parser, so this format reads the raw reply."""
 
     name = "harmony"
+    markers = ("<|start|>", "<|channel|>", "<|message|>", "<|call|>")
+    """The markers a call is written with (this format finds calls by their headers, not by these alone)."""
     before_reasoning = True
     message = "<|message|>"
     header_starts = ("<|start|>", "<|channel|>", " to=", "to=")

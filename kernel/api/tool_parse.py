@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,10 @@ class ParsedReply:
 
 class MalformedCall(ValueError):
     """A call whose text does not follow its format (the message says where)."""
+
+
+Accept = Callable[[tuple[ToolCall, ...]], str | None]
+"""Checks a reply's calls: None to accept them, else why not."""
 
 
 def new_call_id() -> str:
@@ -139,12 +144,17 @@ class ToolStreamParser:
         self.pending = self.pending[len(body) :]
         return self.give(body)
 
-    def finish(self) -> ToolDelta:
+    def finish(self, accept: Accept | None = None) -> ToolDelta:
+        """The rest of the reply; `accept` may refuse calls that were read (a tool the request did not offer):
+        they are then malformed too, and text."""
         tail, self.pending = self.pending, ""
         if not self.in_call:
             return self.give(tail)
         try:
             around, calls = self.fmt.read_calls(tail)
+            refusal = accept(tuple(calls)) if accept else None
+            if refusal:
+                raise MalformedCall(refusal)
         except MalformedCall as e:
             self.malformed, self.error = True, str(e)
             return self.give(self.held_space + tail)

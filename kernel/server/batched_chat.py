@@ -15,14 +15,9 @@ from typing import Any
 from shardbook.kernel.api.batch import scheduler_for, sequence_request
 from shardbook.kernel.server.batch_reply import BatchReplyHandler
 from shardbook.kernel.server.openai_api import FINISH_REASONS, ApiError, load_body, parse_request
-from shardbook.kernel.server.reasoning_reply import (
-    ReplySplitter,
-    message,
-    reply_format,
-    template_options,
-    with_reasoning_tokens,
-)
+from shardbook.kernel.server.reasoning_reply import reply_format, template_options, with_reasoning_tokens
 from shardbook.kernel.server.text_completions import MAX_N
+from shardbook.kernel.server.tool_reply import reply_splitter, request_tool_format, with_tools
 from shardbook.rankd.generation.batching import BatchLimitError, SequenceRequest, SequenceResult, StreamDelta
 
 EXTRA = ("n", "logprobs", "top_logprobs", "ignore_eos", "min_tokens")
@@ -67,6 +62,8 @@ class BatchedChatCompletionsHandler(BatchReplyHandler):
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         options = template_options(parser, loaded.tokenizer, parsed.chat_template_kwargs, parsed.reasoning_effort)
+        options = with_tools(options, parsed.tools)
+        tool_fmt = request_tool_format(loaded, parsed.tools, self.server.options.tool_call_parser)
         settings = dict(parsed.settings)
         base_seed = settings.pop("seed", None)
         if base_seed is None:
@@ -97,7 +94,8 @@ class BatchedChatCompletionsHandler(BatchReplyHandler):
                 raise ApiError(400, str(e), param="messages") from None
             planned.append((0, sequence))
         self.fmt, self.tokenizer = reply_format(loaded, list(planned[0][1].prompt_ids), override), loaded.tokenizer
-        self.splitters = [ReplySplitter(self.fmt) for _ in planned]
+        metrics = self.server.metrics
+        self.splitters = [reply_splitter(self.fmt, tool_fmt, parsed.tools, metrics) for _ in planned]
         return request, planned
 
     def open_stream(self, ids: tuple[str, int], request) -> None:
@@ -115,6 +113,13 @@ class BatchedChatCompletionsHandler(BatchReplyHandler):
     def finish_choice(self, request, planned, index: int, delta: StreamDelta) -> dict[str, Any]:
         return self.stream_choice(request, planned, index, delta, final=True)
 
+    def send_chunk(self, ids: tuple[str, int], request, choices: list, usage: dict[str, int] | None = None) -> None:
+        """A choice that ends on its tool calls finishes with ``tool_calls`` (its last delta carries them)."""
+        for choice in choices:
+            if choice.get("finish_reason") is not None:
+                choice["finish_reason"] = self.splitters[choice["index"]].finish_reason(choice["finish_reason"])
+        super().send_chunk(ids, request, choices, usage)
+
     def usage(self, planned, results: dict[int, SequenceResult]) -> dict[str, Any]:
         reasoning = [self.fmt.split(r.text).reasoning for r in results.values()]
         return with_reasoning_tokens(super().usage(planned, results), self.fmt, self.tokenizer, reasoning)
@@ -124,15 +129,13 @@ class BatchedChatCompletionsHandler(BatchReplyHandler):
 
     def choices(self, request, planned, results: dict[int, SequenceResult]) -> list[dict[str, Any]]:
         tokenizer = scheduler_for(self.server.runtime).tokenizer
-        return [
-            {
-                "index": index,
-                "message": message(self.fmt, results[index].text),
-                "finish_reason": FINISH_REASONS[results[index].finish_reason],
-                "logprobs": {"content": chat_logprobs(tokenizer, results[index])} if request.logprobs else None,
-            }
-            for index in range(len(planned))
-        ]
+        choices = []
+        for index in range(len(planned)):
+            result = results[index]
+            message, finish = self.splitters[index].reply(result.text, FINISH_REASONS[result.finish_reason])
+            logprobs = {"content": chat_logprobs(tokenizer, result)} if request.logprobs else None
+            choices.append({"index": index, "message": message, "finish_reason": finish, "logprobs": logprobs})
+        return choices
 
 
 def chat_batch_request(parsed: Any, extra: dict[str, Any]) -> ChatBatchRequest:

@@ -28,6 +28,7 @@ from shardbook.kernel.server.access import (
     check_origin,
 )
 from shardbook.kernel.server.openai_api import (
+    FINISH_REASONS,
     ApiError,
     check_fits_context,
     chunk_body,
@@ -38,15 +39,9 @@ from shardbook.kernel.server.openai_api import (
     parse_request,
     usage_body,
 )
-from shardbook.kernel.server.reasoning_reply import (
-    ReplySplitter,
-    message,
-    prompt_ids,
-    reply_format,
-    template_options,
-    with_reasoning_tokens,
-)
+from shardbook.kernel.server.reasoning_reply import prompt_ids, reply_format, template_options, with_reasoning_tokens
 from shardbook.kernel.server.state import ServerState
+from shardbook.kernel.server.tool_reply import reply_splitter, request_tool_format, with_tools
 
 log = logging.getLogger(__name__)
 BODY_READ_LIMIT = 64 * 1024 * 1024
@@ -182,6 +177,8 @@ class ChatCompletionsHandler(BodyHandler):
         try:
             parser = reply_format(loaded, [], override).name
             options = template_options(parser, loaded.tokenizer, request.chat_template_kwargs, request.reasoning_effort)
+            options = with_tools(options, request.tools)
+            self.tool_fmt = request_tool_format(loaded, request.tools, self.server.options.tool_call_parser)
             generation = model.build_request(
                 request.messages, stop=request.stop, template_options=options, **request.settings
             )
@@ -212,15 +209,19 @@ class ChatCompletionsHandler(BodyHandler):
         self.set_header("X-Shardbook-Queue-Wait-Ms", f"{stream.waited_s * 1000:.0f}")
         self.server.stats.served += 1
         response = stream.response
-        reply = message(self.fmt, response.text)
+        reply, finish = self.splitter_for(request).reply(response.text, FINISH_REASONS[response.finish_reason])
         usage = with_reasoning_tokens(
             usage_body(response), self.fmt, self.tokenizer, [reply.get("reasoning_content") or ""]
         )
-        self.write_json(completion_body(new_completion_id(), request.model, response, reply, usage))
+        self.write_json(completion_body(new_completion_id(), request.model, response, reply, usage, finish))
+
+    def splitter_for(self, request):
+        """The reply's splitter: reasoning apart, and the calls when the request offers tools."""
+        return reply_splitter(self.fmt, self.tool_fmt, request.tools, self.server.metrics)
 
     async def stream_reply(self, request, stream: AsyncChatStream) -> None:
         completion_id, sent_any = new_completion_id(), False
-        self.splitter = ReplySplitter(self.fmt)
+        self.splitter = self.splitter_for(request)
         self.set_header("Content-Type", "text/event-stream")
         self.set_header("Cache-Control", "no-cache")
         try:
@@ -263,8 +264,8 @@ class ChatCompletionsHandler(BodyHandler):
         response = stream.response
         if not sent_any:
             self.open_stream(request, stream, completion_id)
-        finish = completion_body(completion_id, request.model, response)["choices"][0]["finish_reason"]
-        rest = self.splitter.delta("", final=True)  # a tag cut short at the end is text after all
+        rest = self.splitter.delta("", final=True)  # a tag cut short at the end is text after all; the calls
+        finish = self.splitter.finish_reason(FINISH_REASONS[response.finish_reason])
         self.send_event(chunk_body(completion_id, request.model, rest, finish, include_usage=request.include_usage))
         if request.include_usage:
             usage = with_reasoning_tokens(

@@ -42,6 +42,11 @@ class Metrics:
         self.prompt_tokens = Counter("shardbook_prompt_tokens", "Prompt tokens submitted", registry=r)
         self.generated_tokens = Counter("shardbook_generation_tokens", "Tokens generated", registry=r)
         self.errors = Counter("shardbook_request_errors", "Failed requests by kind", ["kind"], registry=r)
+        self.tool_call_failures = Counter(
+            "shardbook_tool_call_parse_failures",
+            "Replies whose tool calls could not be read or did not answer the request (returned as text)",
+            registry=r,
+        )
         self.scheduler: Any = None
 
     def submitted(self, sequences: int, prompt_tokens: int) -> None:

@@ -1,7 +1,8 @@
 """The OpenAI chat-completions protocol: request bodies checked and translated, replies and errors in its shapes.
 
-Only what the ranks can honour is accepted: ``messages`` (system, developer, user, assistant;
-text content; an assistant's ``reasoning_content``), ``max_tokens`` / ``max_completion_tokens``,
+Only what the ranks can honour is accepted: ``messages`` (system, developer, user, assistant, tool;
+text content; an assistant's ``reasoning_content`` and ``tool_calls``), ``tools``, ``tool_choice`` and
+``parallel_tool_calls`` (``tool_request``), ``max_tokens`` / ``max_completion_tokens``,
 ``temperature`` (0 is greedy), ``top_p``, ``seed``, ``stop``, ``stream``,
 ``stream_options.include_usage``, ``chat_template_kwargs`` (keywords for the chat template, JSON
 scalars) and ``reasoning_effort``. Fields that change nothing at their default value (``n: 1``,
@@ -17,10 +18,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardbook.kernel.server.tool_request import ToolRequest, ToolRequestError, parse_tools, tool_fields
 from shardbook.rankd.generation.engine import MAX_STOP_CHARS, check_template_options
 from shardbook.rankd.generation.sampling import MIN_TEMPERATURE
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+EXTRA_KEYS = {"assistant": ("tool_calls",), "tool": ("tool_call_id", "name")}
+"""Message keys beyond role and content (and an assistant's reasoning_content), per role."""
 HANDLED = {
     "model",
     "messages",
@@ -35,17 +39,17 @@ HANDLED = {
     "user",
     "chat_template_kwargs",
     "reasoning_effort",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
 }
 HARMLESS_DEFAULTS = {
     "n": (1,),
     "logprobs": (False,),
     "frequency_penalty": (0, 0.0),
     "presence_penalty": (0, 0.0),
-    "tools": ([],),
-    "tool_choice": ("none",),
     "functions": ([],),
     "logit_bias": ({},),
-    "parallel_tool_calls": (False, True),
     "response_format": ({"type": "text"},),
     "store": (False,),
     "metadata": ({},),
@@ -106,6 +110,8 @@ class CompletionRequest:
     """Keywords for the chat template (``enable_thinking``, ``thinking``, ...), checked to be JSON scalars."""
     reasoning_effort: str | None = None
     """``low``, ``medium`` or ``high``: mapped to the model's own switch (``reasoning_reply.template_options``)."""
+    tools: ToolRequest = field(default_factory=ToolRequest)
+    """The tools offered, ``tool_choice`` and ``parallel_tool_calls`` (none: no tools)."""
 
 
 def load_body(raw: bytes) -> Any:
@@ -154,7 +160,16 @@ def parse_request(raw: bytes) -> CompletionRequest:
         include_usage=bool(options.get("include_usage")),
         chat_template_kwargs=parse_template_kwargs(body.get("chat_template_kwargs")),
         reasoning_effort=parse_reasoning_effort(body.get("reasoning_effort")),
+        tools=checked(parse_tools, body),
     )
+
+
+def checked(parse: Any, *args: Any) -> Any:
+    """``parse(*args)``, its ToolRequestError as a 400 naming the field."""
+    try:
+        return parse(*args)
+    except ToolRequestError as e:
+        raise ApiError(400, str(e), param=e.param) from None
 
 
 def parse_template_kwargs(kwargs: Any) -> dict[str, Any]:
@@ -217,22 +232,22 @@ def parse_message(message: Any, i: int) -> dict[str, str]:
     param = f"messages[{i}]"
     if isinstance(message, dict):
         message = {k: v for k, v in message.items() if v is not None}
-    allowed = {"role", "content", "reasoning_content"} if isinstance(message, dict) else set()
+    role = message.get("role") if isinstance(message, dict) else None
+    allowed = {"role", "content", "reasoning_content", *(EXTRA_KEYS.get(role, ()) if isinstance(role, str) else ())}
     if not isinstance(message, dict) or set(message) - allowed:
-        raise ApiError(400, f"{param} must be an object with only 'role' and 'content'", param=param)
-    role = message.get("role")
+        raise ApiError(400, f"{param} must be an object with only {sorted(allowed)}", param=param)
     if role not in ROLES:
         raise ApiError(
             400, f"{param}.role {role!r} is not supported; use one of {sorted(ROLES)}", param=f"{param}.role"
         )
-    content = message.get("content")
+    content = message.get("content", "" if message.get("tool_calls") else None)  # content may be null beside calls
     if isinstance(content, list):
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
             raise ApiError(400, f"{param}.content: only text parts are supported", param=f"{param}.content")
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise ApiError(400, f"{param}.content must be a string", param=f"{param}.content")
-    parsed = {"role": ROLES[role], "content": content}
+    parsed = {"role": ROLES[role], "content": content, **checked(tool_fields, message, role, param)}
     if "reasoning_content" in message:
         reasoning = message["reasoning_content"]
         if role != "assistant" or not isinstance(reasoning, str):
@@ -324,9 +339,15 @@ def usage_body(response: Any) -> dict[str, int]:
 
 
 def completion_body(
-    completion_id: str, model: str, response: Any, message: dict[str, Any] | None = None, usage: dict | None = None
+    completion_id: str,
+    model: str,
+    response: Any,
+    message: dict[str, Any] | None = None,
+    usage: dict | None = None,
+    finish_reason: str | None = None,
 ) -> dict[str, Any]:
-    """A whole reply; `message` and `usage` replace the plain ones (the reasoning apart, its tokens counted)."""
+    """A whole reply; `message`, `usage` and `finish_reason` replace the plain ones (the reasoning apart, its
+    tokens counted, the calls made)."""
     message = message or {"role": "assistant", "content": response.text}
     return {
         "id": completion_id,
@@ -334,7 +355,12 @@ def completion_body(
         "created": int(time.time()),
         "model": model,
         "choices": [
-            {"index": 0, "message": message, "finish_reason": FINISH_REASONS[response.finish_reason], "logprobs": None}
+            {
+                "index": 0,
+                "message": message,
+                "finish_reason": finish_reason or FINISH_REASONS[response.finish_reason],
+                "logprobs": None,
+            }
         ],
         "usage": usage or usage_body(response),
     }

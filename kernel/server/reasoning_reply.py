@@ -78,6 +78,21 @@ class ReplySplitter:
         piece = self.parser.feed(text) if text else Split()
         return self.as_delta(piece + self.parser.finish() if final else piece)
 
+    def finish_reason(self, reason: str) -> str:
+        """The reply's finish reason in OpenAI's words, from the engine's (translated)."""
+        return reason
+
+    def message(self) -> dict[str, Any]:
+        """The whole reply's ``message``, once its final delta was taken."""
+        if self.fmt.name == "none":
+            return {"role": "assistant", "content": self.whole.content}
+        return {"role": "assistant", "content": self.whole.content, "reasoning_content": self.whole.reasoning or None}
+
+    def reply(self, text: str, reason: str) -> tuple[dict[str, Any], str]:
+        """A whole reply's ``message`` and finish reason, through this (unused) splitter."""
+        self.delta(text, final=True)
+        return self.message(), self.finish_reason(reason)
+
     def as_delta(self, piece: Split) -> dict[str, str]:
         self.whole += piece
         delta = {}
@@ -86,14 +101,6 @@ class ReplySplitter:
         if piece.content:
             delta["content"] = piece.content
         return delta
-
-
-def message(fmt: ReasoningFormat, text: str) -> dict[str, Any]:
-    """A whole reply's ``message``: ``reasoning_content`` apart (None when it has none) for a reasoning format."""
-    if fmt.name == "none":
-        return {"role": "assistant", "content": text}
-    split = fmt.split(text)
-    return {"role": "assistant", "content": split.content, "reasoning_content": split.reasoning or None}
 
 
 def with_reasoning_tokens(usage: dict[str, Any], fmt: ReasoningFormat, tokenizer: Any, reasoning: list[str]) -> dict:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from shardbook.kernel.api.reasoning import PARSERS
+from shardbook.kernel.api.tool_calls import FORMATS
 from shardbook.kernel.ranks.runtime import Runtime
 from shardbook.kernel.server.openai_api import ApiError
 
@@ -42,6 +43,9 @@ class ServeOptions:
     reasoning_parser: str = "auto"
     """How chat replies' reasoning is read apart from the answer (``reasoning_content``): ``auto`` (from the
     model's config and vocabulary), ``think``, ``harmony`` or ``none``."""
+    tool_call_parser: str = "auto"
+    """How chat replies' tool calls are read (``tool_calls``): ``auto`` (from the model's config and vocabulary),
+    ``none`` (requests with tools are refused), or a format of ``tool_calls.FORMATS`` (``hermes``, ``glm45``, ...)."""
     allowed_hosts: tuple[str, ...] = ()
     """Names a request's ``Host`` may give besides localhost and the address listened on (a reverse proxy's,
     a tunnel's; ``--allowed-host``); ``*`` allows any."""
@@ -62,6 +66,10 @@ class ServeOptions:
         if self.reasoning_parser not in ("auto", *PARSERS):
             raise ValueError(
                 f"unknown reasoning parser {self.reasoning_parser!r}: use one of auto, {', '.join(PARSERS)}"
+            )
+        if self.tool_call_parser not in ("auto", "none", *FORMATS):
+            raise ValueError(
+                f"unknown tool-call parser {self.tool_call_parser!r}: use one of auto, none, {', '.join(FORMATS)}"
             )
         for name in self.allowed_hosts:
             if not name.strip() or "/" in name:

@@ -15,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from transformers import LlamaConfig
 
 from shardbook.kernel.ranks.generation_queue import GenerationQueue
@@ -96,6 +97,10 @@ class FakeModel:
         self.config = LlamaConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=400)
         self.config.model_type = model_type
         self.generation_config = SimpleNamespace(eos_token_id=None)
+
+    def parameters(self):
+        """Where the weights are (the batch sizes itself by the device)."""
+        return iter([torch.zeros(1)])
 
 
 class FakeHandle:

@@ -1,0 +1,212 @@
+"""Tool calls on /v1/chat/completions through the `openai` client, on the batch and on ``--no-batch``.
+
+The ranks are scripted as in ``test_reasoning_endpoint.py`` (the reply depends on the prompt the chat template
+rendered, so the tools, tool results and earlier calls are seen to reach the template), here with a hermes
+template (``qwen3``'s format). ``tool_serve_check.py`` runs a taught model and agent frameworks on real tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import requests
+
+from shardbook.kernel.server.openai_api import ApiError
+from shardbook.kernel.server.tool_reply import request_tool_format
+from shardbook.kernel.server.tool_request import ToolRequest
+from tests.tiny import TOOLS_TEMPLATE, make_tokenizer
+from tests.unit import test_reasoning_endpoint as scripted
+from tests.unit.test_reasoning_endpoint import serve  # noqa: F401  (the fixture: a server on each path)
+
+openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.timeout(60)
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+REPLIES = {
+    "weather": ["Let me check.\n<tool", "_call>\n" + CALL[12:30], CALL[30:]],
+    "twice": ["<tool_call>", CALL[11:] + CALL.replace("Paris", "Rome")],
+    "bad": ['<tool_call>\n{"name": "get_weather", "arguments": {"city": Paris}}\n</tool_call>'],
+    "nowhere": ['<tool_call>\n{"name": "get_weather", "arguments": {"town": "Paris"}}\n</tool_call>'],
+}
+ASK = [{"role": "user", "content": "weather"}]
+
+
+def reply_to(prompt: str) -> list[str]:
+    """The scripted model: it answers a tool result, calls when it sees its tool offered, else greets."""
+    if "<tool_response>" in prompt:
+        return ["Sunny, ", "says the tool (" + prompt.split("<tool_call>")[1].split("</tool_call>")[0] + ")."]
+    asked = prompt.rsplit("<|im_start|>user\n", 1)[-1].split("<|im_end|>")[0]
+    if "Tools: get_weather" in prompt and asked in REPLIES:
+        return REPLIES[asked]
+    return ["Hello!"]
+
+
+@pytest.fixture
+def client(serve, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(scripted, "reply_to", reply_to)
+    client, tokenizer = serve("think")  # a qwen3 model: hermes calls, think tags
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    return client
+
+
+def streamed(client, **fields):
+    """The stream's content, its calls as the openai client accumulates them, and its finish reason."""
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(model="m", stream=True, **fields):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or ():
+            entry = calls.setdefault(call.index, {"id": call.id, "name": call.function.name, "arguments": ""})
+            entry["arguments"] += call.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def test_a_call_whole_and_streamed_then_the_result_back(client):
+    whole = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER_TOOL])
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+    (call,) = choice.message.tool_calls
+    assert (call.type, call.function.name, json.loads(call.function.arguments)) == (
+        "function",
+        "get_weather",
+        {"city": "Paris"},
+    )
+    content, calls, finish = streamed(client, messages=ASK, tools=[WEATHER_TOOL])
+    assert (content, finish) == ("Let me check.", "tool_calls")
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris"})]
+    assert calls[0]["id"].startswith("call_")
+    turns = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+    ]
+    answer = client.chat.completions.create(model="m", messages=turns, tools=[WEATHER_TOOL])
+    assert answer.choices[0].message.content == "Sunny, says the tool (get_weather city=Paris)."
+    assert answer.choices[0].finish_reason == "stop" and answer.choices[0].message.tool_calls is None
+
+
+def test_tool_choice_and_parallel_calls(client):
+    both = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "twice"}], tools=[WEATHER_TOOL]
+    )
+    assert [json.loads(c.function.arguments)["city"] for c in both.choices[0].message.tool_calls] == ["Paris", "Rome"]
+    first = streamed(
+        client, messages=[{"role": "user", "content": "twice"}], tools=[WEATHER_TOOL], parallel_tool_calls=False
+    )
+    assert [json.loads(c["arguments"])["city"] for c in first[1]] == ["Paris"]
+    none = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER_TOOL], tool_choice="none")
+    assert none.choices[0].message.content == "Hello!"  # no tools rendered: the model did not see them
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert (
+        client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER_TOOL], tool_choice=named)
+        .choices[0]
+        .message.tool_calls
+    )
+    required = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER_TOOL], tool_choice="required"
+    )
+    assert (required.choices[0].message.content, required.choices[0].finish_reason) == ("Hello!", "stop")
+
+
+@pytest.mark.parametrize("asked", ["bad", "nowhere"])
+def test_a_call_that_cannot_be_used_is_text_and_counted(client, asked):
+    messages = [{"role": "user", "content": asked}]
+    whole = client.chat.completions.create(model="m", messages=messages, tools=[WEATHER_TOOL])
+    assert whole.choices[0].finish_reason == "stop" and whole.choices[0].message.tool_calls is None
+    assert whole.choices[0].message.content == REPLIES[asked][0]
+    assert streamed(client, messages=messages, tools=[WEATHER_TOOL]) == (REPLIES[asked][0], [], "stop")
+    metrics = requests.get(str(client.base_url).replace("/v1/", "/metrics"), timeout=10).text
+    assert "shardbook_tool_call_parse_failures_total 2.0" in metrics
+
+
+@pytest.mark.parametrize(
+    "fields, param, why",
+    [
+        ({"tools": [{"type": "retrieval"}]}, "tools[0]", "function tools only"),
+        (
+            {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice",
+            "not one of",
+        ),
+        ({"tool_choice": "required"}, "tool_choice", "offers no 'tools'"),
+        ({"tools": [WEATHER_TOOL], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "boolean"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id", "id of the call"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{x"}}],
+                    }
+                ]
+            },
+            "messages[0].tool_calls[0].function.arguments",
+            "JSON text of an object",
+        ),
+        (
+            {"tools": [WEATHER_TOOL], "extra_body": {"chat_template_kwargs": {"tools": "x"}}},
+            "chat_template_kwargs",
+            "'tools' field",
+        ),
+    ],
+)
+def test_tool_fields_that_are_refused(client, fields, param, why):
+    body = {"messages": ASK, **fields}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="m", **body)
+    assert refused.value.body["param"] == param and why in refused.value.body["message"]
+
+
+def test_tools_the_model_cannot_take_are_refused_naming_why(serve, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(scripted, "reply_to", reply_to)
+    client, tokenizer = serve("harmony")  # gpt-oss, with a template that does not render tools
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER_TOOL])
+    assert "does not read 'tools'" in refused.value.body["message"]
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER_TOOL])
+    assert "are special tokens of this tokenizer" in refused.value.body["message"]  # its calls would vanish
+    assert client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER_TOOL], tool_choice="none")
+    llama = SimpleNamespace(
+        tokenizer=make_tokenizer(), model=SimpleNamespace(config=SimpleNamespace(model_type="llama"))
+    )
+    with pytest.raises(ApiError, match="this model has no tool-call format"):
+        request_tool_format(llama, ToolRequest([WEATHER_TOOL]), "auto")
+
+
+@pytest.mark.timeout(400)
+def test_a_taught_model_calls_its_tool_for_real_clients():
+    """Real generated tokens: a tiny model taught (in `tool_serve_check.py`) to call get_weather and then answer,
+    driven by the openai client on both paths, the OpenAI Agents SDK and LangChain's bind_tools."""
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("tool_serve_check.py"))],
+        capture_output=True,
+        text=True,
+        timeout=380,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    call = [["get_weather", {"city": "Paris"}]]
+    for where in ("batch", "no_batch"):
+        assert found[where]["whole"] == ["tool_calls", call], found
+        assert found[where]["stream"] == ["tool_calls", call], found  # the client's own stream accumulation
+        assert found[where]["answer"] == ["stop", "It is sunny in Paris."], found
+    assert found["agents_sdk"] == "It is sunny in Paris.", found
+    assert found["langchain"] == [call, call, "It is sunny in Paris."], found

@@ -1,0 +1,136 @@
+"""Run by test_tool_endpoint.py in a process of its own (a world of one rank with a process-wide runtime): a tiny
+model taught here to answer a question with a hermes tool call and, given the tool's result, with an answer, served
+on the batch and on ``--no-batch``; the openai client's round trip whole and streamed on both, then the OpenAI
+Agents SDK and LangChain's ``bind_tools`` running their agent loop to the answer. Prints one JSON line of findings."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+MODEL = "tiny-tools"
+QUESTION = [{"role": "user", "content": "Weather in Paris?"}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+ANSWER = "It is sunny in Paris."
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TAUGHT_CALL = {
+    "role": "assistant",
+    "content": "",
+    "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+}
+RESULT = {"role": "tool", "tool_call_id": "any", "content": "sunny"}
+
+
+def get_weather(city: str) -> str:
+    """The weather in a city.
+
+    Args:
+        city: The city's name.
+    """
+    return "sunny"
+
+
+def taught_model():
+    """A tiny Llama and a tokenizer with hermes tool tags, taught the call and the answer after its result."""
+    from reasoning_serve_check import teach  # a sibling script: this one runs as a file too
+
+    from tests.tiny import TOOLS_TEMPLATE, make_tokenizer
+
+    tokenizer = make_tokenizer()
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])  # as Qwen3's: ordinary added tokens, kept in the text
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    tools = {"tools": [TOOL]}
+    examples = [(QUESTION, tools, CALL), ([*QUESTION, TAUGHT_CALL, RESULT], tools, ANSWER)]
+    return teach(tokenizer, examples, steps=400), tokenizer
+
+
+def round_trip(client) -> dict:
+    """The openai client: the call whole and through its stream helper's accumulation, then the answer."""
+    ask = dict(model=MODEL, messages=QUESTION, tools=[TOOL], temperature=0, max_tokens=80)
+    whole = client.chat.completions.create(**ask).choices[0]
+    with client.chat.completions.stream(**ask) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    calls = whole.message.tool_calls or []
+    turns = [*QUESTION, whole.message.model_dump(exclude_none=True)]
+    turns += [
+        {"role": "tool", "tool_call_id": c.id, "content": get_weather(**json.loads(c.function.arguments))}
+        for c in calls
+    ]
+    answer = client.chat.completions.create(**{**ask, "messages": turns}).choices[0]
+    return {
+        "whole": [whole.finish_reason, [(c.function.name, json.loads(c.function.arguments)) for c in calls]],
+        "stream": [
+            streamed.finish_reason,
+            [(c.function.name, json.loads(c.function.arguments)) for c in streamed.message.tool_calls or []],
+        ],
+        "answer": [answer.finish_reason, answer.message.content],
+    }
+
+
+def agents_sdk(base_url: str) -> str:
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)  # tracing would post to OpenAI
+    model = OpenAIChatCompletionsModel(model=MODEL, openai_client=AsyncOpenAI(base_url=base_url, api_key="none"))
+    agent = Agent(
+        name="weather",
+        model=model,
+        tools=[function_tool(get_weather)],
+        model_settings=ModelSettings(temperature=0, max_tokens=80),
+    )
+    return Runner.run_sync(agent, QUESTION[0]["content"]).final_output
+
+
+def langchain(base_url: str) -> list:
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model=MODEL, base_url=base_url, api_key="none", temperature=0, max_tokens=80, max_retries=0)
+    bound = llm.bind_tools([get_weather])
+    asked = [HumanMessage(QUESTION[0]["content"])]
+    called = bound.invoke(asked)
+    chunks = list(bound.stream(asked))
+    streamed = sum(chunks[1:], chunks[0])
+    results = [ToolMessage(get_weather(**c["args"]), tool_call_id=c["id"]) for c in called.tool_calls]
+    answer = bound.invoke([*asked, called, *results])
+    return [
+        [(c["name"], c["args"]) for c in called.tool_calls],
+        [(c["name"], c["args"]) for c in streamed.tool_calls],
+        answer.content,
+    ]
+
+
+def main() -> None:
+    from batch_server_check import one_rank_serving  # a sibling script: this one runs as a file too
+
+    from shardbook.kernel.server.server import Server
+    from shardbook.kernel.server.state import ServeOptions
+
+    torch.set_num_threads(1)  # before the model is taught
+    model, tokenizer = taught_model()
+    runtime, port, client = one_rank_serving(model, tokenizer, f"/models/{MODEL}")
+    out: dict = {}
+    for batch in (True, False):
+        server = Server(runtime, ServeOptions(port=port, batch=batch)).start()
+        out["batch" if batch else "no_batch"] = round_trip(client)
+        if batch:
+            out["agents_sdk"] = agents_sdk(server.url)
+            out["langchain"] = langchain(server.url)
+        server.stop()
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
