@@ -249,15 +249,16 @@ class ChatMagics(Magics):
             response = self._stream_reply(runtime, request, parts, args, relay)
             return ModelReply(response, parts, request.messages, prompt_text(runtime, request))
 
+        response = None
         try:
             response = loop.run(self.conversation.request_messages(text), reply)
         except KeyboardInterrupt:  # between two replies, outside the streams and the tools
             if loop.last is None:
                 raise
             response = replace(loop.last, finish_reason="interrupted", steps=tuple(loop.steps))
-        finally:
+        finally:  # what the loop did is kept even when a reply failed
             if loop.last is not None:
-                done = response if "response" in locals() else replace(loop.last, steps=tuple(loop.steps))
+                done = response or replace(loop.last, steps=tuple(loop.steps))
                 user = {"role": "user", "content": text}
                 self.conversation.add_messages([user, *loop.messages], done.text, done.finish_reason, done.reasoning)
                 self.shell.user_ns["_chat"] = done

@@ -157,8 +157,11 @@ class ToolLoop:
 
     def run_step(self, call: ToolCall, asked: ModelReply) -> bool:
         """Run one call and record it; False when an interrupt stopped the tool (the loop ends there)."""
+        from shardbook.kernel.ranks.foreground import interrupts_raise
+
         try:
-            arguments, result, failed = call_tool(self.functions, call)
+            with interrupts_raise():
+                arguments, result, failed = call_tool(self.functions, call)
             finished = True
         except KeyboardInterrupt:
             arguments, result, failed, finished = json.loads(call.arguments), "error: interrupted", True, False

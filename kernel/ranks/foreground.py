@@ -59,6 +59,25 @@ def sigint_calls(fn: Callable[[], None]) -> Iterator[None]:
             _stops.remove(fn)
 
 
+@contextmanager
+def interrupts_raise() -> Iterator[None]:
+    """Within the block (rank 0's own code between replies: a tool of a tool loop), the stop button raises
+    KeyboardInterrupt in the main thread as a SIGINT does, even in a ``%%chat`` cell whose reply has started
+    (which otherwise gets no SIGINT). The signal wakes a blocking call (``time.sleep``, a socket read)."""
+    main = threading.main_thread().ident
+
+    def interrupt() -> None:
+        signal.pthread_kill(main, signal.SIGINT)
+
+    with _lock:
+        _stops.append(interrupt)
+    try:
+        yield
+    finally:
+        with _lock:
+            _stops.remove(interrupt)
+
+
 def stop_foreground_reply() -> bool:
     """Stop the reply the main thread waits for (the innermost, if nested); False when none does."""
     with _lock:
