@@ -55,6 +55,13 @@ def add_serve_flags(parser: argparse.ArgumentParser, default=None) -> None:
         help="chat completions take turns through transformers' generate instead of decoding together",
     )
     parser.add_argument(
+        "--tool-call-parser",
+        default=default or "auto",
+        metavar="NAME",
+        help="how chat replies' tool calls are read: auto (from the model's config and vocabulary), none (requests "
+        "with tools get 400), or hermes, glm45, deepseek_v31, kimi_k2, minimax_m2, harmony",
+    )
+    parser.add_argument(
         "--allowed-host",
         action="append",
         default=default,
@@ -111,6 +118,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         api_key=key,
         max_waiting=args.max_waiting,
         batch=not args.no_batch,
+        tool_call_parser=args.tool_call_parser,
         allowed_hosts=tuple(args.allowed_host or ()),
         allowed_origins=tuple(args.allowed_origin or ()),
     )
@@ -133,6 +141,7 @@ def run_serve(args: argparse.Namespace) -> int:
     flags = ["--host", options.host, "--port", str(options.port)]
     flags += ["--max-waiting", str(args.max_waiting)] if args.max_waiting is not None else []
     flags += ["--no-batch"] if args.no_batch else []
+    flags += [f"--tool-call-parser={options.tool_call_parser}"]
     flags += [f"--allowed-host={name}" for name in options.allowed_hosts]
     flags += [f"--allowed-origin={origin}" for origin in options.allowed_origins]
     command = ["serve", *flags, *config_argv(args), *args.overrides]

@@ -32,6 +32,12 @@ def request_tool_format(loaded: Any, tools: ToolRequest, override: str) -> ToolF
     tokenizer = loaded.tokenizer
     model_type = getattr(getattr(loaded.model, "config", None), "model_type", None)
     fmt = tool_format_for(model_type, tokenizer.get_vocab(), override)
+    if fmt is None and override == "none":
+        raise ApiError(
+            400,
+            "this server reads no tool calls (tool_call_parser none): send the request without 'tools'",
+            param="tools",
+        )
     if fmt is None:
         raise ApiError(
             400,

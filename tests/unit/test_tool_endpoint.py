@@ -18,6 +18,7 @@ import pytest
 import requests
 
 from shardbook.kernel.server.openai_api import ApiError
+from shardbook.kernel.server.state import ServeOptions
 from shardbook.kernel.server.tool_reply import request_tool_format
 from shardbook.kernel.server.tool_request import ToolRequest
 from tests.tiny import TOOLS_TEMPLATE, make_tokenizer
@@ -210,3 +211,22 @@ def test_a_taught_model_calls_its_tool_for_real_clients():
         assert found[where]["answer"] == ["stop", "It is sunny in Paris."], found
     assert found["agents_sdk"] == "It is sunny in Paris.", found
     assert found["langchain"] == [call, call, "It is sunny in Paris."], found
+
+
+def test_the_tool_call_parser_is_chosen_at_the_server():
+    from shardbook.kernel.cli.main import build_parser
+    from shardbook.kernel.cli.serve import serve_options, split_flags
+
+    args = build_parser().parse_args(["serve", "demo", "--tool-call-parser", "glm45"])
+    split_flags(args)
+    assert serve_options(args).tool_call_parser == "glm45"
+    with pytest.raises(ValueError, match="unknown tool-call parser 'openai': use one of auto, none, hermes"):
+        ServeOptions(tool_call_parser="openai").check()
+    qwen = SimpleNamespace(
+        tokenizer=make_tokenizer(), model=SimpleNamespace(config=SimpleNamespace(model_type="qwen3"))
+    )
+    qwen.tokenizer.chat_template = TOOLS_TEMPLATE
+    assert request_tool_format(qwen, ToolRequest([WEATHER_TOOL]), "auto").name == "hermes"
+    assert request_tool_format(qwen, ToolRequest([WEATHER_TOOL]), "minimax_m2").name == "minimax_m2"
+    with pytest.raises(ApiError, match=r"reads no tool calls \(tool_call_parser none\)"):
+        request_tool_format(qwen, ToolRequest([WEATHER_TOOL]), "none")
