@@ -41,15 +41,17 @@ def report_start(shell: Any):
         set_banner_line(shell, starting)
     install_interrupt_hook(shell, lambda: getattr(started_runtime(), "generation_queue", None))
 
-    def on_end(runtime: Any, failure: str | None) -> None:
+    def on_end(runtime: Any, failure: str | None, awaited: bool) -> None:
+        """``awaited``: a magic waits for the start, and shows the failure itself (as its error)."""
         set_banner_line(shell, None, replacing=starting)
         kernel = getattr(shell, "kernel", None)
         if failure is None:
             mark("ranks connected")
         elif kernel is not None and hasattr(kernel, "shell_handlers"):
-            IOPubFrontend(kernel).stream("stderr", f"[shardbook] {failure}\n")
+            if not awaited:
+                IOPubFrontend(kernel).stream("stderr", f"[shardbook] {failure}\n")
             announce_on_connect(kernel, failure)
-            show_at_start(shell, failure)
+            show_at_start(shell, failure, in_next_cell=not awaited)
 
     return on_end
 
@@ -81,10 +83,12 @@ def maybe_show_slurm_note(shell: Any, note: str) -> None:
         show_at_start(shell, note)
 
 
-def show_at_start(shell: Any, note: str) -> None:
+def show_at_start(shell: Any, note: str, in_next_cell: bool = True) -> None:
     """Put ``note`` in the banner (``kernel_info``'s, which consoles show) and print it (stderr) in the output of
-    the first cell run: a stream on IOPub that a notebook shows, as the start-up failure of a rank pool needs."""
+    the next cell run: a stream on IOPub that a notebook shows, as the start-up failure of a rank pool needs."""
     set_banner_line(shell, note)
+    if not in_next_cell:
+        return
 
     def first_cell(info: Any = None) -> None:
         shell.events.unregister("pre_run_cell", first_cell)

@@ -32,6 +32,8 @@ _failure: str | None = None
 _lock = threading.Lock()
 _starter: threading.Thread | None = None
 """The thread :func:`begin_runtime` started, until a caller has waited for it."""
+_waiting = 0
+"""How many callers of :func:`get_runtime` wait for that thread now."""
 STARTING_NOTICE_S = 1.0
 """A cell that has waited this long for the ranks to start says so."""
 
@@ -103,13 +105,14 @@ def handle_sigterm(shape: JobShape) -> None:
         signal.signal(signal.SIGTERM, _on_sigterm)
 
 
-def begin_runtime(shell: Any, on_end: Callable[[Runtime | None, str | None], None]) -> None:
+def begin_runtime(shell: Any, on_end: Callable[[Runtime | None, str | None, bool], None]) -> None:
     """Start the runtime in a thread of its own, so the kernel answers its frontends while the ranks start.
 
     Joining the job waits for every rank, up to ``SHARDBOOK_CONNECT_TIMEOUT`` (120 s): done before
     ipykernel's loop started, it left ``kernel_info`` unanswered that long, and JupyterLab showed a
-    kernel "starting" with no word why. ``on_end`` gets the runtime, or the failure's text, in that
-    thread once the start has ended; :func:`get_runtime` waits for both.
+    kernel "starting" with no word why. ``on_end`` gets the runtime, or the failure's text, and whether
+    a caller of :func:`get_runtime` is waiting (it then gets the failure itself), in that thread once the
+    start has ended; :func:`get_runtime` waits for both.
     """
     global _starter
 
@@ -118,7 +121,7 @@ def begin_runtime(shell: Any, on_end: Callable[[Runtime | None, str | None], Non
             runtime, failure = _start_once(shell), None
         except PoolError as e:
             runtime, failure = None, str(e)
-        on_end(runtime, failure)
+        on_end(runtime, failure, _waiting > 0)
 
     handle_sigterm(JobShape.from_env())
     _starter = threading.Thread(target=start, name="shardbook-start", daemon=True)
@@ -143,7 +146,7 @@ def started_runtime() -> Runtime | None:
 
 
 def _wait_for_starter() -> None:
-    global _starter
+    global _starter, _waiting
     starter = _starter
     if starter is None or starter is threading.current_thread():
         return
@@ -155,8 +158,12 @@ def _wait_for_starter() -> None:
             file=sys.stderr,
             flush=True,
         )
-    while starter.is_alive():
-        starter.join(0.1)
+    _waiting += 1
+    try:
+        while starter.is_alive():
+            starter.join(0.1)
+    finally:
+        _waiting -= 1
     _starter = None
     if _runtime is not None and threading.current_thread() is threading.main_thread():
         set_current_device(_runtime.world.device)  # as the start's thread did: cells run model code here
@@ -176,9 +183,8 @@ def _start_once(shell: Any) -> Runtime:
                 _runtime = start_runtime(shell)
             except Exception as e:
                 _failure = startup_failure(e)
-                log.error("%s", _failure)
-                # The process's own stderr is the Jupyter server's log; sys.stderr (where logging's default goes)
-                # is ipykernel's IOPub stream by now, which nobody listens to before a frontend connects.
+                # The process's own stderr is the Jupyter server's log. Not logging: its default, sys.stderr, is
+                # ipykernel's IOPub stream, into the running cell, where the magic waiting for the start says it.
                 print(f"[shardbook rank 0] ERROR {_failure}", file=sys.__stderr__, flush=True)
                 raise PoolError(_failure) from e
         return _runtime
