@@ -74,9 +74,11 @@ def startup_failed(shape: JobShape, error: Exception) -> int:
     """This rank failed before it joined the job (an import, the key): say so in its log and tell rank 0.
 
     The line names the rank and its error in the log people read (the Jupyter server's, for a
-    kernel). Once rank 0 knows, it reports the failure in the kernel, and this rank exits with status
-    0: a failed exit would make the launcher end the kernel before it could say why. When rank 0
-    cannot be told, the exit status is 1 (the launcher then ends the job).
+    kernel). Rank 0 is told by a note on its node, which needs no torch (this failure may be torch's
+    own import), or else through the job's store. Once rank 0 knows, it reports the failure in the
+    kernel, and this rank exits with status 0: a failed exit would make the launcher end the kernel
+    before it could say why. When rank 0 cannot be told, the exit status is 1 (the launcher then
+    ends the job).
     """
     text = f"{type(error).__name__}: {error}"
     logging.getLogger(__name__).error("rank %d failed at start-up: %s", shape.rank, text, exc_info=error)
