@@ -1,4 +1,4 @@
-"""Write the example notebooks (quickstart.ipynb, inspect.ipynb) from the cells listed here.
+"""Write the example notebooks (quickstart.ipynb, inspect.ipynb, tools.ipynb) from the cells listed here.
 
 The notebooks are generated, never edited by hand: change a cell here and run
 
@@ -306,6 +306,75 @@ plt.show()
 """),
 ]
 
+TOOLS = [
+    md("""
+# A tool loop, step by step
+
+`%%chat --tools NAME` lets the model call the Python functions of the list `NAME`: each call runs here on
+rank 0, its result goes back to the model, and the model is asked again until it answers. Every step is shown
+and kept in `_chat.steps`, and each step's prompt is an ordinary prompt: trace it, intervene on it, patch it.
+
+This needs a model that calls tools (Qwen3, GLM-4.5/5, DeepSeek-V3.1, Kimi-K2, MiniMax-M2, gpt-oss; the demo
+SmolLM2 has no tool format). Point `SHARDBOOK_TOOLS_MODEL` at its checkpoint directory, then run
+
+    SHARDBOOK_TOOLS_MODEL=/path/to/Qwen3-0.6B shardbook run notebooks/tools.ipynb --nproc 2
+
+(the test suite runs it on a tiny model it teaches to make these very calls).
+"""),
+    code("""
+import os
+
+MODEL = os.environ.get("SHARDBOOK_TOOLS_MODEL", os.path.expanduser("~/models/Qwen3-0.6B"))
+"""),
+    code("%load_sharded " + CONFIG + " --model.model_name_or_path {MODEL} --inference.system_prompt none"),
+    md("Tools are plain functions with type hints and a docstring: their JSON schemas are read from both."),
+    code('''
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+
+
+def halve(x: float) -> float:
+    """Half of a number.
+
+    Args:
+        x: the number
+    """
+    return x / 2
+
+
+tools = [add, halve]
+'''),
+    code("""
+%%chat --tools tools --max-new-tokens 64
+Add 2 and 3, then halve it.
+"""),
+    md("Each step: the call, its arguments, what the model was told back, and the prompt that led to it."),
+    code("""
+for step in _chat.steps:
+    print(step.describe())
+print("answer:", _chat.text)
+"""),
+    md("""
+## Trace a step
+
+The second step's prompt holds the question, the first call and its result. Traced, the model's most likely
+next token there is the start of the call it made.
+"""),
+    code("""
+step_prompts = [s.prompt for s in _chat.steps]
+traces = %trace --prompts step_prompts --modules model.layers.*
+print(step_prompts[1])
+print("next token:", repr(tokenizer.decode([int(traces[1].logits[-1].argmax())])))
+"""),
+    code("%chat --history"),
+]
+
 
 def build(cells: list[tuple[str, str]], stem: str):
     """A notebook of `cells` on the shardbook-2 kernel, with ids ``STEM-NN``."""
@@ -319,7 +388,7 @@ def build(cells: list[tuple[str, str]], stem: str):
     return nb
 
 
-NOTEBOOKS = {"quickstart": QUICKSTART, "inspect": INSPECT}
+NOTEBOOKS = {"quickstart": QUICKSTART, "inspect": INSPECT, "tools": TOOLS}
 
 
 def main(out_dir: Path = HERE) -> list[Path]:

@@ -8,6 +8,7 @@ go to a temporary directory.
 from __future__ import annotations
 
 import html.parser
+import os
 import re
 import subprocess
 import sys
@@ -28,7 +29,7 @@ RUN_TIMEOUT_S = 420
 """A whole notebook on a shared 2-core machine: kernel start, load, and a few replies of up to 64 tokens."""
 
 
-def shardbook_run(notebook: Path, output: Path) -> subprocess.CompletedProcess:
+def shardbook_run(notebook: Path, output: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [
             sys.executable,
@@ -45,6 +46,7 @@ def shardbook_run(notebook: Path, output: Path) -> subprocess.CompletedProcess:
         text=True,
         timeout=RUN_TIMEOUT_S,
         check=False,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -106,7 +108,7 @@ def test_notebooks_are_generated_from_make_notebooks(tmp_path):
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    for name in ("quickstart.ipynb", "inspect.ipynb"):
+    for name in ("quickstart.ipynb", "inspect.ipynb", "tools.ipynb"):
         assert (tmp_path / name).read_text() == (NOTEBOOKS / name).read_text(), (
             f"notebooks/{name} differs from what make_notebooks.py writes; run `python notebooks/make_notebooks.py`"
         )
@@ -186,3 +188,20 @@ def test_inspect_lens_patching_steering_and_histogram(tmp_path):
     scores = [h for cell in nb.cells for h in outputs_of(cell, "text/html") if "shardbook-scores" in h]
     assert len(scores) == 1 and scores[0].count("<span title=") >= 2
     assert "runner-up" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT_S + 120)
+def test_tools_notebook_runs_a_loop_and_traces_a_step(tmp_path):
+    """tools.ipynb on the tiny model test_chat_tools.py teaches to call its tools (SHARDBOOK_TOOLS_MODEL)."""
+    from tests.e2e.test_chat_tools import make_tool_model
+
+    model = make_tool_model(tmp_path / "llama")
+    output = tmp_path / "tools.ipynb"
+    result = shardbook_run(NOTEBOOKS / "tools.ipynb", output, env={"SHARDBOOK_TOOLS_MODEL": str(model)})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert 'add({"a": 2, "b": 3}) -> 5\nhalve({"x": 5}) -> 2.5\nanswer: It is 2.5.' in result.stdout, result.stdout
+    assert "next token: '<tool_call>'" in result.stdout, result.stdout
+    [loop] = [c for c in nbformat.read(output, as_version=4).cells if c.source.startswith("%%chat --tools")]
+    shown = [out.data["text/plain"] for out in loop.outputs if "[tool]" in out.get("data", {}).get("text/plain", "")]
+    assert shown == ['[tool] add({"a": 2, "b": 3}) -> 5', '[tool] halve({"x": 5}) -> 2.5'], loop.outputs
