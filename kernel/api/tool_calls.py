@@ -16,6 +16,7 @@ from shardbook.kernel.api.tool_parse import (
     Accept,
     MalformedCall,
     ParsedReply,
+    Schemas,
     ToolCall,
     ToolDelta,
     ToolFormat,
@@ -29,6 +30,7 @@ __all__ = [
     "MalformedCall",
     "ParsedReply",
     "ReplyStream",
+    "Schemas",
     "ToolCall",
     "ToolDelta",
     "ToolFormat",
@@ -44,9 +46,9 @@ class ReplyStream:
     reasoning split first (a ``<tool_call>`` inside a think block is thought, not called), except for formats
     read from the raw text (harmony), whose calls are taken out before the reasoning is split."""
 
-    def __init__(self, reasoning: ReasoningFormat, tools: ToolFormat | None):
+    def __init__(self, reasoning: ReasoningFormat, tools: ToolFormat | None, schemas: Schemas | None = None):
         self.reasoning = reasoning.stream()
-        self.tools = tools.stream() if tools else None
+        self.tools = tools.stream(schemas) if tools else None
         self.first = tools is not None and tools.before_reasoning
         self.accept: Accept | None = None
 
@@ -75,10 +77,14 @@ class ReplyStream:
 
 
 def split_reply(
-    text: str, reasoning: ReasoningFormat, tools: ToolFormat | None, accept: Accept | None = None
+    text: str,
+    reasoning: ReasoningFormat,
+    tools: ToolFormat | None,
+    accept: Accept | None = None,
+    schemas: Schemas | None = None,
 ) -> tuple[str, ParsedReply]:
-    """A whole reply's reasoning, and its content and calls (those `accept` accepts)."""
-    stream = ReplyStream(reasoning, tools)
+    """A whole reply's reasoning, and its content and calls (those `accept` accepts; values typed by `schemas`)."""
+    stream = ReplyStream(reasoning, tools, schemas)
     split = stream.feed(text) + stream.finish(accept)
     parsed = stream.reply()
     return split.reasoning, ParsedReply(split.content, parsed.calls, parsed.malformed)

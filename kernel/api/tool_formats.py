@@ -22,7 +22,7 @@ import re
 from typing import Any
 
 from shardbook.kernel.api.reasoning import HARMONY_ENDS, partial_suffix
-from shardbook.kernel.api.tool_parse import MalformedCall, ToolCall, ToolFormat, load_json, make_call
+from shardbook.kernel.api.tool_parse import MalformedCall, Schemas, ToolCall, ToolFormat, load_json, make_call
 
 
 class TaggedFormat(ToolFormat):
@@ -32,7 +32,7 @@ class TaggedFormat(ToolFormat):
     call_tags: tuple[str, str] = ("", "")
     section_tags: tuple[str, str] | None = None
 
-    def read_calls(self, tail: str) -> tuple[str, list[ToolCall]]:
+    def read_calls(self, tail: str, schemas: Schemas | None = None) -> tuple[str, list[ToolCall]]:
         around, calls, rest = [], [], tail
         opening, closing = self.call_tags
         while rest:
@@ -44,7 +44,7 @@ class TaggedFormat(ToolFormat):
             if end < 0:
                 raise MalformedCall(f"a call opened with {opening} is never closed with {closing}")
             around.append(rest[:at])
-            calls.append(self.read_call(rest[at + len(opening) : end], len(calls)))
+            calls.append(self.read_call(rest[at + len(opening) : end], schemas or {}))
             rest = rest[end + len(closing) :]
         text = "".join(around)
         for tag in self.section_tags or ():
@@ -53,7 +53,7 @@ class TaggedFormat(ToolFormat):
             raise MalformedCall(f"{self.markers[0]} opens no call")
         return text.strip(), calls
 
-    def read_call(self, body: str, index: int) -> ToolCall:
+    def read_call(self, body: str, schemas: Schemas) -> ToolCall:
         raise NotImplementedError
 
 
@@ -62,7 +62,7 @@ class Hermes(TaggedFormat):
     markers = ("<tool_call>",)
     call_tags = ("<tool_call>", "</tool_call>")
 
-    def read_call(self, body: str, index: int) -> ToolCall:
+    def read_call(self, body: str, schemas: Schemas) -> ToolCall:
         call = load_json(body, "the call")
         if not isinstance(call, dict):
             raise MalformedCall("the call is not a JSON object with 'name' and 'arguments'")
@@ -70,17 +70,22 @@ class Hermes(TaggedFormat):
         return make_call(call.get("name"), arguments)
 
 
-def scalar_or_text(value: str) -> Any:
-    """A value written bare in an XML-like format: JSON when it parses as JSON, else the text itself."""
+def scalar_or_text(value: str, schema: Any) -> Any:
+    """A value written bare in an XML-like format (strings as they are, other values as JSON): the text itself
+    when the parameter's schema says it is a string (``123`` may be a string), else JSON when it parses."""
+    if isinstance(schema, dict) and schema.get("type") == "string":
+        return value
     try:
         return json.loads(value)
     except json.JSONDecodeError:
         return value
 
 
-def read_pairs(body: str, pattern: re.Pattern[str], what: str) -> dict[str, Any]:
-    """The key/value pairs `pattern` finds in `body`; MalformedCall if anything but whitespace is left."""
-    pairs = {key.strip(): scalar_or_text(value.strip()) for key, value in pattern.findall(body)}
+def read_pairs(body: str, pattern: re.Pattern[str], what: str, schema: Any) -> dict[str, Any]:
+    """The key/value pairs `pattern` finds in `body`, typed by the function's parameters' `schema` (if known);
+    MalformedCall if anything but whitespace is left."""
+    properties = schema.get("properties", {}) if isinstance(schema, dict) else {}
+    pairs = {k.strip(): scalar_or_text(v.strip(), properties.get(k.strip())) for k, v in pattern.findall(body)}
     if pattern.sub("", body).strip():
         raise MalformedCall(f"{what} has text that is not a complete argument: {pattern.sub('', body).strip()[:80]!r}")
     return pairs
@@ -92,12 +97,12 @@ class Glm45(TaggedFormat):
     call_tags = ("<tool_call>", "</tool_call>")
     pair = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
-    def read_call(self, body: str, index: int) -> ToolCall:
+    def read_call(self, body: str, schemas: Schemas) -> ToolCall:
         at = body.find("<arg_key>")
         name, args = (body, "") if at < 0 else (body[:at], body[at:])
         if "\n" in name.strip() or "<" in name:
             raise MalformedCall(f"the call's name {name.strip()[:80]!r} is not a function name")
-        return make_call(name, read_pairs(args, self.pair, f"the call of {name.strip()}"))
+        return make_call(name, read_pairs(args, self.pair, f"the call of {name.strip()}", schemas.get(name.strip())))
 
 
 class DeepSeekV31(TaggedFormat):
@@ -106,7 +111,7 @@ class DeepSeekV31(TaggedFormat):
     call_tags = ("<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>")
     section_tags = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
 
-    def read_call(self, body: str, index: int) -> ToolCall:
+    def read_call(self, body: str, schemas: Schemas) -> ToolCall:
         name, sep, arguments = body.partition("<｜tool▁sep｜>")
         if not sep:
             raise MalformedCall("a call without <｜tool▁sep｜> between its name and its arguments")
@@ -119,7 +124,7 @@ class KimiK2(TaggedFormat):
     call_tags = ("<|tool_call_begin|>", "<|tool_call_end|>")
     section_tags = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
 
-    def read_call(self, body: str, index: int) -> ToolCall:
+    def read_call(self, body: str, schemas: Schemas) -> ToolCall:
         call_id, sep, arguments = body.partition("<|tool_call_argument_begin|>")
         call_id = call_id.strip()
         if not sep or ":" not in call_id:
@@ -136,12 +141,12 @@ class MiniMaxM2(TaggedFormat):
     head = re.compile(r'\s*"([^"]*)"\s*>(.*)', re.DOTALL)
     pair = re.compile(r'<parameter name="([^"]*)">(.*?)</parameter>', re.DOTALL)
 
-    def read_call(self, body: str, index: int) -> ToolCall:
+    def read_call(self, body: str, schemas: Schemas) -> ToolCall:
         head = self.head.fullmatch(body)
         if head is None:
             raise MalformedCall('an <invoke> without name="NAME">')
         name, params = head.groups()
-        return make_call(name, read_pairs(params, self.pair, f"the call of {name}"))
+        return make_call(name, read_pairs(params, self.pair, f"the call of {name}", schemas.get(name)))
 
 
 class Harmony(ToolFormat):
@@ -179,7 +184,7 @@ class Harmony(ToolFormat):
             return len(last)  # a header still being written: it may yet name a recipient
         return partial_suffix(text, (*HARMONY_ENDS, "<|start|>"))
 
-    def read_calls(self, tail: str) -> tuple[str, list[ToolCall]]:
+    def read_calls(self, tail: str, schemas: Schemas | None = None) -> tuple[str, list[ToolCall]]:
         around, calls = [], []
         for _, segment in self.segments(tail):
             if not self.is_call(segment):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +46,8 @@ class MalformedCall(ValueError):
 
 Accept = Callable[[tuple[ToolCall, ...]], str | None]
 """Checks a reply's calls: None to accept them, else why not."""
+Schemas = Mapping[str, Any]
+"""A function's name -> the JSON schema of its parameters (an OpenAI tool's ``function.parameters``)."""
 
 
 def new_call_id() -> str:
@@ -90,18 +92,19 @@ class ToolFormat:
         """How many characters at the end of `text` (which holds no call start) could begin one."""
         return partial_suffix(text, self.markers)
 
-    def read_calls(self, tail: str) -> tuple[str, list[ToolCall]]:
-        """The calls in `tail` (which starts with one) and the text around them; MalformedCall if one is bad."""
+    def read_calls(self, tail: str, schemas: Schemas | None = None) -> tuple[str, list[ToolCall]]:
+        """The calls in `tail` (which starts with one) and the text around them; MalformedCall if one is bad.
+        `schemas` (function name -> its parameters' JSON schema) types values a format writes bare."""
         raise NotImplementedError
 
-    def parse(self, text: str) -> ParsedReply:
-        stream = self.stream()
+    def parse(self, text: str, schemas: Schemas | None = None) -> ParsedReply:
+        stream = self.stream(schemas)
         stream.feed(text)
         stream.finish()
         return stream.reply()
 
-    def stream(self) -> ToolStreamParser:
-        return ToolStreamParser(self)
+    def stream(self, schemas: Schemas | None = None) -> ToolStreamParser:
+        return ToolStreamParser(self, schemas)
 
 
 @dataclass(frozen=True)
@@ -117,8 +120,8 @@ class ToolStreamParser:
     call (whitespace just before a call is dropped); ``finish`` returns the rest: the calls, and the text around
     them, or, when a call is malformed, all the held text as content. ``in_call`` says a call is being read."""
 
-    def __init__(self, fmt: ToolFormat):
-        self.fmt = fmt
+    def __init__(self, fmt: ToolFormat, schemas: Schemas | None = None):
+        self.fmt, self.schemas = fmt, schemas
         self.pending = ""
         """Text not yet given out: a possible start of a call, trailing whitespace, or (in_call) the calls."""
         self.in_call = False
@@ -151,7 +154,7 @@ class ToolStreamParser:
         if not self.in_call:
             return self.give(tail)
         try:
-            around, calls = self.fmt.read_calls(tail)
+            around, calls = self.fmt.read_calls(tail, self.schemas)
             refusal = accept(tuple(calls)) if accept else None
             if refusal:
                 raise MalformedCall(refusal)

@@ -86,7 +86,7 @@ class ToolReplySplitter(ReplySplitter):
 
     def __init__(self, fmt: ReasoningFormat, tool_fmt: ToolFormat, tools: ToolRequest, metrics: Any):
         super().__init__(fmt)
-        self.stream = ReplyStream(fmt, tool_fmt)
+        self.stream = ReplyStream(fmt, tool_fmt, tools.schemas())
         self.tools, self.metrics = tools, metrics
         self.calls: tuple[ToolCall, ...] = ()
 

@@ -45,12 +45,11 @@ class ToolRequest:
     def check_calls(self, calls: tuple[ToolCall, ...]) -> str | None:
         """Why the reply's `calls` do not answer this request (None when they do): a tool not offered, missing
         required arguments, or no call of the function ``tool_choice`` named."""
-        functions = {t["function"]["name"]: t["function"] for t in self.tools}
+        schemas = self.schemas()
         for call in calls:
-            if call.name not in functions:
-                return f"the model called {call.name!r}, which is not one of the tools offered ({', '.join(functions)})"
-            schema = functions[call.name].get("parameters") or {}
-            missing = [k for k in schema.get("required", ()) if k not in json.loads(call.arguments)]
+            if call.name not in schemas:
+                return f"the model called {call.name!r}, which is not one of the tools offered ({', '.join(schemas)})"
+            missing = [k for k in schemas[call.name].get("required", ()) if k not in json.loads(call.arguments)]
             if missing:
                 return f"the call of {call.name} lacks the required arguments {missing}"
         if self.choice == "function" and self.function not in {c.name for c in calls}:
@@ -58,6 +57,10 @@ class ToolRequest:
         if self.choice == "required" and not calls:
             return "tool_choice 'required': the model called no tool"
         return None
+
+    def schemas(self) -> dict[str, Any]:
+        """Each function's parameters' schema (formats that write values bare read their types from it)."""
+        return {t["function"]["name"]: t["function"].get("parameters") or {} for t in self.tools}
 
     def kept(self, calls: tuple[ToolCall, ...]) -> tuple[ToolCall, ...]:
         return calls if self.parallel else calls[:1]

@@ -176,3 +176,26 @@ def test_the_format_follows_the_config_and_the_vocabulary():
     assert tool_format_for("qwen3", set(), override="none") is None
     with pytest.raises(ValueError, match="unknown tool-call parser 'openai'"):
         tool_format_for("qwen3", set(), override="openai")
+
+
+def test_bare_values_take_their_type_from_the_schema():
+    """GLM and MiniMax write a string argument bare: ``123`` is a string when the tool's schema says so."""
+    text = "<tool_call>get_zip\n<arg_key>code</arg_key>\n<arg_value>007</arg_value>\n<arg_key>n</arg_key>\n"
+    text += "<arg_value>123</arg_value>\n</tool_call>"
+    assert json.loads(FORMATS["glm45"].parse(text).calls[0].arguments) == {"code": "007", "n": 123}
+    schemas = {"get_zip": {"type": "object", "properties": {"n": {"type": "string"}}}}
+    assert json.loads(FORMATS["glm45"].parse(text, schemas).calls[0].arguments) == {"code": "007", "n": "123"}
+    invoke = (
+        '<minimax:tool_call><invoke name="get_zip"><parameter name="n">123</parameter></invoke></minimax:tool_call>'
+    )
+    _, reply = split_reply(invoke, ReasoningFormat("none"), FORMATS["minimax_m2"], schemas=schemas)
+    assert json.loads(reply.calls[0].arguments) == {"n": "123"}
+
+
+def test_calls_the_caller_refuses_are_text():
+    text = "Checking. " + hermes(*WEATHER)
+    _, reply = split_reply(text, ReasoningFormat("none"), FORMATS["hermes"], accept=lambda calls: "not offered")
+    assert (reply.content, reply.calls, reply.malformed) == (text, (), True)
+    stream = FORMATS["hermes"].stream()
+    parts = [stream.feed(text[:15]), stream.feed(text[15:]), stream.finish(lambda calls: None)]
+    assert [c.name for p in parts for c in p.calls] == ["get_weather"] and stream.reply().content == "Checking."
