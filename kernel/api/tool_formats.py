@@ -3,7 +3,8 @@ docs/serving.md, "Tool calls"):
 
 - ``hermes`` (Qwen3, Qwen3-Next): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one per call.
 - ``glm45`` (GLM-4.5/4.6/4.7/5): ``<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>``,
-  newlines between the parts; a value is JSON when it parses as JSON, else a string.
+  newlines between the parts; a value is a string when the tool's schema says so, else JSON when it parses
+  as JSON, else a string.
 - ``deepseek_v31`` (DeepSeek-V3.1/V3.2): ``<｜tool▁calls▁begin｜>`` then per call
   ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{json}<｜tool▁call▁end｜>``, then ``<｜tool▁calls▁end｜>``.
 - ``kimi_k2``: ``<|tool_calls_section_begin|>`` then per call ``<|tool_call_begin|>functions.NAME:IDX
