@@ -17,7 +17,8 @@ feature per 128 along the reduced dim).
 Two ways to compute, fixed at load:
 - the kernel: `torch.nn.functional.scaled_mm` with 1 x 128 scales on both operands (activations
   quantized to e4m3 per token and 128 features), on CUDA devices of compute capability 8.9 or
-  higher, for shards whose columns are whole 128-blocks starting on a block boundary;
+  higher where it runs (torch 2.13's needs SM 9.0: `kernel_unavailable` runs it once to find out),
+  for shards whose columns are whole 128-blocks starting on a block boundary;
 - the reference: dequantize a bounded piece of rows at a time (codes times their scales, as
   dequantized loading does) and multiply; exact against the dequantized weight's matmul, on any
   device. It exists to check the kernel and the bookkeeping, not for speed.
