@@ -3,8 +3,9 @@ dequantization of the same codes (the checkpoints and references of tests/multip
 
 The reference path computes here (a CPU has no FP8 matmul): logits within |a - b| <= 1e-4 (1 + |b|) of the
 dequantized twin's under `tp` (5 query heads split 3 and 2: row slices start inside the 32 x 32 blocks, o_proj's
-column slices too) and `tp` with `ep_size 2`; the kept weights are e4m3 codes (counted in bytes), `keep` on a CPU
-dequantizes with a note, and `gather` with a kept weight is refused.
+column slices too), `tp` with `ep_size 2` (DeepSeek-V3.1) and MiniMax-M2's whole attention under `tp`; the kept
+weights are e4m3 codes (counted in bytes), `keep` on a CPU dequantizes with a note, and `gather` with a kept
+weight is refused.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from tests.multiproc.test_quantized import CHECKPOINTS, make_checkpoint
 
 pytestmark = pytest.mark.timeout(600)
 
-KEPT = ("llama-fp8-blocks", "deepseek-v3.1-fp8-ue8m0")
+KEPT = ("llama-fp8-blocks", "deepseek-v3.1-fp8-ue8m0", "minimax-m2-fp8")
 RUNS = {
     # name: (checkpoint, model.fp8_weights, parallel)
     "llama tp": ("llama-fp8-blocks", "keep-reference", {"decode": "tp"}),
     "llama auto means tp": ("llama-fp8-blocks", "keep-reference", {}),
     "deepseek-v3.1 tp ep2": ("deepseek-v3.1-fp8-ue8m0", "keep-reference", {"decode": "tp", "ep_size": 2}),
+    "minimax-m2 tp (attention whole)": ("minimax-m2-fp8", "keep-reference", {"decode": "tp"}),
     "llama keep on a cpu": ("llama-fp8-blocks", "keep", {"decode": "tp"}),
     "llama gather refused": ("llama-fp8-blocks", "keep-reference", {"decode": "gather"}),
 }
