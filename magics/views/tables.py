@@ -66,8 +66,10 @@ def quantized_line(summary: dict[str, Any]) -> str:
     """The quantized formats read, what they became, and the bytes on disk against the bytes each rank holds."""
     formats = "; ".join(f"{n} tensor(s) in {name}" for name, n in summary["quantized_tensors"].items())
     held = ", ".join(format_bytes(b) for b in summary["local_param_bytes"])
+    kept = summary.get("fp8_kept_modules", 0)
+    fate = f"{kept} kept in FP8 (below), the rest dequantized to" if kept else "dequantized to"
     return (
-        f"{formats}, dequantized to {summary['dtype']}; {format_bytes(summary['checkpoint_bytes'])} on disk, "
+        f"{formats}, {fate} {summary['dtype']}; {format_bytes(summary['checkpoint_bytes'])} on disk, "
         f"{format_bytes(summary['full_param_bytes'])} dequantized, held per rank: {held}"
     )
 

@@ -66,7 +66,7 @@ def load_runs(rank: int, runs: dict) -> dict:
 
 
 def test_kept_fp8_weights_match_their_dequantization(ranks, checkpoints):
-    from shardbook.magics.views.tables import fp8_line
+    from shardbook.magics.views.tables import fp8_line, quantized_line
 
     runs = {name: (checkpoints[c][0], CHECKPOINTS[c][3], fp8, parallel) for name, (c, fp8, parallel) in RUNS.items()}
     per_rank = ranks(load_runs, runs, deadline=500)
@@ -89,7 +89,8 @@ def test_kept_fp8_weights_match_their_dequantization(ranks, checkpoints):
             assert summary["fp8_kept_modules"] > 0 and summary["fp8_kernel_modules"] == 0, summary
         if "whole" in per_rank[0][name]:  # full_parameter dequantizes kept codes: q_proj split, kv_a_proj whole
             torch.testing.assert_close(per_rank[0][name]["whole"], checkpoints[ckpt][2], atol=0, rtol=0, msg=name)
-    llama = per_rank[0]["llama tp"]["summary"]["fp8_kept"]
+    llama_summary = per_rank[0]["llama tp"]["summary"]
+    llama = llama_summary["fp8_kept"]
     # every FP8 linear of both layers is kept (lm_head and embeddings are not FP8 in the checkpoint)
     assert set(llama) == {
         f"model.layers.*.{m}"
@@ -103,7 +104,8 @@ def test_kept_fp8_weights_match_their_dequantization(ranks, checkpoints):
             "mlp.down_proj",
         )
     }, llama
-    line = fp8_line(per_rank[0]["llama tp"]["summary"])
+    assert ", 14 kept in FP8 (below), the rest dequantized to float32;" in quantized_line(llama_summary)
+    line = fp8_line(llama_summary)
     assert line.startswith("14 linear layer(s) held as e4m3 codes") and "14 by the reference path" in line, line
     deepseek = per_rank[0]["deepseek-v3.1 tp ep2"]["summary"]["fp8_kept"]
     assert "model.layers.*.self_attn.kv_a_proj_with_mqa" in deepseek, deepseek
