@@ -1,7 +1,9 @@
 """Run by test_tool_endpoint.py in a process of its own (a world of one rank with a process-wide runtime): a tiny
 model taught here to answer a question with a hermes tool call and, given the tool's result, with an answer, served
 on the batch and on ``--no-batch``; the openai client's round trip whole and streamed on both, then the OpenAI
-Agents SDK and LangChain's ``bind_tools`` running their agent loop to the answer. Prints one JSON line of findings."""
+Agents SDK and LangChain's ``bind_tools`` running their agent loop to the answer; then the same call written in
+GLM's, DeepSeek's, Kimi's and MiniMax's formats (taught too), each read by a server started with that family's
+``tool_call_parser``, whole and streamed. Prints one JSON line of findings."""
 
 from __future__ import annotations
 
@@ -30,6 +32,20 @@ TAUGHT_CALL = {
     "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
 }
 RESULT = {"role": "tool", "tool_call_id": "any", "content": "sunny"}
+FAMILY_CALLS = {
+    "glm45": "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>",
+    "deepseek_v31": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+    '{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+    "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+    '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>',
+    "minimax_m2": '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
+    "</invoke>\n</minimax:tool_call>",
+}
+"""The same call in the other families' formats, each answered to the question asked in the family's name."""
+MARKERS = """<tool_call> </tool_call> <arg_key> </arg_key> <arg_value> </arg_value> <｜tool▁calls▁begin｜>
+<｜tool▁call▁begin｜> <｜tool▁sep｜> <｜tool▁call▁end｜> <｜tool▁calls▁end｜> <|tool_calls_section_begin|>
+<|tool_call_begin|> <|tool_call_argument_begin|> <|tool_call_end|> <|tool_calls_section_end|>
+<minimax:tool_call> </minimax:tool_call>""".split()
 
 
 def get_weather(city: str) -> str:
@@ -42,17 +58,38 @@ def get_weather(city: str) -> str:
 
 
 def taught_model():
-    """A tiny Llama and a tokenizer with hermes tool tags, taught the call and the answer after its result."""
+    """A tiny Llama and a tokenizer with the families' tool tags, taught the hermes call and the answer after its
+    result, and the call in each other family's format when asked in that family's name."""
     from reasoning_serve_check import teach  # a sibling script: this one runs as a file too
 
     from tests.tiny import TOOLS_TEMPLATE, make_tokenizer
 
     tokenizer = make_tokenizer()
-    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])  # as Qwen3's: ordinary added tokens, kept in the text
+    tokenizer.add_tokens(MARKERS)  # as Qwen3's, GLM's, ...: ordinary added tokens, kept in the text
     tokenizer.chat_template = TOOLS_TEMPLATE
     tools = {"tools": [TOOL]}
     examples = [(QUESTION, tools, CALL), ([*QUESTION, TAUGHT_CALL, RESULT], tools, ANSWER)]
-    return teach(tokenizer, examples, steps=400), tokenizer
+    examples += [(family_question(name), tools, call) for name, call in FAMILY_CALLS.items()]
+    return teach(tokenizer, examples, steps=500), tokenizer
+
+
+def family_question(name: str) -> list[dict]:
+    return [{"role": "user", "content": f"Weather in Paris? ({name})"}]
+
+
+def family_calls(client, name: str) -> list:
+    """The call read in family `name`'s format (the server started with that tool_call_parser), whole and streamed."""
+    ask = dict(model=MODEL, messages=family_question(name), tools=[TOOL], temperature=0, max_tokens=80)
+    whole = client.chat.completions.create(**ask).choices[0]
+    with client.chat.completions.stream(**ask) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    return [
+        [
+            choice.finish_reason,
+            [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []],
+        ]
+        for choice in (whole, streamed)
+    ]
 
 
 def round_trip(client) -> dict:
@@ -123,11 +160,16 @@ def main() -> None:
     runtime, port, client = one_rank_serving(model, tokenizer, f"/models/{MODEL}")
     out: dict = {}
     for batch in (True, False):
-        server = Server(runtime, ServeOptions(port=port, batch=batch)).start()
+        # hermes named: with every family's markers in its vocabulary, auto would choose deepseek_v31's
+        server = Server(runtime, ServeOptions(port=port, batch=batch, tool_call_parser="hermes")).start()
         out["batch" if batch else "no_batch"] = round_trip(client)
         if batch:
             out["agents_sdk"] = agents_sdk(server.url)
             out["langchain"] = langchain(server.url)
+        server.stop()
+    for name in FAMILY_CALLS:
+        server = Server(runtime, ServeOptions(port=port, tool_call_parser=name)).start()
+        out[name] = family_calls(client, name)
         server.stop()
     print(json.dumps(out))
 
