@@ -72,7 +72,7 @@ KEEPABLE = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
 def keep_fp8(module: nn.Linear, scales: torch.Tensor, lead: int, block: int, kernel: bool) -> None:
     """Turn `module`, whose `weight` already holds e4m3 codes, into its FP8 kind of layer with `scales`."""
     if kernel:  # the kernel reads the weight's scales column-major: [N, K / 128] with strides (1, N)
-        scales = scales.t().contiguous().t()
+        scales = column_major(scales)
     module.__class__ = _fp8_class(type(module))
     module.register_buffer("weight_scale_inv", scales)
     module.fp8_lead, module.fp8_block, module.fp8_kernel = lead, block, kernel
@@ -136,7 +136,14 @@ def quantize_activations(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     groups = flat.to(torch.float32).reshape(rows, cols // KERNEL_BLOCK, KERNEL_BLOCK)
     scales = groups.abs().amax(dim=-1).clamp(min=1e-12) / E4M3_MAX
     codes = (groups / scales.unsqueeze(-1)).to(torch.float8_e4m3fn).reshape(rows, cols)
-    return codes, scales.t().contiguous().t()
+    return codes, column_major(scales)
+
+
+def column_major(matrix: torch.Tensor) -> torch.Tensor:
+    """`matrix` [R, C] stored with strides (1, R), as the kernel's scales must be (one row included: a token's
+    scales at decode, where `t().contiguous().t()` would keep strides (C, 1))."""
+    out = torch.empty_strided(matrix.shape, (1, matrix.shape[0]), dtype=matrix.dtype, device=matrix.device)
+    return out.copy_(matrix)
 
 
 def kernel_unavailable(device: torch.device) -> str | None:

@@ -99,6 +99,18 @@ def test_each_choice_says_what_happens_on_a_cpu(caplog):
     require_keep_layout(None, "gather", "no plan")  # nothing kept: any layout
 
 
+@pytest.mark.parametrize("tokens", [1, 10])
+def test_the_kernel_call_passes_torchs_shape_and_stride_checks(tokens):
+    """On the meta device torch runs scaled_mm's own checks of the 1 x 128 scales (shapes, column-major strides),
+    the ones a GPU run would fail on; one token is decode's case."""
+    codes = torch.empty(256, 512, device="meta", dtype=torch.float8_e4m3fn)
+    scales = fp8_linear.column_major(torch.empty(256, 4, device="meta"))
+    x = torch.empty(2, tokens, 512, device="meta", dtype=torch.bfloat16)
+    assert kernel_matmul(x, codes, scales).shape == (2, tokens, 256)
+    with pytest.raises(RuntimeError, match="1x128 x 1x128 blockwise scaling"):
+        kernel_matmul(x, codes, torch.empty(256, 4, device="meta"))  # row-major weight scales
+
+
 @pytest.mark.gpu
 def test_the_kernel_agrees_with_the_reference_path():
     """torch's blockwise FP8 matmul (activations quantized to e4m3 too) against the exact reference."""
@@ -111,5 +123,5 @@ def test_the_kernel_agrees_with_the_reference_path():
     codes = codes.cuda()
     x = torch.randn(5, 512, device="cuda", dtype=torch.bfloat16)
     want = reference_matmul(x.float(), codes, scales, 0, 128)
-    got = kernel_matmul(x, codes, scales.t().contiguous().t()).float()
+    got = kernel_matmul(x, codes, fp8_linear.column_major(scales)).float()
     torch.testing.assert_close(got, want, rtol=0.1, atol=0.02 * want.abs().max().item())
