@@ -48,10 +48,12 @@ def report_start(shell: Any):
         if failure is None:
             mark("ranks connected")
         elif kernel is not None and hasattr(kernel, "shell_handlers"):
-            if not awaited:
-                IOPubFrontend(kernel).stream("stderr", f"[shardbook] {failure}\n")
             announce_on_connect(kernel, failure)
-            show_at_start(shell, failure, in_next_cell=not awaited)
+            if awaited:
+                set_banner_line(shell, failure)
+            else:
+                IOPubFrontend(kernel).stream("stderr", f"[shardbook] {failure}\n")
+                show_at_start(shell, failure)
 
     return on_end
 
@@ -83,12 +85,10 @@ def maybe_show_slurm_note(shell: Any, note: str) -> None:
         show_at_start(shell, note)
 
 
-def show_at_start(shell: Any, note: str, in_next_cell: bool = True) -> None:
+def show_at_start(shell: Any, note: str) -> None:
     """Put ``note`` in the banner (``kernel_info``'s, which consoles show) and print it (stderr) in the output of
     the next cell run: a stream on IOPub that a notebook shows, as the start-up failure of a rank pool needs."""
     set_banner_line(shell, note)
-    if not in_next_cell:
-        return
 
     def first_cell(info: Any = None) -> None:
         shell.events.unregister("pre_run_cell", first_cell)
