@@ -528,20 +528,9 @@ class ChatModel:
             return BatchChatStream(self.runtime, self.build_request(messages, **settings), on_notice)
         return ChatStream(self.runtime, self.build_request(messages, **settings), on_notice)
 
-    def chat(
-        self,
-        messages: str | list[dict[str, Any]],
-        *,
-        batch: bool = False,
-        tools: list | None = None,
-        max_tool_steps: int = MAX_TOOL_STEPS,
-        **settings: Any,
-    ) -> ChatResponse:
-        """The finished reply, its ``reasoning`` apart from its answer (``text``).
-
-        With ``tools`` (Python functions with type hints and a docstring) the model may call them: each call runs
-        here and its result goes back to the model, until it answers or ``max_tool_steps`` calls have run; the
-        reply's ``steps`` holds every call (see ``kernel/api/tools.py``)."""
+    def chat(self, messages, *, batch=False, tools: list | None = None, max_tool_steps=MAX_TOOL_STEPS, **settings):
+        """The finished reply, its ``reasoning`` apart from its answer (``text``). With ``tools`` (functions with
+        type hints and a docstring) the model may call them until it answers: ``kernel/api/tools.py``."""
         if tools is not None:
             from shardbook.kernel.api.tools import chat_with_tools
 

@@ -171,3 +171,18 @@ def test_an_interrupt_mid_loop_keeps_the_steps_and_the_kernel(loaded):
     after = loaded.run(f"%%chat --new --tools tools --output text --max-new-tokens 64\n{QUESTION}", timeout=120)
     assert after.status == "ok", after.error_text()
     assert loaded.run("print(_chat.text)").stdout().strip() == "It is 2.5."
+
+
+def test_chat_model_runs_the_loop_and_the_cap_stops_it(loaded):
+    ex = loaded.run(
+        "from shardbook.kernel import ChatModel\n"
+        f"whole = ChatModel().chat({QUESTION!r}, tools=tools, max_new_tokens=64)\n"
+        f"capped = ChatModel().chat({QUESTION!r}, tools=tools, max_tool_steps=1, max_new_tokens=64)\n"
+        "print(json.dumps([whole.text, [s.result for s in whole.steps], capped.text, len(capped.steps)]))",
+        timeout=120,
+    )
+    assert ex.status == "ok", ex.error_text() + ex.stderr()
+    assert json.loads(ex.stdout()) == ["It is 2.5.", ["5", "2.5"], "", 1]
+    capped = loaded.run(f"%%chat --new --tools tools --max-tool-steps 1 --output text --max-new-tokens 64\n{QUESTION}")
+    assert capped.status == "ok", capped.error_text()
+    assert "the tool loop stopped after 1 tool calls: the model's last reply calls halve too" in capped.stderr()
