@@ -37,8 +37,8 @@ class ReplyParts:
         self.fmt = fmt
         self.tools = tools
         self.stream = ReplyStream(fmt, tools)
-        self.in_reasoning = False
-        """Which part :func:`marked` wrote last."""
+        self.in_reasoning: bool | None = None
+        """Which part :func:`marked` wrote last (None: neither yet)."""
 
     def feed(self, chunk: str) -> Split:
         return self.stream.feed(chunk)
@@ -76,10 +76,14 @@ def assistant_message(answer: str, reasoning: str = "", **extra: Any) -> dict[st
 
 def marked(piece: Split, state) -> str:
     """A piece as streamed text: ``[reasoning]`` opens the reasoning and ``[answer]`` the answer after it, each
-    on a line of its own; `state.in_reasoning` (a view, the terminal) remembers which part is being written."""
+    on a line of its own; `state.in_reasoning` (a view, the terminal) remembers which part is being written
+    (None before either: the first mark needs no line break before it)."""
     out = ""
     if piece.reasoning:
-        out += "" if state.in_reasoning else f"{REASONING_MARK}\n"
+        if state.in_reasoning is None:
+            out += f"{REASONING_MARK}\n"
+        elif not state.in_reasoning:  # interleaved thinking: reasoning again after some answer
+            out += f"\n{REASONING_MARK}\n"
         out += piece.reasoning
         state.in_reasoning = True
     if piece.content:

@@ -10,6 +10,7 @@ or converted notebooks show it without widget JavaScript.
 from __future__ import annotations
 
 import html
+import json
 import sys
 import time
 
@@ -101,7 +102,7 @@ class TextChatView:
         self.stream = stream or sys.stdout
         self.text = ""
         """What was (or is about to be) written, marks included."""
-        self.in_reasoning = False
+        self.in_reasoning: bool | None = None
         self._written = 0
         self._last_write = 0.0
 
@@ -131,8 +132,6 @@ class TextChatView:
 def show_step(step) -> None:
     """Display one call of a tool loop (:class:`~shardbook.kernel.api.tools.ToolStep`) as it runs: the tool, its
     arguments and what the model is told back."""
-    import json
-
     arguments = json.dumps(step.arguments, ensure_ascii=False)
     verdict = "failed" if step.failed else "returned"
     markdown = f"🔧 **{html.escape(step.name)}** `{arguments}` {verdict}:\n\n```\n{step.result}\n```"

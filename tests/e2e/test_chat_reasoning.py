@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_chat import final_outputs
+from tests.e2e.test_terminal_chat import assert_all_gone, chat_argv, piped_chat, write_config
 from tests.taught import THINK_TAGS, save_taught, tag_tokenizer, teach
 
 pytestmark = pytest.mark.timeout(240)
@@ -79,3 +80,12 @@ def test_reasoning_apart_in_the_widget_chat_history_and_next_prompt(kernel, thin
     assert dropped == prompt_length(tokenizer, asked) < prompt_length(tokenizer, raw)
     kept_tokens = second_turn_tokens("--template-arg keep_reasoning=true")
     assert kept_tokens == prompt_length(tokenizer, asked, {"keep_reasoning": True}) > dropped
+
+
+def test_the_terminal_chat_marks_the_reasoning(thinker, tmp_path):
+    path, _ = thinker
+    result, pids = piped_chat(chat_argv(write_config(tmp_path / "thinker.yaml", path, 24)), ["Hello", "/history"], 3)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"[reasoning]\n{REASONING}\n[answer]\n{ANSWER}\n"), result.stdout
+    assert f"[assistant reasoning] {REASONING}\n[assistant] {ANSWER}" in result.stderr
+    assert_all_gone(pids)

@@ -21,6 +21,10 @@ def test_text_view_marks_the_reasoning_and_the_answer():
     view.add(parts.finish())
     view.finish("done")
     assert out.getvalue() == "[reasoning]\nLet me see.\n[answer]\nFour.\n[done]\n"
+    again = TextChatView(io.StringIO())
+    for piece in [Split(content="A."), Split(reasoning="Hm."), Split(content="B.")]:  # interleaved thinking
+        again.add(piece)
+    assert again.text == "A.\n[reasoning]\nHm.\n[answer]\nB."
 
 
 def test_final_display_data_quotes_the_reasoning_in_a_collapsed_block():
