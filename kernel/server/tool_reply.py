@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from shardbook.kernel.api.reasoning import ReasoningFormat, Split
+from shardbook.kernel.api.reasoning import ReasoningFormat, Split, special_tokens
 from shardbook.kernel.api.tool_calls import ReplyStream, ToolCall, ToolFormat, tool_format_for
 from shardbook.kernel.server.openai_api import ApiError
 from shardbook.kernel.server.reasoning_reply import ReplySplitter
@@ -55,7 +55,7 @@ def request_tool_format(loaded: Any, tools: ToolRequest, override: str) -> ToolF
             "chat template that renders tools, or send the request without 'tools'",
             param="tools",
         )
-    hidden = hidden_markers(tokenizer, fmt)
+    hidden = [m for m in fmt.markers if m in special_tokens(tokenizer)]
     if hidden:
         raise ApiError(
             400,
@@ -64,12 +64,6 @@ def request_tool_format(loaded: Any, tools: ToolRequest, override: str) -> ToolF
             param="tools",
         )
     return fmt
-
-
-def hidden_markers(tokenizer: Any, fmt: ToolFormat) -> list[str]:
-    special = set(getattr(tokenizer, "all_special_tokens", ()))
-    special |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
-    return [m for m in fmt.markers if m in special]
 
 
 def with_tools(options: dict[str, Any], tools: ToolRequest) -> dict[str, Any]:
