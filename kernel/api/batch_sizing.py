@@ -3,7 +3,7 @@ it to shardbook (``inference.max_batch_sequences: null``, no ``--max-waiting``).
 
 The batch takes as many sequences as its KV budget holds at a typical length (a ``TYPICAL_PROMPT_TOKENS``
 prompt plus the config's ``max_new_tokens``), capped per device: on a CPU a decode step's time grows with
-its rows past a few dozen, so more rows only lengthen every stream's gaps (bench/RESULTS.md, "Batch defaults");
+its rows past a few dozen, so more rows mostly lengthen every stream's gaps (docs/serving.md, "Batch defaults");
 a GPU or an NPU takes as many as vLLM's default (``max_num_seqs`` 256). The waiting line holds one more batch,
 and never fewer than ``MIN_WAITING`` requests, so a burst of clients queues instead of being refused.
 """
