@@ -202,20 +202,6 @@ def has_tokens(tokenizer: Any, *tokens: str) -> bool:
     return all(i is not None and i != getattr(tokenizer, "unk_token_id", None) for i in ids)
 
 
-def hidden_markers(tokenizer: Any, name: str) -> list[str]:
-    """The tags of parser `name` that are special tokens of `tokenizer`: replies are decoded without special
-    tokens, so their text never shows these (gpt-oss's harmony markers) and the reasoning cannot be split."""
-    markers = {"think": (THINK_OPEN, THINK_CLOSE), "harmony": HARMONY_MARKERS}.get(name, ())
-    special = special_tokens(tokenizer)
-    return [m for m in markers if m in special]
-
-
-def special_tokens(tokenizer: Any) -> set[str]:
-    """The tokenizer's special tokens (the named ones and added tokens marked special): decoded replies lack them."""
-    special = set(getattr(tokenizer, "all_special_tokens", ()))
-    return special | {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
-
-
 def reasoning_format(
     config: Any, tokenizer: Any, prompt_ids: list[int] | None = None, override: str | None = None
 ) -> ReasoningFormat:

@@ -12,7 +12,7 @@ import logging
 from typing import Any
 
 from shardbook.kernel.api.conversation import THINKING_KEYS, template_options_for
-from shardbook.kernel.api.reasoning import ReasoningFormat, Split, StreamParser, hidden_markers, reasoning_format
+from shardbook.kernel.api.reasoning import ReasoningFormat, Split, StreamParser, reasoning_format
 from shardbook.rankd.generation.engine import build_prompt_ids
 
 log = logging.getLogger(__name__)
@@ -44,24 +44,7 @@ def prompt_ids(tokenizer: Any, messages: list[dict[str, str]], options: dict[str
 def reply_format(loaded: Any, prompt: list[int], override: str | None) -> ReasoningFormat:
     """How the loaded model's reply to `prompt` carries its reasoning (``reasoning_parser`` overrides)."""
     fmt = reasoning_format(getattr(loaded.model, "config", None), loaded.tokenizer, prompt, override)
-    maybe_warn_hidden(loaded.tokenizer, fmt.name)
     return fmt
-
-
-_WARNED: set[int] = set()
-
-
-def maybe_warn_hidden(tokenizer: Any, name: str) -> None:
-    """Warn once per tokenizer when the format's tags are special tokens, which replies are decoded without."""
-    hidden = hidden_markers(tokenizer, name)
-    if hidden and id(tokenizer) not in _WARNED:
-        _WARNED.add(id(tokenizer))
-        log.warning(
-            "the %s reasoning tags %s are special tokens of this tokenizer, which replies are decoded without: "
-            "reasoning_content stays empty and the reply's text comes as content",
-            name,
-            ", ".join(hidden),
-        )
 
 
 class ReplySplitter:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from shardbook.kernel.api.reasoning import ReasoningFormat, Split, special_tokens
+from shardbook.kernel.api.reasoning import ReasoningFormat, Split
 from shardbook.kernel.api.tool_calls import ReplyStream, ToolCall, ToolFormat, tool_format_for
 from shardbook.kernel.server.openai_api import ApiError
 from shardbook.kernel.server.reasoning_reply import ReplySplitter
@@ -53,14 +53,6 @@ def request_tool_format(loaded: Any, tools: ToolRequest, override: str) -> ToolF
             400,
             "this model's chat template does not read 'tools', so the model would never see them: load a "
             "chat template that renders tools, or send the request without 'tools'",
-            param="tools",
-        )
-    hidden = [m for m in fmt.markers if m in special_tokens(tokenizer)]
-    if hidden:
-        raise ApiError(
-            400,
-            f"the {fmt.name} tool-call markers {', '.join(hidden)} are special tokens of this tokenizer, which "
-            "replies are decoded without, so the model's calls cannot be read from its text",
             param="tools",
         )
     return fmt

@@ -53,6 +53,7 @@ from shardbook.rankd.generation.batch_steps import (
     execute_step,
     follow_batch,
 )
+from shardbook.rankd.generation.reply_text import reply_decoder
 from shardbook.rankd.generation.sampling import greedy_tokens, next_token
 from shardbook.rankd.generation.sequences import (
     BatchLimitError,
@@ -78,8 +79,6 @@ __all__ = [
     "cache_refusal",
     "follow_batch",
 ]
-
-DECODE_KWARGS = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
 
 
 class BatchScheduler:
@@ -447,7 +446,7 @@ class BatchScheduler:
             self._finish(seq, "stop")
             return
         if seq.text is None and (request.stop or seq.handle.on_text is not None or seq.handle.on_delta is not None):
-            seq.text = IncrementalText(lambda ids: self.tokenizer.decode(ids, **DECODE_KWARGS))
+            seq.text = IncrementalText(reply_decoder(self.tokenizer))
         if seq.text is not None:
             checked, restarts = len(seq.text.decoded), seq.text.restarts
             seq.text.update(seq.tokens)
@@ -491,7 +490,7 @@ class BatchScheduler:
             shown = tokens[:-1]
         else:
             shown = tokens
-        text = self.tokenizer.decode(shown, **DECODE_KWARGS)  # once, whole, without a final end-of-text token
+        text = reply_decoder(self.tokenizer)(shown)  # once, whole, without a final end-of-text token
         cut = find_stop(text, request.stop) if request.stop else None
         text = text[:cut]
         self._stream(seq, text, final=True)

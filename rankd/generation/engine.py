@@ -41,6 +41,7 @@ from shardbook.rankd.control.agreement import agree
 from shardbook.rankd.control.text import check_valid
 from shardbook.rankd.control.world import set_current_device
 from shardbook.rankd.generation.cache_keyword import cache_keyword
+from shardbook.rankd.generation.reply_text import DECODE_KWARGS, reply_decoder
 from shardbook.rankd.generation.sampling import check_sampling
 from shardbook.rankd.generation.streaming import StopTextFilter, TextDeltaStreamer, find_stop
 
@@ -52,8 +53,6 @@ PREFILL_CHUNK = 512
 """Prompt tokens per forward of the prefill: every rank checks for an interrupt between chunks, alike."""
 NUM_ALTERNATIVES = 5
 """Alternatives recorded per generated token when a request wants scores."""
-DECODE_KWARGS = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
-"""How replies are decoded, streamed and final alike, so the streamed chunks add up to the reply."""
 MAX_STOP_CHARS = 256
 """Longest stop string a request may give (longer ones are refused: checking them each step costs every rank)."""
 PLAN_WORDS = "build the prompt for this chat request"
@@ -193,7 +192,7 @@ class StopOnText(StoppingCriteria):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
         if not self.fired:
             start = max(self.num_prompt_tokens, input_ids.shape[1] - self.window)
-            text = self.tokenizer.decode(input_ids[0, start:].tolist(), **DECODE_KWARGS)
+            text = reply_decoder(self.tokenizer)(input_ids[0, start:].tolist())
             self.fired = find_stop(text, self.stops) is not None
         return torch.full((input_ids.shape[0],), self.fired, dtype=torch.bool, device=input_ids.device)
 
@@ -287,7 +286,9 @@ def generate(
     if on_text is not None and request.stop:
         on_text = StopTextFilter(on_text, request.stop)
     if on_text is not None:
-        streamer = TextDeltaStreamer(tokenizer, lambda text: events.put(("text", text)), **DECODE_KWARGS)
+        streamer = TextDeltaStreamer(
+            tokenizer, lambda text: events.put(("text", text)), decode=reply_decoder(tokenizer)
+        )
     worker = _GenerateThread(
         model,
         events,
@@ -546,7 +547,7 @@ def _result(
     worker: _GenerateThread,
 ) -> GenerationResult:
     token_ids = output.sequences[0, num_prompt_tokens:].tolist()
-    text = tokenizer.decode(token_ids, **DECODE_KWARGS)
+    text = reply_decoder(tokenizer)(token_ids)
     cut = find_stop(text, request.stop)
     if cut is not None or (token_ids and token_ids[-1] in (config.eos_token_id or [])):
         finish_reason = "stop"

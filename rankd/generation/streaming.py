@@ -33,10 +33,13 @@ class TextDeltaStreamer(BaseStreamer):
         sink: Callable[[str], None],
         *,
         skip_prompt: bool = True,
+        decode: Callable[[list[int]], str] | None = None,
         **decode_kwargs: Any,
     ):
         self.tokenizer = tokenizer
         self.sink = sink
+        self.decode = decode
+        """How to decode tokens (a reply's decoder, keeping a format's special tags); else `tokenizer.decode`."""
         self.decode_kwargs = decode_kwargs
         self.skip_next = skip_prompt
         self.token_cache: list[int] = []
@@ -73,6 +76,8 @@ class TextDeltaStreamer(BaseStreamer):
         self.num_sent = 0
 
     def _decode(self, token_ids: list[int]) -> str:
+        if self.decode is not None:
+            return self.decode(token_ids)
         return self.tokenizer.decode(token_ids, **self.decode_kwargs)
 
     def _send(self, text: str) -> None:

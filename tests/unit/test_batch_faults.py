@@ -15,8 +15,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny import make_tiny_llama
 
-from shardbook.rankd.generation.batching import DECODE_KWARGS, BatchScheduler, SequenceRequest
+from shardbook.rankd.generation.batching import BatchScheduler, SequenceRequest
 from shardbook.rankd.generation.engine import GenerationRequest
+from shardbook.rankd.generation.reply_text import DECODE_KWARGS
 from shardbook.rankd.generation.streaming import IncrementalText
 
 pytestmark = pytest.mark.timeout(120)
@@ -153,6 +154,9 @@ def test_a_reply_is_decoded_a_few_tokens_at_a_time_and_once_whole_at_its_end(mod
         def decode(self, ids, **kwargs):
             lengths.append(len(ids))
             return tokenizer.decode(ids, **kwargs)
+
+        def __getattr__(self, name):  # the vocabulary and special tokens the reply's decoder reads
+            return getattr(tokenizer, name)
 
     chunks: list[str] = []
     scheduler = BatchScheduler(Counting())

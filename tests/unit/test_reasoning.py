@@ -9,7 +9,6 @@ import pytest
 from shardbook.kernel.api.reasoning import (
     ReasoningFormat,
     Split,
-    hidden_markers,
     parser_name,
     partial_suffix,
     reasoning_format,
@@ -118,17 +117,3 @@ def test_the_parser_follows_the_config_and_the_vocabulary():
     assert reasoning_format(config, qwen3, [0, 1, 3]).in_reasoning is True  # the template opened the block
     assert reasoning_format(config, qwen3, [0, 3]).in_reasoning is False
     assert reasoning_format(config, qwen3, [0, 1, 2, 3]).in_reasoning is False  # thinking off: <think></think>
-
-
-def test_tags_that_are_special_tokens_are_named():
-    from tokenizers import AddedToken
-
-    from tests.tiny import make_tokenizer
-
-    tokenizer = make_tokenizer()
-    tokenizer.add_tokens(["<think>", "</think>"])  # as Qwen3's: ordinary added tokens, kept by the decode
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|channel|>"]})  # as gpt-oss's
-    tokenizer.add_tokens([AddedToken("<|message|>", special=True)])  # special without being "additional"
-    assert hidden_markers(tokenizer, "think") == []
-    assert hidden_markers(tokenizer, "harmony") == ["<|channel|>", "<|message|>"]
-    assert hidden_markers(tokenizer, "none") == []
