@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from shardbook.rankd.generation.cache_keyword import cache_keyword
+from shardbook.rankd.generation.prefix_store import BLOCK_TOKENS, prefix_store
 
 STEP_OK, JOIN_FAILED, STEP_FAILED = 0, 1, 2
 """How a step ended on a rank; the worst over the ranks is the step's outcome."""
@@ -46,6 +47,8 @@ class Chunk:
     """The prompt's last piece: its row joins the batch at this step."""
     all_logits: bool
     """Keep the logits of every position (the prompt is scored), not only the last piece's last one."""
+    prefix: list[int] = field(default_factory=list)
+    """The kept blocks (prefix_store keys) a new prompt's cache starts from; `start` is where they end."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,10 @@ class StepPlan:
     """The prompt prefilled in chunks was stopped: every rank drops its cache, first."""
     end: bool = False
     """The batch is empty and nothing waits: every rank leaves its loop."""
+    keep: list[tuple[int, list[int]]] = field(default_factory=list)
+    """Leaving rows whose blocks the prefix store keeps, first: (row, the keys of its whole blocks from its start)."""
+    prefix_blocks: int = 0
+    """Blocks the prefix store holds after this step (0: prefix reuse is off, the store empties)."""
 
 
 @dataclass
@@ -97,6 +104,7 @@ class BatchState:
 
     def __init__(self, model: Any, device: torch.device):
         self.model, self.device = model, torch.device(device)
+        self.prefixes = prefix_store(model)
         self.clear()
         self.drop_chunked()
 
@@ -156,6 +164,7 @@ def execute_step(state: BatchState, plan: StepPlan, *, keep_logits: bool = True,
     try:
         if plan.abandon:
             state.drop_chunked()
+        keep_blocks(state, plan)
         state.drop(plan.leave)
         if plan.decode:
             outcome.decoded = _decode(state, plan.decode, keep_logits)
@@ -183,8 +192,20 @@ def execute_step(state: BatchState, plan: StepPlan, *, keep_logits: bool = True,
     elif outcome.failure == STEP_FAILED:
         state.clear()
         state.drop_chunked()
+        state.prefixes.trim(0)  # what it kept this step may differ between ranks
         outcome.decoded, outcome.joined, outcome.chunked = None, [], None
+    state.prefixes.trim(plan.prefix_blocks)
     return outcome
+
+
+def keep_blocks(state: BatchState, plan: StepPlan) -> None:
+    """Keep the plan's leaving rows' blocks in the prefix store (before they are dropped); a row's real tokens are
+    the last columns of its cache."""
+    columns = 0 if state.mask is None else state.mask.shape[1]
+    for row, keys in plan.keep:
+        tokens = int(state.next_pos[row])
+        assert len(keys) * BLOCK_TOKENS <= tokens, "the plan keeps more blocks than the row holds"
+        state.prefixes.keep(state.cache, row, columns - tokens, keys)
 
 
 def _chunk_step(state: BatchState, plan: StepPlan, outcome: StepOutcome, keep_logits: bool) -> Any:
@@ -213,9 +234,13 @@ def _feed_chunk(state: BatchState, chunk: Chunk, keep_logits: bool) -> torch.Ten
     positions; the logits it keeps (float32, one row per position kept) when `keep_logits` and they are wanted."""
     from transformers import DynamicCache
 
-    assert chunk.start == state.chunked_tokens, "the plan's chunk does not continue this rank's prompt"
-    if chunk.start == 0:
+    assert chunk.prefix or chunk.start == state.chunked_tokens, "the plan's chunk does not continue this rank's prompt"
+    if chunk.start == 0 or chunk.prefix:
         state.chunked_cache = DynamicCache(config=state.model.config)
+        if chunk.prefix:
+            assert chunk.start == len(chunk.prefix) * BLOCK_TOKENS, "the chunk does not start after its prefix"
+            state.prefixes.seed(state.chunked_cache, chunk.prefix)
+            state.chunked_tokens = chunk.start
     device, end = state.device, chunk.start + len(chunk.tokens)
     out = state.model(
         input_ids=torch.tensor([chunk.tokens], device=device),
@@ -292,9 +317,22 @@ def follow_batch(model: Any, device: torch.device | str, group: Any = None) -> i
         while True:
             plan = broadcast_plan(None, device, group)
             if plan.end:
+                end_batch(state, plan)
                 return steps
             execute_step(state, plan, keep_logits=False, group=group)
             steps += 1
+
+
+def end_batch(state: BatchState, plan: StepPlan) -> None:
+    """The end plan's work on every rank: keep the last rows' blocks (nothing is agreed after the last step; a
+    rank whose copy fails empties its store, and a later prompt seeded from it fails on that rank, agreed)."""
+    try:
+        keep_blocks(state, plan)
+    except Exception:
+        state.prefixes.trim(0)
+        raise
+    finally:
+        state.prefixes.trim(plan.prefix_blocks)
 
 
 def broadcast_plan(plan: StepPlan | None, device: torch.device, group: Any) -> StepPlan:

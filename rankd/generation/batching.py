@@ -50,9 +50,11 @@ from shardbook.rankd.generation.batch_steps import (
     StepPlan,
     broadcast_plan,
     cache_refusal,
+    end_batch,
     execute_step,
     follow_batch,
 )
+from shardbook.rankd.generation.prefix_store import BLOCK_TOKENS, block_keys, reuse_refusal
 from shardbook.rankd.generation.reply_text import reply_decoder
 from shardbook.rankd.generation.sampling import greedy_tokens, next_token
 from shardbook.rankd.generation.sequences import (
@@ -93,6 +95,7 @@ class BatchScheduler:
         context: int | None = None,
         cache_tokens: tuple[int, str] | None = None,
         join_window: float = 0.0,
+        prefix_tokens: int = 0,
     ):
         if max_sequences < 1 or max_step_tokens < 1 or join_window < 0:
             raise ValueError("max_sequences and max_step_tokens must be >= 1, join_window >= 0")
@@ -101,6 +104,10 @@ class BatchScheduler:
         self.cache_tokens = cache_tokens
         """(most tokens the batch's KV cache may hold, where that limit comes from), or None for no limit."""
         self.join_window = join_window
+        self.prefix_tokens = prefix_tokens
+        """Most tokens the prefix store keeps for reuse (`prefix_store.py`); 0 turns prefix reuse off."""
+        self._prefixes: Any = None
+        self._prefix_blocks = 0
         """Seconds without a new arrival that an empty batch waits for before its first prefill (see `_settle`)."""
         self.lock = threading.Lock()
         self.arrived = threading.Condition(self.lock)
@@ -111,7 +118,7 @@ class BatchScheduler:
         """The sequences of the step planned last, joining ones included (set under `lock`)."""
         self.prefilling: RunningSequence | None = None
         """The sequence whose prompt is being prefilled in chunks, one chunk a step (the loop's own)."""
-        self.stats = {"steps": 0, "largest_batch": 0}
+        self.stats = {"steps": 0, "largest_batch": 0, "prefix_hits": 0, "cached_tokens": 0}
         self.limits: Any = None
         """Where `max_sequences` and the waiting line's length come from (rank 0's driver sets it)."""
         self.failure: Any = None
@@ -189,6 +196,9 @@ class BatchScheduler:
         device = torch.device(device)
         state, rows, steps = BatchState(model, device), [], 0
         self.prefilling = None
+        self._prefixes = state.prefixes
+        reuse = self.prefix_tokens >= 1 and reuse_refusal(model) is None
+        self._prefix_blocks = self.prefix_tokens // BLOCK_TOKENS if reuse else 0
         with torch.no_grad():
             while True:
                 if stop_event is not None and stop_event.is_set():
@@ -199,10 +209,12 @@ class BatchScheduler:
                     plan, rows, joining = self._plan(rows)
                 except BaseException:
                     broadcast_plan(StepPlan([], [], [], end=True), device, group)
+                    state.prefixes.trim(0)
                     self._fail_all(rows, "the batch loop failed")
                     raise
                 broadcast_plan(plan, device, group)
                 if plan.end:
+                    end_batch(state, plan)
                     self.stats["rows"] = 0
                     return steps
                 try:
@@ -211,6 +223,7 @@ class BatchScheduler:
                 except BaseException as exc:
                     self._fail_all(rows + joining, f"{type(exc).__name__}: {exc}")
                     broadcast_plan(StepPlan(list(range(state.rows)), [], [], end=True), device, group)
+                    state.prefixes.trim(0)
                     raise
 
     def _step(
@@ -327,9 +340,12 @@ class BatchScheduler:
                 if not self._cache_holds(kept + joining + ([chunked] if chunked else []), handle.request):
                     break
                 self.waiting.pop(0)
-                if not fits:  # longer than the step has room for: prefilled in chunks, this step its first
+                room = budget - len(joining) * width
+                hit = self._prefix_hit(handle.request) if chunked is None and room >= 1 else 0
+                if hit or not fits:  # kept blocks seed it, or it is too long for a step: fed as a chunk, then joins
                     chunked = self.prefilling = admit(handle)
-                    chunk = self._next_chunk(chunked, budget)
+                    chunked.prefilled = chunked.cached = hit
+                    chunk = self._next_chunk(chunked, room)
                     break
                 width = max(width, len(handle.request.prompt_ids))
                 joining.append(admit(handle))
@@ -344,8 +360,28 @@ class BatchScheduler:
             chunk=chunk,
             abandon=abandon,
             end=end,
+            keep=[(i, self._kept_keys(rows[i])) for i in leave] if self._prefix_blocks else [],
+            prefix_blocks=self._prefix_blocks,
         )
         return plan, kept, joining
+
+    def _prefix_hit(self, request: SequenceRequest) -> int:
+        """The prompt tokens of `request` that kept blocks hold (whole blocks, its last token always prefilled for
+        its first logits; none when its prompt is scored, whose every position needs logits)."""
+        if not self._prefix_blocks or request.prompt_logprobs:
+            return 0
+        hit = self._prefixes.cached_blocks(block_keys(request.prompt_ids[:-1])) * BLOCK_TOKENS
+        if hit:
+            self.stats["prefix_hits"] += 1
+            self.stats["cached_tokens"] += hit
+        return hit
+
+    def _kept_keys(self, seq: RunningSequence) -> list[int]:
+        """The block keys of what a leaving row's cache holds (its prompt, and its reply but the token sampled
+        last, never fed); none for a row that failed (its cache may hold what made it fail)."""
+        if seq.handle.result is not None and seq.handle.result.finish_reason == "error":
+            return []
+        return block_keys(list(seq.handle.request.prompt_ids) + seq.tokens[:-1])
 
     def _next_chunk(self, seq: RunningSequence, budget: int) -> Chunk | None:
         """The next piece of `seq`'s prompt, of at most `budget` tokens (none when the step has no room)."""
@@ -353,8 +389,13 @@ class BatchScheduler:
             return None
         prompt, start = seq.handle.request.prompt_ids, seq.prefilled
         seq.prefilled = min(len(prompt), start + budget)
+        prefix = block_keys(list(prompt[:start])) if start and start == seq.cached else []  # its first piece
         return Chunk(
-            list(prompt[start : seq.prefilled]), start, seq.prefilled == len(prompt), seq.handle.request.prompt_logprobs
+            list(prompt[start : seq.prefilled]),
+            start,
+            seq.prefilled == len(prompt),
+            seq.handle.request.prompt_logprobs,
+            prefix,
         )
 
     def _cache_holds(self, rows: list[RunningSequence], request: SequenceRequest) -> bool:
@@ -510,6 +551,7 @@ class BatchScheduler:
                 time_to_first_token_s=(seq.first_token_at or now) - seq.handle.submitted_at,
                 total_s=now - seq.handle.submitted_at,
                 error=error,
+                cached_tokens=seq.cached,
             )
         )
 

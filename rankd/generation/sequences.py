@@ -92,6 +92,8 @@ class SequenceResult:
     total_s: float = 0.0
     """Seconds from submission to the end."""
     error: str | None = None
+    cached_tokens: int = 0
+    """Prompt tokens taken from kept blocks (prefix reuse) instead of prefilled."""
 
     @property
     def generated_tokens(self) -> int:
@@ -180,6 +182,8 @@ class RunningSequence:
     admitted_at: float = 0.0
     prefilled: int = 0
     """Prompt tokens planned into its cache so far, when its prompt is prefilled in chunks."""
+    cached: int = 0
+    """Prompt tokens its cache starts with from kept blocks (prefix reuse)."""
 
 
 def next_delta(seq: RunningSequence, text: str) -> StreamDelta:

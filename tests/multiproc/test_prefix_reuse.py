@@ -1,0 +1,164 @@
+"""Prefix reuse on two gloo ranks: a next turn and a shared prefix take kept blocks instead of prefilling them.
+
+A tiny llama (float32, context 256) and token-id prompts. Every rank runs the same batches one after another (rank 0
+leads, the follower follows), so each rank's prefix store outlives a batch as it does between two cells. The
+forwards every rank ran are recorded (rows, tokens, first position) with rank 0's last-position logits, and the
+follower's store is compared with rank 0's block for block.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.tiny import make_tiny_llama
+
+pytestmark = pytest.mark.timeout(300)
+
+BLOCK = 16
+REPLY = 12
+
+
+def _scenarios(rank: int, path: Path, layout: str) -> dict[str, Any]:
+    import torch
+
+    from shardbook.rankd.config.schema import ModelConfig, ParallelConfig, ShardbookConfig
+    from shardbook.rankd.generation.batching import BatchScheduler, SequenceRequest, follow_batch
+    from shardbook.rankd.generation.prefix_store import prefix_store
+    from shardbook.rankd.loading.load_sharded import load_sharded
+
+    config = ShardbookConfig(
+        model=ModelConfig(model_name_or_path=str(path), dtype="float32"), parallel=ParallelConfig(decode=layout)
+    )
+    loaded = load_sharded(config, device="cpu")
+    model, tokenizer = loaded.model, loaded.tokenizer
+    store = prefix_store(model)
+    ids = torch.randint(10, 200, (200,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    def batch(prompts: list[list[int]], prefix_tokens: int) -> dict:
+        forwards: list[tuple] = []
+
+        def record(_module, _args, kwargs, out) -> None:
+            rows, tokens = kwargs["input_ids"].shape
+            forwards.append((rows, tokens, int(kwargs["position_ids"][0, 0]), out.logits[0, -1].float().clone()))
+
+        hook = model.register_forward_hook(record, with_kwargs=True)
+        try:
+            if rank != 0:
+                follow_batch(model, "cpu")
+                return {"forwards": [f[:3] for f in forwards], "blocks": _blocks(store)}
+            scheduler = BatchScheduler(tokenizer, context=256, prefix_tokens=prefix_tokens)
+            requests = [SequenceRequest(prompt_ids=p, max_new_tokens=REPLY, ignore_eos=True) for p in prompts]
+            handles = [scheduler.submit(r) for r in requests]
+            scheduler.run(model, "cpu")
+        finally:
+            hook.remove()
+        results = [h.wait(0) for h in handles]
+        return {
+            "forwards": [f[:3] for f in forwards],
+            "prefill_logits": forwards[0][3],
+            "results": [(r.token_ids, r.cached_tokens, r.error) for r in results],
+            "blocks": _blocks(store),
+            "store": dict(store.stats),
+            "stats": {k: scheduler.stats[k] for k in ("prefix_hits", "cached_tokens")},
+        }
+
+    with torch.no_grad():
+        out: dict[str, Any] = {}
+        first = ids[:40]
+        out["turn1"] = batch([first], 4096)
+        second = first + out["turn1"]["results"][0][0] if rank == 0 else None
+        second = _shared(second, rank) + ids[40:50]
+        out["second_len"] = len(second)
+        out["turn2"] = batch([second], 4096)
+        store.trim(0)
+        out["cold"] = batch([second], 0)
+        system = ids[100:148]  # three whole blocks
+        out["shared_a"] = batch([system + ids[150:160]], 4096)
+        out["shared_b"] = batch([system + ids[160:175]], 4096)
+        store.trim(0)
+        out["evictions_before_tiny"] = store.stats["evictions"]
+        out["tiny_a"] = batch([ids[:60]], 2 * BLOCK)
+        out["tiny_b"] = batch([ids[100:140]], 2 * BLOCK)
+        out["tiny_a_again"] = batch([ids[:60]], 2 * BLOCK)
+        return out
+
+
+def _shared(value: Any, rank: int) -> Any:
+    """Rank 0's `value` on every rank (a follower cannot know rank 0's reply)."""
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _blocks(store: Any) -> list[tuple[int, tuple[int, ...]]]:
+    """The store's keys in least-recently-used order, with one block's key shape."""
+    return [(key, tuple(layers[0][0].shape)) for key, layers in store.blocks.items()]
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", hidden_size=72, num_heads=9, num_kv_heads=3)
+
+
+@pytest.fixture(scope="module", params=["gather", "tp"])
+def answer(request: pytest.FixtureRequest, llama_path: Path) -> dict:
+    from tests.ranks import run_ranks
+
+    leader, follower = run_ranks(_scenarios, llama_path, request.param, deadline=240)
+    for name, got in leader.items():
+        if isinstance(got, dict):  # every rank ran the same forwards and keeps the same blocks, in the same order
+            assert follower[name]["forwards"] == got["forwards"], name
+            assert [key for key, _ in follower[name]["blocks"]] == [key for key, _ in got["blocks"]], name
+    leader["layout"] = request.param
+    leader["follower"] = follower
+    return leader
+
+
+def test_a_next_turn_prefills_only_its_new_tokens_and_its_logits_equal_a_cold_prefill(answer: dict) -> None:
+    n = answer["second_len"]
+    kept = (40 + REPLY - 1) // BLOCK * BLOCK  # turn 1's cache: its prompt and its reply but the last token
+    warm, cold = answer["turn2"], answer["cold"]
+    assert warm["forwards"][0] == (1, n - kept, kept)  # one row, only the new tokens, at their own positions
+    assert cold["forwards"][0] == (1, n, 0)
+    assert warm["results"][0][1] == kept and cold["results"][0][1] == 0
+    assert warm["stats"] == {"prefix_hits": 1, "cached_tokens": kept}
+    assert (warm["prefill_logits"] - cold["prefill_logits"]).abs().max() <= 1e-5
+    assert warm["results"][0][0] == cold["results"][0][0]
+
+
+def test_requests_that_share_a_prefix_share_its_blocks(answer: dict) -> None:
+    a, b = answer["shared_a"], answer["shared_b"]
+    assert a["results"][0][1] == 0 and b["results"][0][1] == 3 * BLOCK
+    assert b["forwards"][0] == (1, 48 + 15 - 48, 48)
+    blocks_b = (48 + 15 + REPLY - 1) // BLOCK
+    assert b["store"]["stored_blocks"] - a["store"]["stored_blocks"] == blocks_b - 3  # the system prompt's: once
+    keys_a, keys_b = [k for k, _ in a["blocks"]], [k for k, _ in b["blocks"]]
+    assert len(set(keys_a) & set(keys_b)) == len(keys_a)
+    heads = {shape for _, shape in b["blocks"]} | {shape for _, shape in answer["follower"]["shared_b"]["blocks"]}
+    if answer["layout"] == "gather":
+        assert heads == {(3, BLOCK, 8)}
+    else:  # under tp each rank keeps its own heads' keys and values only
+        assert all(shape[0] < 3 and shape[1:] == (BLOCK, 8) for shape in heads), heads
+
+
+def test_blocks_are_evicted_least_recently_used_within_a_tiny_budget(answer: dict) -> None:
+    from shardbook.rankd.generation.prefix_store import block_keys
+
+    a, b, again = answer["tiny_a"], answer["tiny_b"], answer["tiny_a_again"]
+    assert [len(x["blocks"]) for x in (a, b, again)] == [2, 2, 2]
+    evicted = a["store"]["evictions"] - answer["evictions_before_tiny"]
+    assert evicted == (60 + REPLY - 1) // BLOCK - 2
+    ids = torch.randint(10, 200, (200,), generator=torch.Generator().manual_seed(1)).tolist()
+    assert {k for k, _ in a["blocks"]} == set(block_keys(ids[: 2 * BLOCK]))  # its last blocks went first
+    assert b["results"][0][1] == 0
+    # b kept its three blocks, then the least recently used three went: a's two and b's last
+    assert b["store"]["evictions"] - a["store"]["evictions"] == (40 + REPLY - 1) // BLOCK
+    assert {k for k, _ in b["blocks"]} == set(block_keys(ids[100 : 100 + 2 * BLOCK]))
+    assert again["results"][0][1] == 0  # a's blocks were evicted: prefilled whole
+    assert again["forwards"][0] == (1, 60, 0)
