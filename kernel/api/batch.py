@@ -54,6 +54,7 @@ def scheduler_for(runtime: Runtime) -> BatchScheduler:
             context=context,
             cache_tokens=budget,
             join_window=inference.join_window_ms / 1000,
+            prefix_tokens=int(budget[0] * inference.prefix_cache_share) if budget else 0,
         )
         scheduler.limits, scheduler.loaded = limits, loaded
         state["batch_scheduler"] = scheduler

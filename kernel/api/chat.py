@@ -55,6 +55,8 @@ class ChatResponse(GenerationResult):
     """The reply's reasoning, apart from its answer (``text``); empty when the model wrote none."""
     steps: tuple = ()
     """The tool calls run before this reply, in order (``ChatModel.chat(tools=...)``, ``%%chat --tools``)."""
+    cached_tokens: int = 0
+    """Prompt tokens taken from kept blocks instead of prefilled (prefix reuse, in the batch)."""
 
     @classmethod
     def from_result(cls, result: dict[str, Any]) -> ChatResponse:
@@ -62,7 +64,8 @@ class ChatResponse(GenerationResult):
 
     def status_line(self) -> str:
         return (
-            f"{self.prompt_tokens} prompt tokens, {self.generated_tokens} generated, first token "
+            f"{self.prompt_tokens} prompt tokens{f' ({self.cached_tokens} cached)' if self.cached_tokens else ''}, "
+            f"{self.generated_tokens} generated, first token "
             f"{self.time_to_first_token_s * 1000:.0f} ms, {self.tokens_per_s:.1f} tok/s, {self.finish_reason}"
         )
 
@@ -439,6 +442,7 @@ class BatchChatStream:
         return ChatResponse(
             text=result.text,
             prompt_tokens=result.prompt_tokens,
+            cached_tokens=result.cached_tokens,
             generated_tokens=n,
             finish_reason=result.finish_reason,
             time_to_first_token_s=result.time_to_first_token_s,

@@ -191,10 +191,16 @@ class BatchReplyHandler(BodyHandler):
     def choices(self, request, planned, results: dict[int, SequenceResult]) -> list[dict[str, Any]]:
         raise NotImplementedError
 
-    def usage(self, planned, results: dict[int, SequenceResult]) -> dict[str, int]:
+    def usage(self, planned, results: dict[int, SequenceResult]) -> dict[str, Any]:
         prompt = sum(len(s.prompt_ids) for _, s in planned)
         completion = sum(r.generated_tokens for r in results.values())
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        cached = sum(r.cached_tokens for r in results.values())
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
     def so_far(self, planned) -> dict[str, int]:
         """Usage up to this chunk (``stream_options.continuous_usage_stats``)."""

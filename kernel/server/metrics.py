@@ -47,6 +47,18 @@ class Metrics:
             "Replies whose tool calls could not be read or did not answer the request (returned as text)",
             registry=r,
         )
+        self.prefix_hits = Counter(
+            "shardbook_prefix_cache_hits", "Requests whose prompt started from kept blocks (prefix reuse)", registry=r
+        )
+        self.cached_tokens = Counter(
+            "shardbook_prefix_cache_cached_tokens", "Prompt tokens taken from kept blocks, not prefilled", registry=r
+        )
+        self.stored_blocks = Gauge(
+            "shardbook_prefix_cache_blocks", "Blocks the prefix store keeps now (16 tokens each)", registry=r
+        )
+        self.evictions = Gauge(
+            "shardbook_prefix_cache_evictions", "Blocks evicted from the prefix store since the load", registry=r
+        )
         self.scheduler: Any = None
 
     def submitted(self, sequences: int, prompt_tokens: int) -> None:
@@ -55,6 +67,9 @@ class Metrics:
     def finished(self, result: Any) -> None:
         self.generated_tokens.inc(result.generated_tokens)
         self.queue.observe(max(result.queue_s, 0.0))
+        if result.cached_tokens:
+            self.prefix_hits.inc()
+            self.cached_tokens.inc(result.cached_tokens)
         if result.generated_tokens:
             self.ttft.observe(max(result.time_to_first_token_s, 0.0))
         total = getattr(result, "total_s", None)
@@ -72,4 +87,8 @@ class Metrics:
             self.running.set(running)
             self.waiting.set(waiting)
             self.batch_size.observe(max(scheduler.stats.get("rows", 0), 1))
+            store = scheduler.prefix_store
+            if store is not None:
+                self.stored_blocks.set(len(store.blocks))
+                self.evictions.set(store.stats["evictions"])
         return generate_latest(self.registry)

@@ -330,11 +330,12 @@ def new_completion_id() -> str:
     return "chatcmpl-" + secrets.token_hex(12)
 
 
-def usage_body(response: Any) -> dict[str, int]:
+def usage_body(response: Any) -> dict[str, Any]:
     return {
         "prompt_tokens": response.prompt_tokens,
         "completion_tokens": response.generated_tokens,
         "total_tokens": response.prompt_tokens + response.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": getattr(response, "cached_tokens", 0)},
     }
 
 

@@ -163,6 +163,11 @@ class InferenceConfig:
     """Most tokens the batch's KV cache holds (sequences times the longest, each counted with its prompt and all
     its max_tokens); a request that would exceed it waits, one that never fits is refused. null: what fits in
     half of the smallest free memory of any rank after the load (the load's summary shows it)."""
+    prefix_cache_share: float = 0.25
+    """Share of the batch's KV budget (inference.max_cache_tokens or the load's measure) that keeps the keys and
+    values of finished sequences' whole 16-token blocks, so a prompt that starts with them (a conversation's next
+    turn, a shared system prompt) prefills only the rest; least recently used blocks go first. Kept on top of the
+    batch's own cache, for full-attention models only; 0 turns prefix reuse off."""
     join_window_ms: float = 10.0
     """When the batch is empty, rank 0 waits until no request has arrived for this long (at most ten times it)
     before the first prefill, so requests sent together share one prefill forward; 0 does not wait."""
@@ -190,6 +195,10 @@ class InferenceConfig:
         require(
             self.max_cache_tokens is None or self.max_cache_tokens >= 1,
             f"inference.max_cache_tokens must be >= 1 or null; got {self.max_cache_tokens}",
+        )
+        require(
+            0 <= self.prefix_cache_share <= 1,
+            f"inference.prefix_cache_share must be in [0, 1] (0 turns prefix reuse off); got {self.prefix_cache_share}",
         )
         require(self.join_window_ms >= 0, f"inference.join_window_ms must be >= 0; got {self.join_window_ms}")
 

@@ -106,7 +106,8 @@ class BatchScheduler:
         self.join_window = join_window
         self.prefix_tokens = prefix_tokens
         """Most tokens the prefix store keeps for reuse (`prefix_store.py`); 0 turns prefix reuse off."""
-        self._prefixes: Any = None
+        self.prefix_store: Any = None
+        """The model's prefix store on rank 0, the one `run` plans from (None before the first run)."""
         self._prefix_blocks = 0
         """Seconds without a new arrival that an empty batch waits for before its first prefill (see `_settle`)."""
         self.lock = threading.Lock()
@@ -196,7 +197,7 @@ class BatchScheduler:
         device = torch.device(device)
         state, rows, steps = BatchState(model, device), [], 0
         self.prefilling = None
-        self._prefixes = state.prefixes
+        self.prefix_store = state.prefixes
         reuse = self.prefix_tokens >= 1 and reuse_refusal(model) is None
         self._prefix_blocks = self.prefix_tokens // BLOCK_TOKENS if reuse else 0
         with torch.no_grad():
@@ -370,7 +371,7 @@ class BatchScheduler:
         its first logits; none when its prompt is scored, whose every position needs logits)."""
         if not self._prefix_blocks or request.prompt_logprobs:
             return 0
-        hit = self._prefixes.cached_blocks(block_keys(request.prompt_ids[:-1])) * BLOCK_TOKENS
+        hit = self.prefix_store.cached_blocks(block_keys(request.prompt_ids[:-1])) * BLOCK_TOKENS
         if hit:
             self.stats["prefix_hits"] += 1
             self.stats["cached_tokens"] += hit

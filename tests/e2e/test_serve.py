@@ -87,7 +87,11 @@ def test_models_and_replies_through_the_openai_client_streamed_or_whole(loaded, 
         )
     )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
-    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+    # the second request found the first's prompt kept: its whole blocks but the last token were not prefilled
+    prompt = whole.usage.prompt_tokens
+    assert whole.usage.prompt_tokens_details.cached_tokens == 0
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (prompt - 1) // 16 * 16
     status = loaded.run("%serve --status").stdout()
     assert f"serving {MODEL} at {url}" in status and "2 served, 0 errors" in status
     assert "chat completions: continuous batch" in status
