@@ -8,6 +8,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from shardbook.kernel.ranks.pool import PoolError
 from shardbook.kernel.ranks.runtime import get_runtime
+from shardbook.kernel.server.state import REASONING_PARSER_HELP, TOOL_CALL_PARSER_HELP
 from shardbook.magics.arguments import parse_line
 
 
@@ -31,6 +32,8 @@ class ServeMagics(Magics):
         action="store_true",
         help="chat completions take turns through transformers' generate instead of decoding together",
     )
+    @argument("--tool-call-parser", default="auto", metavar="NAME", help=TOOL_CALL_PARSER_HELP)
+    @argument("--reasoning-parser", default="auto", metavar="NAME", help=REASONING_PARSER_HELP)
     @argument(
         "--allowed-host",
         action="append",
@@ -92,6 +95,8 @@ class ServeMagics(Magics):
                 api_key=key,
                 max_waiting=args.max_waiting,
                 batch=not args.no_batch,
+                tool_call_parser=args.tool_call_parser,
+                reasoning_parser=args.reasoning_parser,
                 allowed_hosts=tuple(args.allowed_host or ()),
                 allowed_origins=tuple(args.allowed_origin or ()),
             )

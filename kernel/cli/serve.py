@@ -24,7 +24,13 @@ from functools import partial
 from shardbook.kernel.cli.chat import CONFIG_HELP, Terminal, run_rank
 from shardbook.kernel.cli.launcher import config_argv, launch, launch_on_slurm
 from shardbook.kernel.ranks.runtime import Runtime
-from shardbook.kernel.server.state import DEFAULT_PORT, ServeOptions, read_api_key
+from shardbook.kernel.server.state import (
+    DEFAULT_PORT,
+    REASONING_PARSER_HELP,
+    TOOL_CALL_PARSER_HELP,
+    ServeOptions,
+    read_api_key,
+)
 from shardbook.kernel.slurm.options import add_slurm_flags
 from shardbook.rankd.config.schema import ShardbookConfig
 from shardbook.rankd.control.world import JobShape
@@ -54,13 +60,8 @@ def add_serve_flags(parser: argparse.ArgumentParser, default=None) -> None:
         default=default or False,
         help="chat completions take turns through transformers' generate instead of decoding together",
     )
-    parser.add_argument(
-        "--tool-call-parser",
-        default=default or "auto",
-        metavar="NAME",
-        help="how chat replies' tool calls are read: auto (from the model's config and vocabulary), none (requests "
-        "with tools get 400), or hermes, glm45, deepseek_v31, kimi_k2, minimax_m2, harmony",
-    )
+    parser.add_argument("--tool-call-parser", default=default or "auto", metavar="NAME", help=TOOL_CALL_PARSER_HELP)
+    parser.add_argument("--reasoning-parser", default=default or "auto", metavar="NAME", help=REASONING_PARSER_HELP)
     parser.add_argument(
         "--allowed-host",
         action="append",
@@ -119,6 +120,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         max_waiting=args.max_waiting,
         batch=not args.no_batch,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         allowed_hosts=tuple(args.allowed_host or ()),
         allowed_origins=tuple(args.allowed_origin or ()),
     )
@@ -141,7 +143,7 @@ def run_serve(args: argparse.Namespace) -> int:
     flags = ["--host", options.host, "--port", str(options.port)]
     flags += ["--max-waiting", str(args.max_waiting)] if args.max_waiting is not None else []
     flags += ["--no-batch"] if args.no_batch else []
-    flags += [f"--tool-call-parser={options.tool_call_parser}"]
+    flags += [f"--tool-call-parser={options.tool_call_parser}", f"--reasoning-parser={options.reasoning_parser}"]
     flags += [f"--allowed-host={name}" for name in options.allowed_hosts]
     flags += [f"--allowed-origin={origin}" for origin in options.allowed_origins]
     command = ["serve", *flags, *config_argv(args), *args.overrides]

@@ -139,7 +139,7 @@ def serve(request, monkeypatch):
     SUBMITTED.clear()
     servers = []
 
-    def start(family: str):
+    def start(family: str, **options):
         tokenizer = family_tokenizer(family)
         loaded = SimpleNamespace(
             tokenizer=tokenizer, model=FakeModel("qwen3" if family == "think" else "gpt_oss"), summary={}
@@ -151,7 +151,7 @@ def serve(request, monkeypatch):
             ctx0=SimpleNamespace(state={"config": config, "loaded": loaded}),
             server=None,
         )
-        server = Server(runtime, ServeOptions(port=0, batch=request.param == "batch")).start()
+        server = Server(runtime, ServeOptions(port=0, batch=request.param == "batch", **options)).start()
         servers.append(server)
         return openai.OpenAI(base_url=server.url, api_key="none", max_retries=0), tokenizer
 
@@ -256,6 +256,28 @@ def test_an_assistant_turn_may_bring_its_reasoning_back(serve):
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model="m", messages=turns)
     assert refused.value.body["param"] == "messages[0].reasoning_content"
+
+
+def test_the_reasoning_parser_is_chosen_by_flags_and_reaches_the_reply(serve):
+    from shardbook.kernel.cli.main import build_parser
+    from shardbook.kernel.cli.serve import serve_options, split_flags
+    from shardbook.magics.arguments import parse_line
+    from shardbook.magics.serve import ServeMagics
+
+    args = build_parser().parse_args(["serve", "--reasoning-parser", "harmony", "demo", "--tool-call-parser", "glm45"])
+    split_flags(args)
+    options = serve_options(args)
+    assert (options.reasoning_parser, options.tool_call_parser) == ("harmony", "glm45")
+    magic = parse_line(ServeMagics.serve, "--reasoning-parser none --tool-call-parser kimi_k2")
+    assert (magic.reasoning_parser, magic.tool_call_parser) == ("none", "kimi_k2")
+    assert parse_line(ServeMagics.serve, "").reasoning_parser == "auto"
+    args = build_parser().parse_args(["serve", "demo", "--reasoning-parser", "qwen3"])
+    split_flags(args)
+    with pytest.raises(ValueError, match="unknown reasoning parser 'qwen3': use one of auto, think, harmony, none"):
+        serve_options(args)
+    client, _ = serve("think", reasoning_parser="none")  # the think tags read as text: all of it content
+    message = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hello"}]).choices[0]
+    assert (getattr(message.message, "reasoning_content", None), message.message.content) == (None, "".join(THINKING))
 
 
 @pytest.mark.timeout(240)
