@@ -97,9 +97,10 @@ def submit(
 def batch_refusal(runtime: Runtime, *, interventions: bool = True) -> str | None:
     """Why a reply should take the single-sequence path by default with the model loaded now, or None.
 
-    The batch cannot hold a cache that is not full attention on every layer (GLM-5's indexer, sliding
-    windows); and while `%intervene` functions are set (`interventions`), the single path is the one whose
-    stop button reaches a function that blocks inside the forward on its rank.
+    The batch cannot hold a cache that is not full attention on every layer (sliding windows, linear
+    attention; GLM-5's sparse-attention indexer batches); and while `%intervene` functions are set
+    (`interventions`), the single path is the one whose stop button reaches a function that blocks inside the
+    forward on its rank.
     """
     from shardbook.rankd.generation.batching import cache_refusal
     from shardbook.rankd.inspection.interventions import registry

@@ -20,7 +20,7 @@ from shardbook.kernel.server.text_completions import TextCompletionsHandler
 
 class WhileChatBatches(PathMatches):
     """Matches `path` while chat completions join the batch. Decided per request, since a model loaded after the
-    server started may have a cache the batch cannot hold (GLM-5's indexer): its requests then take turns."""
+    server started may have a cache the batch cannot hold (gpt-oss's sliding windows): its requests then take turns."""
 
     def __init__(self, path: str, server: ServerState):
         super().__init__(path)

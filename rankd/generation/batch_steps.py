@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from shardbook.rankd.generation.cache_keyword import cache_keyword
+from shardbook.rankd.generation.cache_rows import append_rows, check_batchable, layer_refusal, select_rows
 from shardbook.rankd.generation.prefix_store import BLOCK_TOKENS, prefix_store
 
 STEP_OK, JOIN_FAILED, STEP_FAILED = 0, 1, 2
@@ -133,10 +134,8 @@ class BatchState:
         index = torch.tensor(keep, device=self.device)
         self.mask, self.next_pos = self.mask[index], self.next_pos[index]
         first = int(torch.nonzero(self.mask.sum(0))[0])  # columns that are padding in every row are cut
-        for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(0, index)[:, :, first:]
-            layer.values = layer.values.index_select(0, index)[:, :, first:]
         self.mask = self.mask[:, first:]
+        select_rows(self.cache, index, self.mask.shape[1])
 
     def append(self, cache: Any, mask: torch.Tensor) -> None:
         """Add the rows of `cache` (a left-padded prefill; `mask` (rows, columns) is 1 on its real tokens)."""
@@ -145,9 +144,7 @@ class BatchState:
             return
         columns = max(self.mask.shape[1], mask.shape[1])
         pad_batch, pad_new = columns - self.mask.shape[1], columns - mask.shape[1]
-        for mine, theirs in zip(self.cache.layers, cache.layers):
-            mine.keys = torch.cat([_pad_left(mine.keys, pad_batch), _pad_left(theirs.keys, pad_new)])
-            mine.values = torch.cat([_pad_left(mine.values, pad_batch), _pad_left(theirs.values, pad_new)])
+        append_rows(self.cache, cache, columns)
         self.mask = torch.cat(
             [torch.nn.functional.pad(self.mask, (pad_batch, 0)), torch.nn.functional.pad(mask, (pad_new, 0))]
         )
@@ -251,7 +248,7 @@ def _feed_chunk(state: BatchState, chunk: Chunk, keep_logits: bool) -> torch.Ten
         cache_position=torch.arange(chunk.start, end, device=device),
         logits_to_keep=0 if chunk.all_logits else 1,  # alike on every rank
     )
-    _check_full_attention(state.chunked_cache)
+    check_batchable(state.chunked_cache)
     state.chunked_tokens = end
     if not keep_logits or not (chunk.all_logits or chunk.last):
         return None
@@ -299,7 +296,7 @@ def _prefill(
         cache_position=torch.arange(width, device=state.device),
         logits_to_keep=0 if any(all_logits for _, all_logits in join) else 1,  # alike on every rank
     )
-    _check_full_attention(cache)
+    check_batchable(cache)
     if not keep_logits:
         return cache, mask, []
     logits = out.logits.float()
@@ -381,35 +378,15 @@ def _distributed(group: Any) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-def _pad_left(tensor: torch.Tensor, columns: int) -> torch.Tensor:
-    """`tensor` (batch, heads, seq, dim) with `columns` zero positions before its sequence."""
-    return torch.nn.functional.pad(tensor, (0, 0, columns, 0)) if columns else tensor
-
-
 def cache_refusal(model: Any) -> str | None:
-    """Why `model` cannot join the continuous batch (its cache is not plain full attention on every layer: an
-    indexer's, a sliding window's), or None when it can. Read from the cache the model's config describes, once
-    per model (the server asks on every request)."""
+    """Why `model` cannot join the continuous batch (a cache layer kind `cache_rows` has no row operations for: a
+    sliding window's, a linear attention's), or None when it can. Read from the cache the model's config
+    describes, once per model (the server asks on every request)."""
     from transformers import DynamicCache
 
     if model not in _REFUSALS:
-        _REFUSALS[model] = _layer_refusal(DynamicCache(config=model.config))
+        _REFUSALS[model] = layer_refusal(DynamicCache(config=model.config))
     return _REFUSALS[model]
 
 
 _REFUSALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _layer_refusal(cache: Any) -> str | None:
-    from transformers.cache_utils import DynamicLayer
-
-    kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
-    if not kinds:
-        return None
-    return f"continuous batching needs a full-attention cache on every layer; this model has {', '.join(kinds)} layers"
-
-
-def _check_full_attention(cache: Any) -> None:
-    refusal = _layer_refusal(cache)
-    if refusal is not None:
-        raise NotImplementedError(refusal)

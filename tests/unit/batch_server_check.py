@@ -297,7 +297,7 @@ def kv_budget_refuses(runtime, server, name: str) -> bool:
 
 def refused_model_takes_turns(runtime, server, name: str, messages: list, sliding_dir: str) -> bool:
     """After a load, while the server runs, of a model whose cache the batch cannot hold (a sliding window here,
-    GLM-5's indexer in practice), chat requests take turns on the single path and /v1/completions is a clear 501."""
+    gpt-oss's in practice), chat requests take turns on the single path and /v1/completions is a clear 501."""
     import requests
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

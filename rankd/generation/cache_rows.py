@@ -1,0 +1,92 @@
+"""The continuous batch's cache row by row: which transformers cache layers it can hold, and their row operations.
+
+A batch cache is one transformers `DynamicCache` whose rows are left-padded to the longest row. Each layer kind
+that can batch is listed in `_FIELDS` with the tensors it grows, each with its row dim and its sequence dim; the
+batch selects rows (a row leaves), appends rows (a prefill joins) and pads columns on the left through those
+fields alone, so a new layer kind is one entry there.
+
+* `DynamicLayer`: full attention's keys and values (MLA's compressed latents are stored the same way).
+* `DynamicIndexedLayer` (GLM-5's `glm_moe_dsa`, `deepseek_v32`): also the indexer's key cache, one key per
+  position like a KV cache. A left-pad position can never be attended through the indexer's top-k: the indexer
+  adds the batch's attention mask (padding included) to its scores before its top-k, so a pad ranks below every
+  real position, and is picked only when a row has fewer real positions than top-k; the attention after it keeps
+  the mask, so a pad that is picked stays masked. Each row's selection is therefore the one it makes alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_FULL = (("keys", 0, 2), ("values", 0, 2))
+_FIELDS: dict[str, tuple[tuple[str, int, int], ...]] = {
+    "DynamicLayer": _FULL,
+    "DynamicIndexedLayer": (*_FULL, ("indexer_keys", 0, 1), ("indexer_position_ids", 1, 2)),
+}
+"""Per batchable layer kind: (attribute, row dim, sequence dim) of each tensor it grows per position."""
+
+
+def layer_refusal(cache: Any) -> str | None:
+    """Why `cache` cannot be the batch's (a layer kind with no row operations here), or None when it can."""
+    kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer).__name__ not in _FIELDS})
+    if not kinds:
+        return None
+    return (
+        "continuous batching needs a full-attention cache on every layer (plain, or with a sparse-attention "
+        f"indexer); this model has {', '.join(kinds)} layers"
+    )
+
+
+def check_batchable(cache: Any) -> None:
+    """Raise NotImplementedError with `layer_refusal`'s reason when `cache` cannot be the batch's."""
+    refusal = layer_refusal(cache)
+    if refusal is not None:
+        raise NotImplementedError(refusal)
+
+
+def select_rows(cache: Any, index: torch.Tensor, columns: int) -> None:
+    """Keep the rows `index` of `cache`, and only its last `columns` columns (the others are padding in every
+    row)."""
+    for layer in cache.layers:
+        kept = _kept(layer, columns)
+        for name, row_dim, seq_dim in _fields(layer):
+            rows = getattr(layer, name).index_select(row_dim, index)
+            setattr(layer, name, rows.narrow(seq_dim, rows.shape[seq_dim] - kept, kept))
+        _set_length(layer, columns)
+
+
+def append_rows(cache: Any, other: Any, columns: int) -> None:
+    """Append the rows of `other` (a prefill of the same model) to `cache`, both left-padded to `columns`."""
+    for mine, theirs in zip(cache.layers, other.layers):
+        kept = _kept(mine, columns)
+        for name, row_dim, seq_dim in _fields(mine):
+            ours, new = (_pad_left(getattr(layer, name), kept, seq_dim) for layer in (mine, theirs))
+            setattr(mine, name, torch.cat([ours, new], row_dim))
+        _set_length(mine, columns)
+
+
+def _kept(layer: Any, columns: int) -> int:
+    """How many of the batch's last `columns` positions `layer` holds: a sliding window's last window - 1."""
+    window = getattr(layer, "sliding_window", None)
+    return columns if window is None else min(columns, window - 1)
+
+
+def _set_length(layer: Any, columns: int) -> None:
+    """A sliding window layer counts the positions it has seen, padding included: the mask's width."""
+    if hasattr(layer, "cumulative_length"):
+        layer.cumulative_length = columns
+
+
+def _fields(layer: Any) -> list[tuple[str, int, int]]:
+    """The layer's grown tensors that it holds (an indexer layer that shares another's top-k keeps no keys)."""
+    return [field for field in _FIELDS[type(layer).__name__] if getattr(layer, field[0], None) is not None]
+
+
+def _pad_left(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    """`tensor` with zero positions before its sequence (along `dim`), up to `length` positions."""
+    if tensor.shape[dim] == length:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = length - tensor.shape[dim]
+    return torch.cat([tensor.new_zeros(shape), tensor], dim)

@@ -1,0 +1,39 @@
+"""The batch cache's row operations (`cache_rows`) on transformers' own cache layers, without a model."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, GlmMoeDsaConfig, GptOssConfig, Qwen3NextConfig
+
+from shardbook.rankd.generation.cache_rows import append_rows, layer_refusal, select_rows
+
+
+def _indexed_cache(rows: int, columns: int, start: float) -> DynamicCache:
+    """A 2-layer GLM-5 cache: layer 0 runs its indexer, layer 1 shares its top-k (no indexer keys)."""
+    cache = DynamicCache(config=GlmMoeDsaConfig(num_hidden_layers=2, index_topk_pattern="FS"))
+    values = torch.arange(rows * columns, dtype=torch.float32).view(rows, 1, columns, 1) + start
+    for i, layer in enumerate(cache.layers):
+        layer.update(values.expand(rows, 1, columns, 3), values.expand(rows, 1, columns, 2))
+        if i == 0:
+            layer.update_indexer(values.view(rows, columns, 1).expand(rows, columns, 4))
+    return cache
+
+
+def test_the_indexer_keys_follow_their_rows() -> None:
+    cache, joining = _indexed_cache(2, 3, 0.0), _indexed_cache(1, 5, 100.0)
+    append_rows(cache, joining, 5)
+    first = cache.layers[0]
+    assert first.keys.shape == (3, 1, 5, 3) and first.indexer_keys.shape == (3, 5, 4)
+    assert first.indexer_keys[:, :, 0].tolist() == [[0, 0, 0, 1, 2], [0, 0, 3, 4, 5], [100, 101, 102, 103, 104]]
+    assert cache.layers[1].indexer_keys is None  # the shared layer keeps none
+    select_rows(cache, torch.tensor([1, 2]), 4)
+    assert first.indexer_keys[:, :, 0].tolist() == [[0, 3, 4, 5], [101, 102, 103, 104]]
+    assert torch.equal(first.keys[:, 0, :, 0], first.indexer_keys[:, :, 0])
+    assert first.values.shape == (2, 1, 4, 2)
+
+
+def test_what_cannot_batch_says_which_layers() -> None:
+    assert layer_refusal(DynamicCache(config=GlmMoeDsaConfig(num_hidden_layers=2))) is None
+    sliding = layer_refusal(DynamicCache(config=GptOssConfig(num_hidden_layers=2)))
+    assert "DynamicSlidingWindowLayer" in sliding and sliding.startswith("continuous batching needs")
+    assert "LinearAttentionLayer" in layer_refusal(DynamicCache(config=Qwen3NextConfig(num_hidden_layers=4)))
