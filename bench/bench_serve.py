@@ -47,7 +47,7 @@ CONFIG = "configs/smollm2-135m.yaml"
 MODEL = "smollm2-135m-instruct"
 QUESTION = "Tell me about the city of Paris."
 SYSTEM = "You are a helpful assistant. Answer briefly."  # the config's system_prompt, which %%chat sends
-STATUS = re.compile(r"\[(\d+) prompt tokens, (\d+) generated")
+STATUS = re.compile(r"\[(\d+) prompt tokens(?: \(\d+ cached\))?, (\d+) generated")
 
 
 def run_chat(kernel: Kernel, n: int) -> dict:
