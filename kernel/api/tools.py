@@ -131,45 +131,58 @@ class ToolLoop:
         self.on_step = on_step or (lambda step: None)
         self.steps: list[ToolStep] = []
         self.messages: list[dict[str, Any]] = []
+        self.stopped = False
         self.limit_message: str | None = None
         """Why the loop stopped at its cap, when it did."""
         self.last: ChatResponse | None = None
         """The latest reply, split (its calls taken out of its text), with the steps so far."""
 
     def run(self, messages: list[dict[str, Any]], reply: Callable[[list[dict[str, Any]]], ModelReply]) -> ChatResponse:
-        """The final reply (``steps`` set): `reply` asks the model once, with the conversation so far."""
-        while True:
-            asked = reply([*messages, *self.messages])
-            response, parsed = asked.parts.split(asked.response)
-            self.last = replace(response, steps=tuple(self.steps))
-            if response.finish_reason != "stop" or not parsed.calls:
-                return self.last
-            if len(self.steps) + len(parsed.calls) > self.max_steps:
-                self.limit_message = self.describe_limit(parsed.calls)
-                log.warning("%s", self.limit_message)
-                return self.last
-            calls = [template_call(c) for c in parsed.calls]
-            self.messages.append(assistant_message(parsed.content, response.reasoning, tool_calls=calls))
-            for call in parsed.calls:
-                if not self.run_step(call, asked):
+        """The final reply (``steps`` set): `reply` asks the model once, with the conversation so far.
+
+        The stop button stops the reply being generated (its stream's own stop), raises KeyboardInterrupt in the
+        tool being run (``run_step``), and between the two ends the loop before it asks the model again."""
+        from shardbook.kernel.ranks.foreground import sigint_calls
+
+        with sigint_calls(self.stop):
+            while True:
+                asked = reply([*messages, *self.messages])
+                response, parsed = asked.parts.split(asked.response)
+                self.last = replace(response, steps=tuple(self.steps))
+                if response.finish_reason != "stop" or not parsed.calls:
+                    return self.last
+                if len(self.steps) + len(parsed.calls) > self.max_steps:
+                    self.limit_message = self.describe_limit(parsed.calls)
+                    log.warning("%s", self.limit_message)
+                    return self.last
+                calls = [template_call(c) for c in parsed.calls]
+                self.messages.append(assistant_message(parsed.content, response.reasoning, tool_calls=calls))
+                for call in parsed.calls:
+                    if self.stopped:
+                        break
+                    self.run_step(call, asked)
+                if self.stopped:
                     self.last = replace(self.last, finish_reason="interrupted", steps=tuple(self.steps))
                     return self.last
 
-    def run_step(self, call: ToolCall, asked: ModelReply) -> bool:
-        """Run one call and record it; False when an interrupt stopped the tool (the loop ends there)."""
+    def stop(self) -> None:
+        """End the loop before its next step or reply (an interrupt between them)."""
+        self.stopped = True
+
+    def run_step(self, call: ToolCall, asked: ModelReply) -> None:
+        """Run one call and record it; an interrupt in the tool stops the loop there."""
         from shardbook.kernel.ranks.foreground import interrupts_raise
 
         try:
             with interrupts_raise():
                 arguments, result, failed = call_tool(self.functions, call)
-            finished = True
         except KeyboardInterrupt:
-            arguments, result, failed, finished = json.loads(call.arguments), "error: interrupted", True, False
+            self.stopped = True
+            arguments, result, failed = json.loads(call.arguments), "error: interrupted", True
         step = ToolStep(call.name, arguments, result, failed, call.id, tuple(asked.messages), asked.prompt)
         self.steps.append(step)
         self.messages.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": result})
         self.on_step(step)
-        return finished
 
     def describe_limit(self, calls: tuple[ToolCall, ...]) -> str:
         names = ", ".join(c.name for c in calls)

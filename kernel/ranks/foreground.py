@@ -64,11 +64,15 @@ def interrupts_raise() -> Iterator[None]:
     """Within the block (rank 0's own code between replies: a tool of a tool loop), the stop button raises
     KeyboardInterrupt in the main thread as a SIGINT does, even in a ``%%chat`` cell whose reply has started
     (which otherwise gets no SIGINT). The signal wakes a blocking call (``time.sleep``, a socket read)."""
+    if threading.current_thread() is not threading.main_thread():  # no signal lands elsewhere: as sigint_calls
+        yield
+        return
     main = threading.main_thread().ident
 
     def interrupt() -> None:
         signal.pthread_kill(main, signal.SIGINT)
 
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # within an outer sigint_calls too
     with _lock:
         _stops.append(interrupt)
     try:
@@ -76,6 +80,7 @@ def interrupts_raise() -> Iterator[None]:
     finally:
         with _lock:
             _stops.remove(interrupt)
+        signal.signal(signal.SIGINT, previous)
 
 
 def stop_foreground_reply() -> bool:

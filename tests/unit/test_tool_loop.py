@@ -142,3 +142,11 @@ def test_a_reply_cut_short_is_not_read_for_calls():
     reply, _ = scripted(call("add", a=1, b=2), finish_reason="length")
     response = ToolLoop([add], HERMES).run([{"role": "user", "content": "go"}], reply)
     assert response.finish_reason == "length" and response.steps == ()
+
+
+def test_a_stop_between_two_steps_ends_the_loop_before_the_next_reply():
+    reply, asked = scripted(call("add", a=1, b=2), "never")
+    loop = ToolLoop([add], HERMES, on_step=lambda step: loop.stop())  # as the stop button between two steps
+    response = loop.run([{"role": "user", "content": "go"}], reply)
+    assert response.finish_reason == "interrupted" and len(asked) == 1
+    assert [s.result for s in response.steps] == ["3"]
