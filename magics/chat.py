@@ -244,7 +244,10 @@ class ChatMagics(Magics):
         from shardbook.kernel.api.tools import ModelReply
 
         def reply(messages):
-            request = request_for(messages)
+            try:
+                request = request_for(messages)
+            except (PoolError, ValueError) as e:  # e.g. the calls and results grew past the model's context
+                raise UsageError(str(e)) from e
             parts = ReplyParts(request_format(runtime, request), loop.format)
             response = self._stream_reply(runtime, request, parts, args, relay)
             return ModelReply(response, parts, request.messages, prompt_text(runtime, request))
