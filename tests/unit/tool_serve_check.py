@@ -57,18 +57,19 @@ def get_weather(city: str) -> str:
     return "sunny"
 
 
-def taught_model():
+def taught_model(chat_template: str | None = None, extra: tuple = ()):
     """A tiny Llama and a tokenizer with the families' tool tags, taught the hermes call and the answer after its
-    result, and the call in each other family's format when asked in that family's name."""
+    result, and the call in each other family's format when asked in that family's name (and the `extra`
+    ``(messages, template options, reply)`` examples, under `chat_template` when given)."""
     from reasoning_serve_check import teach  # a sibling script: this one runs as a file too
 
     from tests.tiny import TOOLS_TEMPLATE, make_tokenizer
 
     tokenizer = make_tokenizer()
     tokenizer.add_tokens(MARKERS)  # as Qwen3's, GLM's, ...: ordinary added tokens, kept in the text
-    tokenizer.chat_template = TOOLS_TEMPLATE
+    tokenizer.chat_template = chat_template or TOOLS_TEMPLATE
     tools = {"tools": [TOOL]}
-    examples = [(QUESTION, tools, CALL), ([*QUESTION, TAUGHT_CALL, RESULT], tools, ANSWER)]
+    examples = [(QUESTION, tools, CALL), ([*QUESTION, TAUGHT_CALL, RESULT], tools, ANSWER), *extra]
     examples += [(family_question(name), tools, call) for name, call in FAMILY_CALLS.items()]
     return teach(tokenizer, examples, steps=500), tokenizer
 

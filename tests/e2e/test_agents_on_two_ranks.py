@@ -1,0 +1,106 @@
+"""Real clients against ``shardbook serve --nproc 2`` (one server start for all): a tiny model taught to call its
+tool (``tool_serve_check.py``) served by 2 ranks under torchrun; the openai client's tool-calling round trip,
+whole and streamed, the OpenAI Agents SDK's agent and LangChain's ``bind_tools`` to their final answer, and
+lm-eval's ``local-chat-completions`` passing ``chat_template_kwargs`` that reach the template."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from tool_serve_check import MODEL, agents_sdk, get_weather, langchain, round_trip, taught_model
+
+from tests.e2e.test_terminal_serve import Served
+from tests.taught import save_taught
+from tests.tiny import TOOLS_TEMPLATE
+
+pytestmark = pytest.mark.timeout(420)
+THINKING_TEMPLATE = TOOLS_TEMPLATE.replace(
+    "{{ '<|im_start|>assistant\\n' }}",
+    "{{ '<|im_start|>assistant\\n' }}{% if enable_thinking is defined and not enable_thinking %}"
+    "{{ '(no thinking)\\n' }}{% endif %}",
+)
+"""The tools template, whose prompt says when a request turned thinking off (as Qwen3's writes an empty block)."""
+SAY = [{"role": "user", "content": "Say hi"}]
+REPLIES = {True: "Thinking on.", False: "Thinking off."}
+SAY_TASK = """task: say_thinking_off
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["\\n\\n"]
+  max_gen_toks: 16
+  do_sample: false
+  chat_template_kwargs:
+    enable_thinking: false
+metric_list:
+  - metric: exact_match
+"""
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    assert "(no thinking)" in THINKING_TEMPLATE
+    root = tmp_path_factory.mktemp("agents")
+    extra = tuple((SAY, {"enable_thinking": on}, reply) for on, reply in REPLIES.items())
+    model, tokenizer = taught_model(THINKING_TEMPLATE, extra)
+    path = save_taught(root / MODEL, model, tokenizer)
+    config = root / "tools.yaml"
+    config.write_text(f"model:\n  model_name_or_path: {path}\n  dtype: float32\n")
+    # hermes named: with every family's tool tokens in the taught vocabulary, auto would choose deepseek_v31's
+    server = Served(config, "--tool-call-parser", "hermes")
+    yield server
+    server.stop(signal.SIGTERM)
+
+
+def test_the_openai_client_calls_the_tool_whole_and_streamed(served):
+    found = round_trip(OpenAI(base_url=served.url, api_key="none", max_retries=0))
+    call = [("get_weather", {"city": "Paris"})]
+    assert found["whole"] == ["tool_calls", call] and found["stream"] == ["tool_calls", call], found
+    assert found["answer"] == ["stop", "It is sunny in Paris."], found
+
+
+def test_agent_frameworks_run_their_loop_to_the_answer(served):
+    assert agents_sdk(served.url) == "It is sunny in Paris."
+    call = [("get_weather", {"city": "Paris"})]
+    assert langchain(served.url) == [call, call, "It is sunny in Paris."]
+    assert get_weather("Paris") == "sunny"  # the tool both frameworks ran
+
+
+def test_chat_template_kwargs_reach_the_template_from_the_client_and_lm_eval(served, tmp_path, monkeypatch):
+    client = OpenAI(base_url=served.url, api_key="none", max_retries=0)
+    ask = dict(model=MODEL, messages=SAY, temperature=0, max_tokens=16)
+    on = client.chat.completions.create(**ask)
+    off = client.chat.completions.create(**ask, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert (on.choices[0].message.content, off.choices[0].message.content) == (REPLIES[True], REPLIES[False])
+    assert off.usage.prompt_tokens > on.usage.prompt_tokens  # the template wrote "(no thinking)"
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    for name, value in {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    data = tmp_path / "say.jsonl"
+    data.write_text(json.dumps({"question": "Say hi", "answer": REPLIES[False]}) + "\n")
+    (tmp_path / "say_thinking_off.yaml").write_text(SAY_TASK.format(data=data))
+    results = lm_eval.simple_evaluate(
+        model="local-chat-completions",
+        model_args=f"model={MODEL},base_url={served.url}/chat/completions,max_retries=1,num_concurrent=1",
+        tasks=["say_thinking_off"],
+        task_manager=TaskManager(include_path=str(tmp_path)),
+        apply_chat_template=True,
+        log_samples=True,
+    )
+    assert results["samples"]["say_thinking_off"][0]["resps"][0][0] == REPLIES[False], results["samples"]
+    assert results["results"]["say_thinking_off"]["exact_match,none"] == 1.0
