@@ -347,7 +347,10 @@ class BatchScheduler:
                     chunked = self.prefilling = admit(handle)
                     chunked.prefilled = chunked.cached = hit
                     chunk = self._next_chunk(chunked, room)
-                    break
+                    if not chunk.last:
+                        break
+                    budget -= len(chunk.tokens)  # it joins at this step: the others may join beside it
+                    continue
                 width = max(width, len(handle.request.prompt_ids))
                 joining.append(admit(handle))
             end = not kept and not joining and chunked is None and not self.waiting

@@ -79,6 +79,7 @@ def _scenarios(rank: int, path: Path, layout: str) -> dict[str, Any]:
         system = ids[100:148]  # three whole blocks
         out["shared_a"] = batch([system + ids[150:160]], 4096)
         out["shared_b"] = batch([system + ids[160:175]], 4096)
+        out["shared_pair"] = batch([system + ids[176:186], system + ids[186:190]], 4096)
         store.trim(0)
         out["evictions_before_tiny"] = store.stats["evictions"]
         out["tiny_a"] = batch([ids[:60]], 2 * BLOCK)
@@ -145,6 +146,12 @@ def test_requests_that_share_a_prefix_share_its_blocks(answer: dict) -> None:
         assert heads == {(3, BLOCK, 8)}
     else:  # under tp each rank keeps its own heads' keys and values only
         assert all(shape[0] < 3 and shape[1:] == (BLOCK, 8) for shape in heads), heads
+
+
+def test_requests_sent_together_join_at_one_step_the_first_from_kept_blocks(answer: dict) -> None:
+    pair = answer["shared_pair"]
+    assert [cached for _, cached, _ in pair["results"]] == [3 * BLOCK, 0]  # one prompt is seeded a step
+    assert pair["forwards"][:3] == [(1, 10, 48), (1, 52, 0), (2, 1, 58)]  # both prefilled, then decoded together
 
 
 def test_blocks_are_evicted_least_recently_used_within_a_tiny_budget(answer: dict) -> None:
