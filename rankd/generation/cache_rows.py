@@ -6,11 +6,15 @@ batch selects rows (a row leaves), appends rows (a prefill joins) and pads colum
 fields alone, so a new layer kind is one entry there.
 
 * `DynamicLayer`: full attention's keys and values (MLA's compressed latents are stored the same way).
+* `DynamicSlidingWindowLayer` (gpt-oss, Mistral): the last window - 1 positions. Every row ends at the batch's
+  last column, so the window's columns are each row's own last positions and a row's padding never takes part
+  of its window; the layer's position count is the batch's column count, the width of the mask.
 * `DynamicIndexedLayer` (GLM-5's `glm_moe_dsa`, `deepseek_v32`): also the indexer's key cache, one key per
   position like a KV cache. A left-pad position can never be attended through the indexer's top-k: the indexer
   adds the batch's attention mask (padding included) to its scores before its top-k, so a pad ranks below every
   real position, and is picked only when a row has fewer real positions than top-k; the attention after it keeps
-  the mask, so a pad that is picked stays masked. Each row's selection is therefore the one it makes alone.
+  the mask, so a pad that is picked stays masked. Each row's selection is therefore the one it makes alone
+  (but for scores that tie exactly, which `topk` orders its own way).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 _FULL = (("keys", 0, 2), ("values", 0, 2))
 _FIELDS: dict[str, tuple[tuple[str, int, int], ...]] = {
     "DynamicLayer": _FULL,
+    "DynamicSlidingWindowLayer": _FULL,
     "DynamicIndexedLayer": (*_FULL, ("indexer_keys", 0, 1), ("indexer_position_ids", 1, 2)),
 }
 """Per batchable layer kind: (attribute, row dim, sequence dim) of each tensor it grows per position."""
@@ -33,8 +38,8 @@ def layer_refusal(cache: Any) -> str | None:
     if not kinds:
         return None
     return (
-        "continuous batching needs a full-attention cache on every layer (plain, or with a sparse-attention "
-        f"indexer); this model has {', '.join(kinds)} layers"
+        "continuous batching needs a full-attention cache on every layer (plain, with a sparse-attention indexer, "
+        f"or within a sliding window); this model has {', '.join(kinds)} layers"
     )
 
 

@@ -38,7 +38,7 @@ def one_rank_serving(model, tokenizer, model_path: str):
     return runtime, port, client
 
 
-def main(model_dir: str, sliding_dir: str) -> None:
+def main(model_dir: str, unbatched_dir: str) -> None:
     import requests
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -196,7 +196,7 @@ def main(model_dir: str, sliding_dir: str) -> None:
 
     out["model_changed"] = queued_across_a_load(runtime, port, name, messages[0])
     out["kv_budget_refuses"] = kv_budget_refuses(runtime, server, name)
-    out["refused_model_takes_turns"] = refused_model_takes_turns(runtime, server, name, messages[0], sliding_dir)
+    out["refused_model_takes_turns"] = refused_model_takes_turns(runtime, server, name, messages[0], unbatched_dir)
     out["stop_spares_the_notebook"] = stop_spares_the_notebook(runtime, server, name)  # stops the server
     out["defaults_take_32"] = defaults_take_32(runtime, port, name)
 
@@ -295,16 +295,16 @@ def kv_budget_refuses(runtime, server, name: str) -> bool:
     )
 
 
-def refused_model_takes_turns(runtime, server, name: str, messages: list, sliding_dir: str) -> bool:
-    """After a load, while the server runs, of a model whose cache the batch cannot hold (a sliding window here,
-    gpt-oss's in practice), chat requests take turns on the single path and /v1/completions is a clear 501."""
+def refused_model_takes_turns(runtime, server, name: str, messages: list, unbatched_dir: str) -> bool:
+    """After a load, while the server runs, of a model whose cache the batch cannot hold (Qwen3-Next's
+    linear attention), chat requests take turns on the single path and /v1/completions is a clear 501."""
     import requests
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     old = runtime.ctx0.state["loaded"]
     model, tokenizer = (
-        AutoModelForCausalLM.from_pretrained(sliding_dir).eval(),
-        AutoTokenizer.from_pretrained(sliding_dir),
+        AutoModelForCausalLM.from_pretrained(unbatched_dir).eval(),
+        AutoTokenizer.from_pretrained(unbatched_dir),
     )
     runtime.ctx0.state["loaded"] = types.SimpleNamespace(model=model, tokenizer=tokenizer, summary={})
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny import make_tiny_llama, make_tiny_lm
+from tiny import make_tiny_llama, make_tiny_tp_family
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -22,10 +22,10 @@ pytestmark = pytest.mark.timeout(300)
 def test_completions_over_the_batch(tmp_path: Path) -> None:
     pytest.importorskip("openai")
     model = make_tiny_llama(tmp_path / "tiny", hidden_size=72, num_heads=9, num_kv_heads=3)
-    sliding = make_tiny_lm(tmp_path / "sliding", family="mistral", sliding_window=8)  # a cache the batch cannot hold
+    linear = make_tiny_tp_family(tmp_path / "linear", "qwen3_next")  # linear attention: a cache the batch cannot hold
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("batch_server_check.py")), str(model), str(sliding)],
+        [sys.executable, str(Path(__file__).with_name("batch_server_check.py")), str(model), str(linear)],
         capture_output=True,
         text=True,
         timeout=280,

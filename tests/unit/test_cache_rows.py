@@ -32,8 +32,24 @@ def test_the_indexer_keys_follow_their_rows() -> None:
     assert first.values.shape == (2, 1, 4, 2)
 
 
+def test_a_sliding_window_keeps_the_batch_s_last_positions() -> None:
+    """Rows end at the same column, so the window's last positions are every row's own last ones."""
+    caches = [DynamicCache(config=GptOssConfig(num_hidden_layers=2, sliding_window=4)) for _ in range(2)]
+    for cache, columns in zip(caches, (2, 6)):
+        values = torch.arange(columns, dtype=torch.float32).view(1, 1, columns, 1) + 10 * columns
+        for layer in cache.layers:
+            layer.update(values, values)
+    batch, joining = caches
+    append_rows(batch, joining, 6)
+    sliding, full = batch.layers[0], batch.layers[1]
+    assert sliding.keys[:, 0, :, 0].tolist() == [[0, 20, 21], [63, 64, 65]] and sliding.cumulative_length == 6
+    assert full.keys.shape[2] == 6
+    select_rows(batch, torch.tensor([0]), 2)  # the long row leaves: two columns remain
+    assert sliding.keys[:, 0, :, 0].tolist() == [[20, 21]] and sliding.get_seq_length() == 2
+
+
 def test_what_cannot_batch_says_which_layers() -> None:
     assert layer_refusal(DynamicCache(config=GlmMoeDsaConfig(num_hidden_layers=2))) is None
-    sliding = layer_refusal(DynamicCache(config=GptOssConfig(num_hidden_layers=2)))
-    assert "DynamicSlidingWindowLayer" in sliding and sliding.startswith("continuous batching needs")
-    assert "LinearAttentionLayer" in layer_refusal(DynamicCache(config=Qwen3NextConfig(num_hidden_layers=4)))
+    assert layer_refusal(DynamicCache(config=GptOssConfig(num_hidden_layers=2))) is None
+    linear = layer_refusal(DynamicCache(config=Qwen3NextConfig(num_hidden_layers=4)))
+    assert "LinearAttentionLayer" in linear and linear.startswith("continuous batching needs")
