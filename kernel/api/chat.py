@@ -21,53 +21,26 @@ import asyncio
 import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, fields, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
 
 from shardbook.kernel.api.conversation import template_options_for, unread_template_options, with_system_prompt
 from shardbook.kernel.api.replies import ReplyParts, request_format
+from shardbook.kernel.api.responses import ChatResponse
 from shardbook.kernel.api.tools import MAX_TOOL_STEPS
 from shardbook.kernel.ranks.foreground import sigint_calls
 from shardbook.kernel.ranks.generation_queue import CHAT_SOURCE, Turn
 from shardbook.kernel.ranks.pool import Command, Outcome, PoolError
 from shardbook.kernel.ranks.runtime import Runtime, get_runtime
 from shardbook.rankd.control import protocol
-from shardbook.rankd.generation.engine import GenerationRequest, GenerationResult
+from shardbook.rankd.generation.engine import GenerationRequest
 
 STREAM_DEADLINE_S = 660.0
 """Longest silence from the ranks while a reply is generated (the engine itself gives up after 600 s)."""
 CONFIG_SYSTEM_PROMPT = object()
 """``ChatModel.build_request``'s default: the loaded config's ``inference.system_prompt``."""
 SETTINGS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "want_scores")
-
-
-@dataclass(frozen=True)
-class ChatResponse(GenerationResult):
-    """A finished reply with its measurements (rank 0's ``GenerationResult``, received as a dict).
-
-    ``scores``, when asked for, arrive as plain dicts: ``{token_id, text, prob, alternatives}``. Once split by
-    the model's reasoning format (``ChatModel.chat``, ``%%chat``), ``text`` is the answer and ``reasoning`` the
-    reasoning; after a tool loop ``steps`` holds each tool call (:class:`~shardbook.kernel.api.tools.ToolStep`).
-    """
-
-    reasoning: str = ""
-    """The reply's reasoning, apart from its answer (``text``); empty when the model wrote none."""
-    steps: tuple = ()
-    """The tool calls run before this reply, in order (``ChatModel.chat(tools=...)``, ``%%chat --tools``)."""
-    cached_tokens: int = 0
-    """Prompt tokens taken from kept blocks instead of prefilled (prefix reuse, in the batch)."""
-
-    @classmethod
-    def from_result(cls, result: dict[str, Any]) -> ChatResponse:
-        return cls(**{f.name: result[f.name] for f in fields(cls) if f.name in result})
-
-    def status_line(self) -> str:
-        return (
-            f"{self.prompt_tokens} prompt tokens{f' ({self.cached_tokens} cached)' if self.cached_tokens else ''}, "
-            f"{self.generated_tokens} generated, first token "
-            f"{self.time_to_first_token_s * 1000:.0f} ms, {self.tokens_per_s:.1f} tok/s, {self.finish_reason}"
-        )
 
 
 class GenerationFailed(RuntimeError):

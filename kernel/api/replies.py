@@ -12,7 +12,7 @@ REASONING_MARK, ANSWER_MARK = "[reasoning]", "[answer]"
 """How plain text marks a reply's reasoning apart from its answer (``%%chat --output text``, the terminal)."""
 
 if TYPE_CHECKING:
-    from shardbook.kernel.api.chat import ChatResponse
+    from shardbook.kernel.api.responses import ChatResponse
     from shardbook.kernel.api.tool_calls import ParsedReply, ToolFormat
     from shardbook.kernel.ranks.runtime import Runtime
     from shardbook.rankd.generation.engine import GenerationRequest

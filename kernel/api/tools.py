@@ -16,13 +16,13 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from shardbook.kernel.api.replies import assistant_message
 
 if TYPE_CHECKING:
-    from shardbook.kernel.api.chat import ChatModel, ChatResponse
     from shardbook.kernel.api.replies import ReplyParts
+    from shardbook.kernel.api.responses import ChatResponse
     from shardbook.kernel.api.tool_calls import ToolCall, ToolFormat
     from shardbook.kernel.ranks.runtime import Runtime
 
@@ -211,8 +211,17 @@ def tool_format(runtime: Runtime) -> ToolFormat:
     return fmt
 
 
+class Chats(Protocol):
+    """What the loop needs of a ``ChatModel`` (typed here so this module need not import ``chat.py``, which
+    imports it)."""
+
+    runtime: Runtime
+
+    def stream_chat(self, messages: list[dict[str, Any]], **settings: Any) -> Any: ...
+
+
 def chat_with_tools(
-    model: ChatModel, messages: str | list[dict[str, Any]], tools: list[Callable], max_steps: int, **settings: Any
+    model: Chats, messages: str | list[dict[str, Any]], tools: list[Callable], max_steps: int, **settings: Any
 ) -> ChatResponse:
     """``ChatModel.chat(tools=...)``: the loop with each reply waited for (an interrupt stops the reply, and the
     loop ends with the steps so far)."""

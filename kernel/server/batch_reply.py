@@ -19,22 +19,15 @@ from typing import Any
 from tornado.iostream import StreamClosedError
 
 from shardbook.kernel.api.batch import MODEL_CHANGED, batch_refusal, scheduler_for, submit
-from shardbook.kernel.api.batch_sizing import BatchLimits
 from shardbook.kernel.ranks.pool import PoolError
 from shardbook.kernel.server.completions import BodyHandler
 from shardbook.kernel.server.openai_api import FINISH_REASONS, ApiError, generation_failed
 from shardbook.rankd.generation.batching import BatchLimitError, SequenceRequest, SequenceResult, StreamDelta
 
 
-def serving_limits(server: Any) -> BatchLimits:
-    """The batch's size and waiting line for `server`: the loaded model's (``batch_sizing``), with the server's
-    ``--max-waiting`` when it gave one."""
-    return scheduler_for(server.runtime).limits.with_waiting(server.options.max_waiting)
-
-
 def batch_room(server: Any) -> int:
     """How many sequences the batch and its waiting line hold at most."""
-    limits = serving_limits(server)
+    limits = server.batch_limits()
     return limits.max_sequences + limits.max_waiting
 
 

@@ -19,6 +19,7 @@ from shardbook.kernel.ranks.runtime import Runtime
 from shardbook.kernel.server.openai_api import ApiError
 
 if TYPE_CHECKING:
+    from shardbook.kernel.api.batch_sizing import BatchLimits
     from shardbook.rankd.loading.load_sharded import LoadedModel
 
 DEFAULT_PORT = 8000
@@ -227,13 +228,18 @@ class ServerState:
 
         return "--no-batch" if not self.options.batch else batch_refusal(self.runtime, interventions=False)
 
+    def batch_limits(self) -> BatchLimits:
+        """The batch's size and waiting line: the loaded model's (``batch_sizing``), with ``--max-waiting`` when
+        the server was given one."""
+        from shardbook.kernel.api.batch import scheduler_for
+
+        return scheduler_for(self.runtime).limits.with_waiting(self.options.max_waiting)
+
     def batch_text(self) -> str:
         """The batch's size and waiting line, and where they come from (for the start-up line and the status)."""
-        from shardbook.kernel.server.batch_reply import serving_limits
-
         if self.model_id() is None:
             return "sized from the KV budget when a model is loaded"
-        return serving_limits(self).describe()
+        return self.batch_limits().describe()
 
     def chat_text(self) -> str:
         refusal = self.chat_refusal()
