@@ -190,8 +190,8 @@ def test_tools_the_model_cannot_take_are_refused_naming_why(serve, monkeypatch):
 @pytest.mark.timeout(400)
 def test_a_taught_model_calls_its_tool_for_real_clients():
     """Real generated tokens: a tiny model taught (in `tool_serve_check.py`) to call get_weather and then answer,
-    driven by the openai client on both paths, the OpenAI Agents SDK and LangChain's bind_tools; and to write the
-    call in GLM's, DeepSeek's, Kimi's and MiniMax's formats, each read by a server told that family's parser."""
+    driven by the openai client on both paths (the agent frameworks: test_agents_on_two_ranks.py); and to write
+    the call in GLM's, DeepSeek's, Kimi's and MiniMax's formats, each read by a server told that family's parser."""
     done = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("tool_serve_check.py"))],
         capture_output=True,
@@ -206,8 +206,6 @@ def test_a_taught_model_calls_its_tool_for_real_clients():
         assert found[where]["whole"] == ["tool_calls", call], found
         assert found[where]["stream"] == ["tool_calls", call], found  # the client's own stream accumulation
         assert found[where]["answer"] == ["stop", "It is sunny in Paris."], found
-    assert found["agents_sdk"] == "It is sunny in Paris.", found
-    assert found["langchain"] == [call, call, "It is sunny in Paris."], found
     for family in ("glm45", "deepseek_v31", "kimi_k2", "minimax_m2"):  # the same call in each family's format
         assert found[family] == [["tool_calls", call], ["tool_calls", call]], (family, found)
 

@@ -1,9 +1,9 @@
 """Run by test_tool_endpoint.py in a process of its own (a world of one rank with a process-wide runtime): a tiny
 model taught here to answer a question with a hermes tool call and, given the tool's result, with an answer, served
-on the batch and on ``--no-batch``; the openai client's round trip whole and streamed on both, then the OpenAI
-Agents SDK and LangChain's ``bind_tools`` running their agent loop to the answer; then the same call written in
-GLM's, DeepSeek's, Kimi's and MiniMax's formats (taught too), each read by a server started with that family's
-``tool_call_parser``, whole and streamed. Prints one JSON line of findings."""
+on the batch and on ``--no-batch``; the openai client's round trip whole and streamed on both; then the same call
+written in GLM's, DeepSeek's, Kimi's and MiniMax's formats (taught too), each read by a server started with that
+family's ``tool_call_parser``, whole and streamed. Prints one JSON line of findings. The OpenAI Agents SDK and
+LangChain (`agents_sdk`, `langchain`) run against 2 ranks in ``tests/e2e/test_agents_on_two_ranks.py``."""
 
 from __future__ import annotations
 
@@ -164,9 +164,6 @@ def main() -> None:
         # hermes named: with every family's markers in its vocabulary, auto would choose deepseek_v31's
         server = Server(runtime, ServeOptions(port=port, batch=batch, tool_call_parser="hermes")).start()
         out["batch" if batch else "no_batch"] = round_trip(client)
-        if batch:
-            out["agents_sdk"] = agents_sdk(server.url)
-            out["langchain"] = langchain(server.url)
         server.stop()
     for name in FAMILY_CALLS:
         server = Server(runtime, ServeOptions(port=port, tool_call_parser=name)).start()
