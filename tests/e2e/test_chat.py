@@ -5,6 +5,7 @@ from __future__ import annotations
 import html
 import json
 import random
+import re
 import threading
 import time
 
@@ -145,6 +146,9 @@ def test_text_output_history_and_turns(loaded):
     # the second turn's prompt holds the first turn: more prompt tokens
     tokens = [int(ex.stdout().rsplit("[", 1)[1].split()[0]) for ex in (first, second)]
     assert tokens[1] > tokens[0] + 5
+    # ...and reuses its kept blocks: at least the first prompt's whole 16-token blocks are not prefilled again
+    cached = int(re.search(r"prompt tokens \((\d+) cached\)", second.stdout()).group(1))
+    assert cached % 16 == 0 and tokens[0] // 16 * 16 <= cached < tokens[1]
 
 
 def test_new_reset_system_save_load(loaded, tmp_path):
