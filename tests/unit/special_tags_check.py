@@ -2,7 +2,8 @@
 model whose tokenizer has gpt-oss's harmony markers and Kimi-K2's call tokens as special tokens, taught to answer a
 question with harmony reasoning and a call, the tool's result with harmony reasoning and a final answer, and the
 question asked in Kimi's name with a Kimi call; served on the batch and on ``--no-batch``, read whole and streamed
-through the openai client. Prints one JSON line of findings."""
+through the openai client; and a greeting with harmony reasoning, read by ChatModel (as %%chat and the terminal
+chat read it). Prints one JSON line of findings."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ CALL = (
 )
 ANSWER = "<|channel|>analysis<|message|>It said sunny.<|end|><|start|>assistant<|channel|>final<|message|>Sunny."
 KIMI_QUESTION = [{"role": "user", "content": "Weather in Paris? (kimi_k2)"}]
+GREETING = "<|channel|>analysis<|message|>A greeting.<|end|><|start|>assistant<|channel|>final<|message|>Hello!"
 
 
 def taught_model():
@@ -46,6 +48,7 @@ def taught_model():
         (QUESTION, tools, CALL),
         ([*QUESTION, TAUGHT_CALL, RESULT], tools, ANSWER),
         (KIMI_QUESTION, tools, FAMILY_CALLS["kimi_k2"]),
+        ([{"role": "user", "content": "Hello"}], {}, GREETING),
     ]
     return teach(tokenizer, examples, steps=500), tokenizer
 
@@ -69,6 +72,7 @@ def read(client, messages: list) -> list:
 def main() -> None:
     from batch_server_check import one_rank_serving
 
+    from shardbook.kernel.api.chat import ChatModel
     from shardbook.kernel.server.server import Server
     from shardbook.kernel.server.state import ServeOptions
 
@@ -87,6 +91,8 @@ def main() -> None:
         server = Server(runtime, options).start()
         out[f"{where}_kimi"] = read(client, KIMI_QUESTION)
         server.stop()
+        reply = ChatModel(runtime).chat("Hello", batch=batch, max_new_tokens=60, do_sample=False)
+        out[f"{where}_chat_model"] = [reply.reasoning, reply.text]  # %%chat's and the terminal's reply
     print(json.dumps(out))
 
 

@@ -56,3 +56,4 @@ def test_a_taught_model_with_special_format_tags_reasons_and_calls_on_both_paths
             assert found[f"{where}_answer"][whole_or_streamed][:3] == ["stop", "It said sunny.", "Sunny."], found
             finish, _, content, calls = found[f"{where}_kimi"][whole_or_streamed]
             assert (finish, calls) == ("tool_calls", paris) and not content, found
+        assert found[f"{where}_chat_model"] == ["A greeting.", "Hello!"], found
