@@ -92,6 +92,10 @@ def test_models_and_replies_through_the_openai_client_streamed_or_whole(loaded, 
     prompt = whole.usage.prompt_tokens
     assert whole.usage.prompt_tokens_details.cached_tokens == 0
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (prompt - 1) // 16 * 16
+    metrics = metrics_text(url)
+    assert "shardbook_prefix_cache_hits_total 1.0" in metrics
+    assert f"shardbook_prefix_cache_cached_tokens_total {(prompt - 1) // 16 * 16}.0" in metrics
+    assert "\nshardbook_prefix_cache_blocks 0.0" not in metrics and "\nshardbook_prefix_cache_blocks " in metrics
     status = loaded.run("%serve --status").stdout()
     assert f"serving {MODEL} at {url}" in status and "2 served, 0 errors" in status
     assert "chat completions: continuous batch" in status
