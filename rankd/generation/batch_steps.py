@@ -29,7 +29,13 @@ import torch
 import torch.distributed as dist
 
 from shardbook.rankd.generation.cache_keyword import cache_keyword
-from shardbook.rankd.generation.cache_rows import append_rows, check_batchable, layer_refusal, select_rows
+from shardbook.rankd.generation.cache_rows import (
+    append_rows,
+    check_batchable,
+    config_refusal,
+    layer_refusal,
+    select_rows,
+)
 from shardbook.rankd.generation.prefix_store import BLOCK_TOKENS, prefix_store
 
 STEP_OK, JOIN_FAILED, STEP_FAILED = 0, 1, 2
@@ -379,13 +385,13 @@ def _distributed(group: Any) -> bool:
 
 
 def cache_refusal(model: Any) -> str | None:
-    """Why `model` cannot join the continuous batch (a cache layer kind `cache_rows` has no row operations for: a
-    sliding window's, a linear attention's), or None when it can. Read from the cache the model's config
+    """Why `model` cannot join the continuous batch (a cache layer kind `cache_rows` has no row operations for,
+    chunked attention), or None when it can. Read from the cache the model's config
     describes, once per model (the server asks on every request)."""
     from transformers import DynamicCache
 
     if model not in _REFUSALS:
-        _REFUSALS[model] = layer_refusal(DynamicCache(config=model.config))
+        _REFUSALS[model] = config_refusal(model.config) or layer_refusal(DynamicCache(config=model.config))
     return _REFUSALS[model]
 
 

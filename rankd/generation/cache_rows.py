@@ -9,6 +9,10 @@ fields alone, so a new layer kind is one entry there.
 * `DynamicSlidingWindowLayer` (gpt-oss, Mistral): the last window - 1 positions. Every row ends at the batch's
   last column, so the window's columns are each row's own last positions and a row's padding never takes part
   of its window; the layer's position count is the batch's column count, the width of the mask.
+* `LinearAttentionLayer` (Qwen3-Next's Gated DeltaNet): a convolution state and a recurrent state per row, with
+  no positions, so a join appends rows and a leave selects them, nothing to pad. A left-padded prefill leaves
+  them as the row alone would: the layer zeroes the inputs at padded positions, and from zero inputs its
+  convolution sees the zeros a causal convolution pads with and its recurrent state stays zero.
 * `DynamicIndexedLayer` (GLM-5's `glm_moe_dsa`, `deepseek_v32`): also the indexer's key cache, one key per
   position like a KV cache. A left-pad position can never be attended through the indexer's top-k: the indexer
   adds the batch's attention mask (padding included) to its scores before its top-k, so a pad ranks below every
@@ -30,17 +34,29 @@ _FIELDS: dict[str, tuple[tuple[str, int, int], ...]] = {
     "DynamicIndexedLayer": (*_FULL, ("indexer_keys", 0, 1), ("indexer_position_ids", 1, 2)),
 }
 """Per batchable layer kind: (attribute, row dim, sequence dim) of each tensor it grows per position."""
+_STATES: dict[str, tuple[str, ...]] = {"LinearAttentionLayer": ("conv_states", "recurrent_states")}
+"""Per batchable layer kind whose state has no positions: its attributes, each a dict of (rows, ...) tensors."""
 
 
 def layer_refusal(cache: Any) -> str | None:
     """Why `cache` cannot be the batch's (a layer kind with no row operations here), or None when it can."""
-    kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer).__name__ not in _FIELDS})
+    kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer).__name__ not in _FIELDS | _STATES})
     if not kinds:
         return None
     return (
         "continuous batching needs a full-attention cache on every layer (plain, with a sparse-attention indexer, "
         f"or within a sliding window); this model has {', '.join(kinds)} layers"
     )
+
+
+def config_refusal(config: Any) -> str | None:
+    """Why a model of `config` cannot batch though its cache layers can (chunked attention), or None."""
+    if "chunked_attention" in (getattr(config, "layer_types", None) or ()):
+        return (
+            "continuous batching cannot hold chunked attention (Llama 4): its chunks are counted by column, and a "
+            "left-padded row's columns are not its positions"
+        )
+    return None
 
 
 def check_batchable(cache: Any) -> None:
@@ -58,6 +74,9 @@ def select_rows(cache: Any, index: torch.Tensor, columns: int) -> None:
         for name, row_dim, seq_dim in _fields(layer):
             rows = getattr(layer, name).index_select(row_dim, index)
             setattr(layer, name, rows.narrow(seq_dim, rows.shape[seq_dim] - kept, kept))
+        for states, _ in _states(layer, layer):
+            for i, state in states.items():
+                states[i] = None if state is None else state.index_select(0, index)
         _set_length(layer, columns)
 
 
@@ -68,7 +87,15 @@ def append_rows(cache: Any, other: Any, columns: int) -> None:
         for name, row_dim, seq_dim in _fields(mine):
             ours, new = (_pad_left(getattr(layer, name), kept, seq_dim) for layer in (mine, theirs))
             setattr(mine, name, torch.cat([ours, new], row_dim))
+        for states, joining in _states(mine, theirs):
+            for i, state in states.items():
+                states[i] = None if state is None else torch.cat([state, joining[i]])
         _set_length(mine, columns)
+
+
+def _states(mine: Any, theirs: Any) -> list[tuple[dict, dict]]:
+    """Each positionless state dict of `mine` with the same dict of `theirs` (entries not set yet are None)."""
+    return [(getattr(mine, name), getattr(theirs, name)) for name in _STATES.get(type(mine).__name__, ())]
 
 
 def _kept(layer: Any, columns: int) -> int:
@@ -81,11 +108,13 @@ def _set_length(layer: Any, columns: int) -> None:
     """A sliding window layer counts the positions it has seen, padding included: the mask's width."""
     if hasattr(layer, "cumulative_length"):
         layer.cumulative_length = columns
+    if hasattr(layer, "cumulative_length_linear"):
+        layer.cumulative_length_linear.fill_(columns)
 
 
 def _fields(layer: Any) -> list[tuple[str, int, int]]:
     """The layer's grown tensors that it holds (an indexer layer that shares another's top-k keeps no keys)."""
-    return [field for field in _FIELDS[type(layer).__name__] if getattr(layer, field[0], None) is not None]
+    return [field for field in _FIELDS.get(type(layer).__name__, ()) if getattr(layer, field[0], None) is not None]
 
 
 def _pad_left(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:

@@ -11,6 +11,8 @@ running rows. The prompts are left-padded up to 27 positions.
   head scores negative, and with 2 heads such exact ties are common; `topk` breaks them by its own internal
   order, which differs between a row alone and the same row left-padded. A real indexer (32 or 64 heads)
   almost never ties; the batch's contract is the solo reply whenever the top-k is well defined.
+* Qwen3-Next: a Gated DeltaNet layer, whose convolution and recurrent states are per row and would carry a
+  row's padding or another row's tokens if padded or merged wrongly, then gated attention.
 * gpt-oss: a sliding window of 6 positions on every other layer, shorter than most prompts, so a row whose
   padding took part of its window would decode other tokens.
 """
@@ -26,16 +28,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from test_batching import PROMPTS, _batch_rank_main, _run, _solo, _specs
 from test_engine import Ranks
-from tiny import TP_FAMILIES, make_tiny_lm, make_tiny_mla, random_biases
+from tiny import TP_FAMILIES, make_tiny_lm, make_tiny_mla, make_tiny_tp_family, random_biases
 
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.fixture(scope="module", params=["glm_moe_dsa", "deepseek_v32", "gpt_oss"])
+@pytest.fixture(scope="module", params=["glm_moe_dsa", "deepseek_v32", "gpt_oss", "qwen3_next"])
 def family_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp(request.param) / "model"
     if request.param == "gpt_oss":  # a window of 6 positions, shorter than most prompts
         return make_tiny_lm(path, family="gpt_oss", init=random_biases, sliding_window=6, **TP_FAMILIES["gpt_oss"])
+    if request.param == "qwen3_next":
+        return make_tiny_tp_family(path, "qwen3_next")
     return make_tiny_mla(path, request.param, index_n_heads=8)
 
 

@@ -296,8 +296,8 @@ def kv_budget_refuses(runtime, server, name: str) -> bool:
 
 
 def refused_model_takes_turns(runtime, server, name: str, messages: list, unbatched_dir: str) -> bool:
-    """After a load, while the server runs, of a model whose cache the batch cannot hold (Qwen3-Next's
-    linear attention), chat requests take turns on the single path and /v1/completions is a clear 501."""
+    """After a load, while the server runs, of a model whose cache the batch cannot hold (Llama 4's
+    chunked attention), chat requests take turns on the single path and /v1/completions is a clear 501."""
     import requests
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -320,7 +320,7 @@ def refused_model_takes_turns(runtime, server, name: str, messages: list, unbatc
         chat.status_code == 200
         and bool(chat.json()["choices"][0]["message"]["content"])
         and (text.status_code, refused.get("code")) == (501, "batch_unsupported")
-        and "chat completions: one at a time (continuous batching needs a full-attention cache" in status
+        and "chat completions: one at a time (continuous batching cannot hold chunked attention" in status
     )
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny import make_tiny_llama, make_tiny_tp_family
+from tiny import make_tiny_llama, make_tiny_lm
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -22,10 +22,12 @@ pytestmark = pytest.mark.timeout(300)
 def test_completions_over_the_batch(tmp_path: Path) -> None:
     pytest.importorskip("openai")
     model = make_tiny_llama(tmp_path / "tiny", hidden_size=72, num_heads=9, num_kv_heads=3)
-    linear = make_tiny_tp_family(tmp_path / "linear", "qwen3_next")  # linear attention: a cache the batch cannot hold
+    # Llama 4's chunked attention: a model the batch cannot hold
+    llama4 = dict(attention_chunk_size=8, num_local_experts=2, intermediate_size_mlp=64)
+    chunked = make_tiny_lm(tmp_path / "chunked", family="llama4_text", **llama4)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("batch_server_check.py")), str(model), str(linear)],
+        [sys.executable, str(Path(__file__).with_name("batch_server_check.py")), str(model), str(chunked)],
         capture_output=True,
         text=True,
         timeout=280,

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache, GlmMoeDsaConfig, GptOssConfig, Qwen3NextConfig
+from transformers import DynamicCache, GlmMoeDsaConfig, GptOssConfig, Llama4TextConfig, Qwen3NextConfig
+from transformers.cache_utils import DummyLayer
 
-from shardbook.rankd.generation.cache_rows import append_rows, layer_refusal, select_rows
+from shardbook.rankd.generation.cache_rows import append_rows, config_refusal, layer_refusal, select_rows
 
 
 def _indexed_cache(rows: int, columns: int, start: float) -> DynamicCache:
@@ -48,8 +49,11 @@ def test_a_sliding_window_keeps_the_batch_s_last_positions() -> None:
     assert sliding.keys[:, 0, :, 0].tolist() == [[20, 21]] and sliding.get_seq_length() == 2
 
 
-def test_what_cannot_batch_says_which_layers() -> None:
-    assert layer_refusal(DynamicCache(config=GlmMoeDsaConfig(num_hidden_layers=2))) is None
-    assert layer_refusal(DynamicCache(config=GptOssConfig(num_hidden_layers=2))) is None
-    linear = layer_refusal(DynamicCache(config=Qwen3NextConfig(num_hidden_layers=4)))
-    assert "LinearAttentionLayer" in linear and linear.startswith("continuous batching needs")
+def test_what_cannot_batch_says_why() -> None:
+    for config in (GlmMoeDsaConfig(num_hidden_layers=2), GptOssConfig(num_hidden_layers=2), Qwen3NextConfig()):
+        assert layer_refusal(DynamicCache(config=config)) is None and config_refusal(config) is None
+    chunked = Llama4TextConfig(num_hidden_layers=4)
+    assert "chunked attention" in config_refusal(chunked)
+    cache = DynamicCache(config=chunked)
+    cache.layers[0] = DummyLayer()
+    assert "DummyLayer" in layer_refusal(cache) and layer_refusal(cache).startswith("continuous batching needs")
