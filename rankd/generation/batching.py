@@ -30,6 +30,10 @@ positions; after the last chunk that cache joins the batch as above. So a long p
 the others for its whole prefill, it is accepted up to the model's context, and a stop ends it after
 the chunk that is running. One prompt is prefilled in chunks at a time; the waiting line is first
 come, first served, so the requests after it join with its last chunk or after it.
+
+Prefix reuse (`prefix_store.py`): rank 0 looks each joining prompt up in its store of kept blocks; a hit is fed
+through the chunked path from the end of its kept prefix (its first chunk names the blocks every rank seeds its
+cache from), and a leaving row's blocks are kept; the plan carries both, and the store's size.
 """
 
 from __future__ import annotations
