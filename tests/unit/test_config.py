@@ -407,3 +407,9 @@ def test_generation_request_defaults_are_the_inference_sections():
     shared = [f.name for f in dataclasses.fields(GenerationRequest) if hasattr(inference, f.name)]
     assert len(shared) == 7
     assert {name: getattr(request, name) for name in shared} == {name: getattr(inference, name) for name in shared}
+
+
+def test_prefix_cache_share_is_a_share():
+    assert load_config(None, ["--inference.prefix_cache_share", "0"]).inference.prefix_cache_share == 0
+    with pytest.raises(ValueError, match=r"inference.prefix_cache_share must be in \[0, 1\] \(0 turns prefix reuse"):
+        load_config(None, ["--inference.prefix_cache_share", "1.5"])
