@@ -2,7 +2,7 @@
 
 Eight greedy requests decoded together under `tp`, and `tp` with experts split (`ep_size` 2), must each equal
 the same request decoded alone (float32), as in test_batching.py, and so must a longer prompt joining
-running rows. The prompts are left-padded up to 27 positions.
+running rows and one prefilled in chunks. The prompts are left-padded up to 27 positions.
 
 * GLM-5 (`glm_moe_dsa`) and DeepSeek-V3.2 (`deepseek_v32`): an MLA latent cache and a sparse-attention indexer
   with its own key cache and top-4, fewer than most prompts' positions, so a row whose indexer picked a pad,
@@ -67,4 +67,12 @@ def test_request_joins_mid_batch(family_ranks: Ranks) -> None:
     answer = _run(family_ranks, requests=specs, late=[{"after": (0, 1), "request": joining}])
     assert answer["largest_batch"] == 3
     assert answer["late"] == [_solo(family_ranks, joining)]
+    assert answer["results"] == [_solo(family_ranks, s) for s in specs]
+
+
+def test_a_prompt_prefilled_in_chunks_joins(family_ranks: Ranks) -> None:
+    """A 29-token prompt under a 12-token step is prefilled in pieces into its own one-row cache, then joins."""
+    specs = [{"prompt": p, "max_new_tokens": 8, "ignore_eos": True} for p in (PROMPTS[0], PROMPTS[2])]
+    answer = _run(family_ranks, requests=specs, limits={"max_step_tokens": 12})
+    assert max(columns for _, columns in answer["forwards"]) <= 12
     assert answer["results"] == [_solo(family_ranks, s) for s in specs]
