@@ -1,9 +1,9 @@
 """The continuous batch's cache row by row: which transformers cache layers it can hold, and their row operations.
 
 A batch cache is one transformers `DynamicCache` whose rows are left-padded to the longest row. Each layer kind
-that can batch is listed in `_FIELDS` with the tensors it grows, each with its row dim and its sequence dim; the
-batch selects rows (a row leaves), appends rows (a prefill joins) and pads columns on the left through those
-fields alone, so a new layer kind is one entry there.
+that can batch is listed in `_FIELDS` with the tensors it grows, each with its row dim and its sequence dim (or
+in `_STATES`, for states without positions); the batch selects rows (a row leaves), appends rows (a prefill
+joins) and pads columns on the left through those tables alone, so a new layer kind is one entry there.
 
 * `DynamicLayer`: full attention's keys and values (MLA's compressed latents are stored the same way).
 * `DynamicSlidingWindowLayer` (gpt-oss, Mistral): the last window - 1 positions. Every row ends at the batch's
@@ -105,7 +105,7 @@ def _kept(layer: Any, columns: int) -> int:
 
 
 def _set_length(layer: Any, columns: int) -> None:
-    """A sliding window layer counts the positions it has seen, padding included: the mask's width."""
+    """Sliding-window and linear-attention layers count the positions seen, padding included: the mask's width."""
     if hasattr(layer, "cumulative_length"):
         layer.cumulative_length = columns
     if hasattr(layer, "cumulative_length_linear"):
