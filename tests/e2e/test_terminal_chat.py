@@ -22,7 +22,9 @@ from tests.tiny import make_tiny_llama, make_tiny_moe, make_tiny_non_causal
 
 pytestmark = pytest.mark.timeout(120)
 
-STATUS = re.compile(r"\[(\d+) prompt tokens(?: \(\d+ cached\))?, (\d+) generated, first token \d+ ms, [\d.]+ tok/s, (\w+)\]")
+STATUS = re.compile(
+    r"\[(\d+) prompt tokens(?: \(\d+ cached\))?, (\d+) generated, first token \d+ ms, [\d.]+ tok/s, (\w+)\]"
+)
 
 
 @pytest.fixture(scope="module")
