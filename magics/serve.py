@@ -8,7 +8,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from shardbook.kernel.ranks.pool import PoolError
 from shardbook.kernel.ranks.runtime import get_runtime
-from shardbook.kernel.server.state import REASONING_PARSER_HELP, TOOL_CALL_PARSER_HELP
+from shardbook.kernel.server.parser_help import REASONING_PARSER_HELP, TOOL_CALL_PARSER_HELP
 from shardbook.magics.arguments import parse_line
 
 

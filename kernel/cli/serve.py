@@ -24,13 +24,8 @@ from functools import partial
 from shardbook.kernel.cli.chat import CONFIG_HELP, Terminal, run_rank
 from shardbook.kernel.cli.launcher import config_argv, launch, launch_on_slurm
 from shardbook.kernel.ranks.runtime import Runtime
-from shardbook.kernel.server.state import (
-    DEFAULT_PORT,
-    REASONING_PARSER_HELP,
-    TOOL_CALL_PARSER_HELP,
-    ServeOptions,
-    read_api_key,
-)
+from shardbook.kernel.server.parser_help import REASONING_PARSER_HELP, TOOL_CALL_PARSER_HELP
+from shardbook.kernel.server.state import DEFAULT_PORT, ServeOptions, read_api_key
 from shardbook.kernel.slurm.options import add_slurm_flags
 from shardbook.rankd.config.schema import ShardbookConfig
 from shardbook.rankd.control.world import JobShape

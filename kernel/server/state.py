@@ -23,14 +23,6 @@ if TYPE_CHECKING:
     from shardbook.rankd.loading.load_sharded import LoadedModel
 
 DEFAULT_PORT = 8000
-REASONING_PARSER_HELP = (
-    "how chat replies' reasoning is read apart from the answer (reasoning_content): auto (from the model's config "
-    f"and vocabulary), or {', '.join(PARSERS)}"
-)
-TOOL_CALL_PARSER_HELP = (
-    "how chat replies' tool calls are read: auto (from the model's config and vocabulary), none (requests with "
-    f"tools get 400), or {', '.join(FORMATS)}"
-)
 MAX_BODY_BYTES = 4 * 1024 * 1024
 """Largest request body accepted (413 beyond): room for a long conversation, not for abuse."""
 
