@@ -98,7 +98,7 @@ def test_chat_template_kwargs_reach_the_template_from_the_client_and_lm_eval(ser
         model="local-chat-completions",
         model_args=f"model={MODEL},base_url={served.url}/chat/completions,max_retries=1,num_concurrent=1",
         tasks=["say_thinking_off"],
-        task_manager=TaskManager(include_path=str(tmp_path)),
+        task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),  # ours only: ~20 s less
         apply_chat_template=True,
         log_samples=True,
     )

@@ -36,6 +36,7 @@ TaskManager = importlib.import_module("lm_eval.tasks").TaskManager
 
 name = model_dir.rstrip("/").split("/")[-1]
 url = f"http://127.0.0.1:{port}/v1"
+tasks = TaskManager(include_path=task_dir, include_defaults=False)  # indexing lm-eval's own tasks costs ~20 s each
 
 
 def evaluate(model: str, model_args: str, task: str, **kwargs) -> tuple[float, dict[int, dict]]:
@@ -44,7 +45,7 @@ def evaluate(model: str, model_args: str, task: str, **kwargs) -> tuple[float, d
         model=model,
         model_args=model_args,
         tasks=[task],
-        task_manager=TaskManager(include_path=task_dir),
+        task_manager=tasks,
         log_samples=True,
         **kwargs,
     )
