@@ -116,7 +116,7 @@ def make_tiny_lm(
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
-        max_position_embeddings=256,
+        max_position_embeddings=config_kwargs.pop("max_position_embeddings", 256),
         tie_word_embeddings=tie_word_embeddings,
         initializer_range=0.2,
         bos_token_id=None,

@@ -28,10 +28,10 @@ TIE = 1e-4
 """Log-probability gap under which the solo reply's top two tokens count as a tie."""
 
 
-def _long_ids(tokenizer: Any) -> list[int]:
-    text = " ".join(["The quick brown fox jumps over the lazy dog while the cat sleeps."] * 12)
-    ids = tokenizer(text)["input_ids"][:LONG_TOKENS]
-    assert len(ids) == LONG_TOKENS
+def _long_ids(tokenizer: Any, count: int = LONG_TOKENS) -> list[int]:
+    text = " ".join(["The quick brown fox jumps over the lazy dog while the cat sleeps."] * (count // 10 + 2))
+    ids = tokenizer(text)["input_ids"][:count]
+    assert len(ids) == count
     return ids
 
 
@@ -94,6 +94,71 @@ def _scenarios(rank: int, path: Path, layout: str) -> dict[str, Any]:
             "solo": [batch([r]) for r in [*running, behind]],
             "together": batch([*running, long_request], max_step_tokens=MAX_STEP_TOKENS),
             "stopped": batch([*running, long_request, behind], stop_long_at_chunk=2, max_step_tokens=MAX_STEP_TOKENS),
+        }
+
+
+PAPER_TOKENS = 10_000
+PAPER_STEP_TOKENS = 1024
+PAPER_CONTEXT = 10_240
+
+
+def _paper_scenarios(rank: int, path: Path) -> dict[str, Any]:
+    """A 10,000-token prompt under `tp`: alone in one forward, then submitted once the running rows stream, with
+    `max_step_tokens` 1024, and once more stopped while its third chunk runs. Every rank's forwards, as above."""
+    import torch
+
+    from shardbook.rankd.config.schema import ModelConfig, ParallelConfig, ShardbookConfig
+    from shardbook.rankd.generation.batching import BatchScheduler, SequenceRequest, follow_batch
+    from shardbook.rankd.loading.load_sharded import load_sharded
+
+    config = ShardbookConfig(
+        model=ModelConfig(model_name_or_path=str(path), dtype="float32"), parallel=ParallelConfig(decode="tp")
+    )
+    loaded = load_sharded(config, device="cpu")
+    model, tokenizer = loaded.model, loaded.tokenizer
+    paper = _long_ids(tokenizer, PAPER_TOKENS)
+
+    def request(ids: list[int], tokens: int) -> SequenceRequest:
+        return SequenceRequest(prompt_ids=ids, max_new_tokens=tokens, ignore_eos=True, logprobs=2)
+
+    def batch(running: list[str], late_after: int | None = None, stop_at_chunk: int | None = None, **limits) -> dict:
+        """Run `running` (and the paper, at once or once row 0 streamed `late_after` pieces) on every rank."""
+        forwards: list[tuple[int, int, bool]] = []
+        long_request, handles, streamed = request(paper, 4), [], []
+
+        def record(_module, _args, kwargs) -> None:
+            ids, start = kwargs["input_ids"], int(kwargs["position_ids"][0, 0])
+            chunk = ids.shape[0] == 1 and ids[0].tolist() == paper[start : start + ids.shape[1]]
+            forwards.append((*ids.shape, chunk))
+            if rank == 0 and chunk and sum(f[2] for f in forwards) == stop_at_chunk:
+                handles[-1].stop()
+
+        def join_late(piece: str) -> None:
+            streamed.append(piece)
+            if len(streamed) == late_after:
+                handles.append(scheduler.submit(long_request))
+
+        hook = model.register_forward_pre_hook(record, with_kwargs=True)
+        try:
+            if rank != 0:
+                return {"steps": follow_batch(model, "cpu"), "forwards": forwards}
+            scheduler = BatchScheduler(tokenizer, context=PAPER_CONTEXT, **limits)
+            for i, prompt in enumerate(running):
+                on_text = join_late if i == 0 and late_after else None
+                handles.append(scheduler.submit(request(tokenizer(prompt)["input_ids"], 24), on_text=on_text))
+            if late_after is None:
+                handles.append(scheduler.submit(long_request))
+            steps = scheduler.run(model, "cpu")
+        finally:
+            hook.remove()
+        return {"steps": steps, "forwards": forwards, "results": [_shape(h.wait(0)) for h in handles]}
+
+    with torch.no_grad():
+        return {
+            "solo_paper": batch([], max_step_tokens=PAPER_TOKENS),
+            "solo": [batch([p]) for p in RUNNING],
+            "together": batch(RUNNING, late_after=3, max_step_tokens=PAPER_STEP_TOKENS),
+            "stopped": batch(RUNNING, late_after=3, stop_at_chunk=3, max_step_tokens=PAPER_STEP_TOKENS),
         }
 
 
@@ -187,3 +252,42 @@ def test_a_prompt_beyond_the_models_context_is_refused_and_a_long_one_is_not(lla
         scheduler.submit(SequenceRequest(prompt_ids=[1] * 200, max_new_tokens=100))
     assert refused.value.param == "max_tokens"
     assert len(scheduler.waiting) == 1
+
+
+def test_a_10000_token_prompt_joins_a_running_batch_while_its_rows_get_a_token_per_chunk(tmp_path: Path) -> None:
+    """The issue's case: a paper-sized prompt (a tiny llama with a context of 10,240 positions) joins two rows
+    that are decoding. Counted in forwards: each step of its prefill is one decode of the running rows, then one
+    chunk of at most a step's room, so no row waits more than one chunk for its next token. Its reply equals
+    the one it gets prefilled alone in one forward; the stop ends its prefill within the chunk that runs."""
+    from tests.ranks import run_ranks
+
+    path = make_tiny_llama(
+        tmp_path / "paper", hidden_size=16, num_heads=2, num_kv_heads=2, max_position_embeddings=PAPER_CONTEXT
+    )
+    leader, follower = run_ranks(_paper_scenarios, path, deadline=240)
+    for name in ("solo_paper", "together", "stopped"):
+        assert follower[name]["forwards"] == leader[name]["forwards"], name
+    assert leader["solo_paper"]["forwards"][0][:2] == (1, PAPER_TOKENS)
+
+    forwards = leader["together"]["forwards"]
+    chunks = [i for i, (_, _, chunk) in enumerate(forwards) if chunk]
+    room = PAPER_STEP_TOKENS - len(RUNNING)
+    assert len(chunks) == math.ceil(PAPER_TOKENS / room) and sum(forwards[i][1] for i in chunks) == PAPER_TOKENS
+    assert all(forwards[i][1] <= room for i in chunks)
+    assert forwards[: chunks[0]].count((len(RUNNING), 1, False)) >= 2  # the rows were decoding when it came
+    between = [forwards[i - 1][:2] for i in chunks]  # the forward before each chunk: the rows' decode
+    assert between == [(len(RUNNING), 1)] * len(chunks), forwards
+    assert all(b - a == 2 for a, b in zip(chunks, chunks[1:])), forwards  # nothing else between two chunks
+    assert forwards[chunks[-1] + 1][:2] == (len(RUNNING) + 1, 1)  # then it decodes beside them
+    *rows, paper = leader["together"]["results"]
+    assert len(paper["tokens"]) == 4
+    _same_reply(paper, leader["solo_paper"]["results"][0])
+    for got, alone in zip(rows, leader["solo"]):
+        _same_reply(got, alone["results"][0])
+
+    stopped = leader["stopped"]
+    assert sum(f[2] for f in stopped["forwards"]) == 3  # stopped while its third chunk ran: no fourth
+    *rows, paper = stopped["results"]
+    assert paper["finish_reason"] == "interrupted" and paper["tokens"] == []
+    for got, alone in zip(rows, leader["solo"]):
+        _same_reply(got, alone["results"][0])
