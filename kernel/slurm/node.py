@@ -1,7 +1,8 @@
 """``python -m shardbook.kernel.slurm.node``: the one task srun starts on every node of the job.
 
 It starts torchrun for its node (``--node_rank`` is ``SLURM_NODEID``, static rendezvous on the
-allocation's first node): the kernel (or ``shardbook serve``) on node 0, followers elsewhere. It
+allocation's first node): the kernel (or ``shardbook serve``) on node 0, followers elsewhere, every rank
+told where a start-up failure leaves its note (beside the lease, which every node sees). It
 passes SIGTERM on to rank 0 (which ends the job), starts the ranks ignoring SIGUSR1 (``chat --slurm``'s
 Ctrl-C, which reaches every process of the step; rank 0 of the chat alone takes it), and watches the
 lease: once the launcher has not touched it for the grace period, the ranks stop and node 0 cancels
@@ -25,6 +26,7 @@ import psutil
 
 from shardbook.kernel.slurm.step import CONNECTION_ENV, STEP_ENV, StepPlan
 from shardbook.rankd.control.lifetime import LAUNCHER_ENV, die_with_parent
+from shardbook.rankd.control.startup_notes import NOTES_ENV
 from shardbook.rankd.control.world import SLURM_NOTE_ENV
 
 log = logging.getLogger("shardbook.slurm")
@@ -97,6 +99,9 @@ def main() -> int:
     env = {k: v for k, v in os.environ.items() if k not in (STEP_ENV, CONNECTION_ENV)}
     env[LAUNCHER_ENV] = str(os.getpid())
     env[SLURM_NOTE_ENV] = plan.note
+    lease = LeaseWatch(plan.lease, plan.lease_grace)
+    if lease.path is not None:  # seen here, so on a shared filesystem: start-up notes reach rank 0 from any node
+        env[NOTES_ENV] = str(lease.path.parent / "shardbook-startup")
     command = plan.command if node == 0 else plan.follower_command
     private = Path(tempfile.mkdtemp(prefix="shardbook-slurm-"))
     if node == 0 and CONNECTION_ENV in os.environ:
@@ -122,7 +127,6 @@ def main() -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, stop)
-    lease = LeaseWatch(plan.lease, plan.lease_grace)
     try:
         while True:
             try:

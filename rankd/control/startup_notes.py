@@ -5,8 +5,13 @@ store's client does) has no other way to tell rank 0, and its failed exit would 
 the kernel before the kernel said why. The ranks on rank 0's node share a directory named from what
 the launcher gives every rank before any import: its process id (the ranks' parent), the run id and
 the store's port. A note there reaches rank 0, which reports it as it reports a failure sent through
-the store (:func:`shardbook.rankd.control.world.startup_errors`). Ranks on other nodes have only their
-own log line, and the store.
+the store (:func:`shardbook.rankd.control.world.startup_errors`).
+
+Ranks on other nodes see no directory of rank 0's node unless the launcher names one every node shares
+(``SHARDBOOK_STARTUP_NOTES``, a folder on a shared filesystem): the Slurm launch names one beside its lease
+on every node that sees the lease, the proof that the filesystem is shared (``kernel/slurm/node.py``). A job's
+notes are then named by what every node's launcher gives alike (the run id, the store's address and port).
+Without it, a rank on another node has only its own log line, and the store.
 
 Standard library only: this module must import where torch does not.
 """
@@ -19,27 +24,32 @@ import stat
 import tempfile
 from pathlib import Path
 
+NOTES_ENV = "SHARDBOOK_STARTUP_NOTES"
+"""A private folder that every node of the job sees (a shared filesystem), set by a launcher that knows one."""
+
 
 def notes_dir() -> Path:
-    """This job's directory of notes on this node: the same for every rank the same launcher started."""
-    job = "-".join(
-        (str(os.getppid()), os.environ.get("TORCHELASTIC_RUN_ID", "none"), os.environ.get("MASTER_PORT", "0"))
-    )
-    return Path(tempfile.gettempdir()) / f"shardbook-{os.getuid()}" / "startup" / job
+    """This job's directory of notes: the same for every rank the same launcher started (every node's launcher,
+    in the shared folder)."""
+    run, port = os.environ.get("TORCHELASTIC_RUN_ID", "none"), os.environ.get("MASTER_PORT", "0")
+    if os.environ.get(NOTES_ENV):
+        return _root() / "-".join((run, os.environ.get("MASTER_ADDR", "none"), port))
+    return _root() / "startup" / "-".join((str(os.getppid()), run, port))
 
 
-def same_node_as_rank_0() -> bool:
-    """Whether this rank runs on rank 0's node (torchrun's node 0, or shardbook's one-node launcher)."""
-    return os.environ.get("GROUP_RANK", "0") == "0"
+def reaches_rank_0() -> bool:
+    """Whether a note this rank leaves reaches rank 0: a shared folder, or rank 0's node (torchrun's node 0, or
+    shardbook's one-node launcher)."""
+    return bool(os.environ.get(NOTES_ENV)) or os.environ.get("GROUP_RANK", "0") == "0"
 
 
 def leave_note(rank: int, text: str) -> bool:
     """Leave ``text`` for rank 0 as rank ``rank``'s start-up failure; False if it cannot be left."""
-    if not same_node_as_rank_0():
+    if not reaches_rank_0():
         return False
     folder = notes_dir()
     try:
-        _private_dir(folder.parent.parent)
+        _private_dir(_root())
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         part = folder / f".rank-{rank}.{os.getpid()}"
         part.write_text(text, encoding="utf-8")
@@ -64,6 +74,12 @@ def read_notes(world_size: int) -> dict[int, str]:
 def clear_notes() -> None:
     """Remove this job's notes (rank 0, once they can no longer matter: at its exit)."""
     shutil.rmtree(notes_dir(), ignore_errors=True)
+
+
+def _root() -> Path:
+    """The folder, private to this user, that holds this user's notes: the shared one, or this node's own."""
+    shared = os.environ.get(NOTES_ENV)
+    return Path(shared) if shared else Path(tempfile.gettempdir()) / f"shardbook-{os.getuid()}"
 
 
 def _private_dir(path: Path) -> None:

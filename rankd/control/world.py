@@ -215,10 +215,10 @@ class StartupAbandoned(RuntimeError):
 def report_startup_failure(shape: JobShape, text: str) -> bool:
     """Tell the job (rank 0 first, which reports it) that this rank cannot start, and why.
 
-    A rank on rank 0's node leaves a note (:mod:`.startup_notes`), which needs neither torch nor the
-    store; a rank on another node reports through the store. False when neither can be done (on
-    another node, torch itself failed to import, or rank 0 never opened its store): this rank's own
-    log line is then the only report.
+    A rank on rank 0's node, or on any node when the launcher named a folder every node shares (Slurm), leaves
+    a note (:mod:`.startup_notes`), which needs neither torch nor the store; a rank on another node reports
+    through the store. False when neither can be done (on another node with no shared folder, torch itself
+    failed to import, or rank 0 never opened its store): this rank's own log line is then the only report.
     """
     if startup_notes.leave_note(shape.rank, text):
         return True

@@ -38,9 +38,9 @@ if os.environ.get("RANK") not in (None, "0"):  # a follower whose environment la
 class LoggedKernel:
     """A 2-rank kernel whose stderr (what the Jupyter server logs) goes to ``log``."""
 
-    def __init__(self, log, env: dict[str, str]):
+    def __init__(self, log, env: dict[str, str], kernel_name: str = "sb2"):
         self.log = log
-        self.km = KernelManager(kernel_name="sb2")
+        self.km = KernelManager(kernel_name=kernel_name)
         with open(log, "w") as err:
             self.km.start_kernel(env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, stderr=err)
         self.kc = self.km.client()
@@ -146,20 +146,28 @@ if os.environ.get("RANK") not in (None, "0"):  # a follower whose torch is broke
 """
 
 
-def test_a_rank_whose_torch_fails_to_import_is_named_though_it_cannot_reach_the_store(logged_kernel, tmp_path):
-    """Rank 1's `import torch` raises: it cannot use the job's store, so it leaves a note on the node that rank 0
-    reads (before, rank 1 exited 1, the launcher ended the kernel, and nobody said why)."""
-    (tmp_path / "sitecustomize.py").write_text(BROKEN_TORCH)
-    (tmp_path / "broken" / "torch").mkdir(parents=True)
-    (tmp_path / "broken" / "torch" / "__init__.py").write_text(
+def break_torch_on_followers(folder) -> str:
+    """A PYTHONPATH under which every follower's `import torch` raises ImportError (its pid in failed.pid)."""
+    (folder / "sitecustomize.py").write_text(BROKEN_TORCH)
+    (folder / "broken" / "torch").mkdir(parents=True)
+    (folder / "broken" / "torch" / "__init__.py").write_text(
         "import os\n"
         "open(os.path.join(os.path.dirname(__file__), 'failed.pid'), 'w').write(str(os.getpid()))\n"
         "raise ImportError('libtorch_cpu.so: cannot open shared object file (injected by the test)')\n"
     )
-    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
+    return os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)
+
+
+BROKEN_TORCH_CAUSE = "rank 1 of 2 failed at start-up: ImportError: libtorch_cpu.so: cannot open"
+
+
+def test_a_rank_whose_torch_fails_to_import_is_named_though_it_cannot_reach_the_store(logged_kernel, tmp_path):
+    """Rank 1's `import torch` raises: it cannot use the job's store, so it leaves a note on the node that rank 0
+    reads (before, rank 1 exited 1, the launcher ended the kernel, and nobody said why)."""
+    path = break_torch_on_followers(tmp_path)
     kernel = logged_kernel(tmp_path / "server.log", PYTHONPATH=path)  # the default 120 s connect timeout
     kernel.kc.wait_for_ready(timeout=120)
-    assert_reported_at_start(kernel, "rank 1 of 2 failed at start-up: ImportError: libtorch_cpu.so: cannot open")
+    assert_reported_at_start(kernel, BROKEN_TORCH_CAUSE)
     assert "[shardbook rank 1] ERROR" in kernel.server_log()
     assert "did not start within" not in kernel.server_log()  # the note, not the deadline, ended the wait
     failed = int((tmp_path / "broken" / "torch" / "failed.pid").read_text())

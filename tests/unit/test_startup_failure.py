@@ -63,6 +63,7 @@ def job_notes(monkeypatch, tmp_path):
     """A job of its own (its notes' directory is named from MASTER_PORT), on rank 0's node."""
     monkeypatch.setenv("MASTER_PORT", f"test-{tmp_path.name}")
     monkeypatch.setenv("GROUP_RANK", "0")
+    monkeypatch.delenv(startup_notes.NOTES_ENV, raising=False)
     yield startup_notes.notes_dir()
     startup_notes.clear_notes()
 
@@ -79,3 +80,18 @@ def test_a_rank_on_another_node_reports_through_the_store_only(job_notes, monkey
     monkeypatch.setenv("GROUP_RANK", "1")
     assert not startup_notes.leave_note(3, "ImportError: x")
     assert not job_notes.exists()
+
+
+def test_a_rank_on_another_node_leaves_its_note_in_the_folder_every_node_shares(job_notes, monkeypatch, tmp_path):
+    """The launcher named a shared folder (Slurm, beside its lease): the note is named without this node's
+    launcher's process id, so rank 0 under another launcher reads it."""
+    monkeypatch.setenv(startup_notes.NOTES_ENV, str(tmp_path / "shared"))
+    monkeypatch.setenv("GROUP_RANK", "1")
+    assert startup_notes.leave_note(1, "ImportError: libtorch_cpu.so: cannot open shared object file")
+    assert (tmp_path / "shared").stat().st_mode & 0o777 == 0o700
+    monkeypatch.setenv("GROUP_RANK", "0")
+    monkeypatch.setattr(startup_notes.os, "getppid", lambda: 1)  # rank 0's launcher is another process
+    with pytest.raises(RuntimeError, match=r"rank 1 of 2 failed at start-up: ImportError: libtorch_cpu.so"):
+        world.wait_for_every_rank(dist.HashStore(), 2, rank=0)
+    startup_notes.clear_notes()
+    assert not startup_notes.notes_dir().exists() and not job_notes.exists()
