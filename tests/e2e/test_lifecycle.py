@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.driver import interrupt_when
-from tests.e2e.conftest import gone, wait_until
+from tests.e2e.conftest import KernelHandle, gone, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -37,6 +37,18 @@ def run_in_background(handle, code: str, timeout: float = 60):
     thread = threading.Thread(target=target)
     thread.start()
     return thread, result, started
+
+
+@pytest.fixture(scope="module")
+def tuned_kernel(jupyter_prefix, tmp_path_factory):
+    """One kernel for the tests below that leave it healthy (one start instead of three): a 3 s collective
+    timeout, a 1 MiB message limit and start-up marks (``handle.marks``)."""
+    marks = tmp_path_factory.mktemp("lifecycle") / "marks"
+    env = {"SHARDBOOK_PG_TIMEOUT": "3", "SHARDBOOK_MAX_MESSAGE_MB": "1", "SHARDBOOK_STARTUP_MARKS": str(marks)}
+    handle = KernelHandle("sb2", env)
+    handle.marks = marks
+    yield handle
+    handle.stop()
 
 
 def test_restart_soft_then_hard_then_shutdown_leave_no_orphans(fresh_kernel, tmp_path):
@@ -163,8 +175,8 @@ def test_a_stopped_follower_comes_back(fresh_kernel):
     )
 
 
-def test_idle_longer_than_the_collective_timeout(fresh_kernel):
-    handle = fresh_kernel(SHARDBOOK_PG_TIMEOUT="3")
+def test_idle_longer_than_the_collective_timeout(tuned_kernel):
+    handle = tuned_kernel
     assert handle.run("%%all\nimport torch, torch.distributed as dist").status == "ok"
     time.sleep(5)  # the idle gap itself is the subject of this test
     ex = handle.run("%%all\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item())")
@@ -216,9 +228,9 @@ print("sent")
 """
 
 
-def test_control_plane_abuse_neither_breaks_the_pool_nor_reaches_cells(fresh_kernel):
+def test_control_plane_abuse_neither_breaks_the_pool_nor_reaches_cells(tuned_kernel):
     """Malformed messages on rank 0's control socket: dropped, logged to the server log only."""
-    handle = fresh_kernel(SHARDBOOK_MAX_MESSAGE_MB="1")
+    handle = tuned_kernel
     sent = handle.run(ABUSE)
     assert sent.stdout() == "sent\n", sent.error_text()
     after = handle.run("%%all\nprint('alive')", timeout=30)
@@ -231,15 +243,19 @@ def test_control_plane_abuse_neither_breaks_the_pool_nor_reaches_cells(fresh_ker
 
 
 STARTS_AFTER = """import os, time
-if os.environ.get("RANK") not in (None, "0"):  # a follower that reaches shardbook after {seconds} s
-    with open(os.path.join(os.path.dirname(__file__), "stuck.pid"), "w") as f:
+if os.environ.get("RANK") not in (None, "0"):  # a follower that reaches shardbook once told to (or after {seconds} s)
+    here = os.path.dirname(__file__)
+    with open(os.path.join(here, "stuck.pid"), "w") as f:
         f.write(str(os.getpid()))
-    time.sleep({seconds})
+    deadline = time.monotonic() + {seconds}
+    while not os.path.exists(os.path.join(here, "go")) and time.monotonic() < deadline:
+        time.sleep(0.1)
 """
 
 
 def late_follower_env(tmp_path, seconds: int, connect_timeout: int = 5) -> dict[str, str]:
-    """Environment for a kernel whose rank 1 starts ``seconds`` late (a sitecustomize on its path)."""
+    """Environment for a kernel whose rank 1 starts late: when the test writes ``go`` beside its sitecustomize,
+    or ``seconds`` after it started."""
     (tmp_path / "sitecustomize.py").write_text(STARTS_AFTER.format(seconds=seconds))
     path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
     return {"SHARDBOOK_CONNECT_TIMEOUT": str(connect_timeout), "PYTHONPATH": path}
@@ -258,15 +274,15 @@ def iopub_text(kc, parent_id: str, timeout: float) -> str:
     return text
 
 
-def test_a_follower_only_connects_after_the_rendezvous(fresh_kernel, tmp_path):
+def test_a_follower_only_connects_after_the_rendezvous(tuned_kernel):
     """Its control session is made before it joins the process group (while rank 0 still imports torch under
     ipykernel) and its shell after its hello, so between the rendezvous and the hello, where rank 0 waits for
     it, it imports nothing."""
-    marks = tmp_path / "marks"
-    handle = fresh_kernel(SHARDBOOK_STARTUP_MARKS=str(marks))
-    assert set(handle.rank_pids()) == {0, 1}, "the first cell uses torch.distributed on every rank"
+    handle = tuned_kernel
+    assert set(handle.rank_pids()) == {0, 1}, "a cell uses torch.distributed on every rank"
     modules = {
-        (rank, name): int(count) for rank, name, _at, count, _cpu in map(str.split, marks.read_text().splitlines())
+        (rank, name): int(count)
+        for rank, name, _at, count, _cpu in map(str.split, handle.marks.read_text().splitlines())
     }
     assert modules[("1", "hello")] == modules[("1", "process_group_up")], modules
 
@@ -313,11 +329,12 @@ time.sleep(600)
 
 def test_a_rank_that_starts_after_the_kernel_gave_up_leaves(fresh_kernel, tmp_path):
     """It must neither hang in the process group's rendezvous nor take the kernel down with it."""
-    handle = fresh_kernel(**late_follower_env(tmp_path, 20))
+    handle = fresh_kernel(**late_follower_env(tmp_path, 120))
     stuck = tmp_path / "stuck.pid"
     try:
         assert "rank 1 of 2 did not start" in handle.run("%%all\nprint(1)").stderr()
         assert wait_until(stuck.exists, timeout=30)
+        (tmp_path / "go").touch()  # the kernel gave up: now rank 1 goes on into shardbook
         assert wait_until(lambda: gone(int(stuck.read_text())), timeout=60), "the late rank is still running"
         ex = handle.run("%%all\nprint(1)", timeout=4)
         assert (
