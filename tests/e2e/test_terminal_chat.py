@@ -157,6 +157,18 @@ def test_ctrl_c_stops_the_reply_on_every_rank_and_the_chat_goes_on(long_talker_c
     assert_all_gone(pids)
 
 
+def test_a_question_longer_than_a_step_and_a_prefill_chunk_is_answered(long_talker_config):
+    """The terminal chat takes the single-reply path: a question of ~1,500 tokens (over `max_step_tokens` 16 and
+    the 512-token chunks that path prefills in, `engine.PREFILL_CHUNK`) gets its reply, not a refusal."""
+    question = " ".join(["The quick brown fox jumps over the lazy dog while the cat sleeps."] * 42)
+    argv = chat_argv(long_talker_config, "--inference.max_new_tokens", "4", "--inference.max_step_tokens", "16")
+    result, pids = piped_chat(argv, [question, "exit"], 3)
+    assert result.returncode == 0, result.stderr
+    [(prompt_tokens, generated, reason)] = STATUS.findall(result.stderr)
+    assert int(prompt_tokens) > 1500 and (generated, reason) == ("4", "length"), result.stderr
+    assert_all_gone(pids)
+
+
 @pytest.mark.parametrize("launcher", ["shardbook chat --nproc 2", "torchrun"])
 def test_unknown_config_key_exits_nonzero_on_every_rank_naming_it(tiny_config, launcher):
     """The launcher checks the config before starting torchrun; under a bare torchrun every rank checks it."""
