@@ -277,7 +277,7 @@ class ChatMagics(Magics):
 
         use_widget = args.output == "widget" or (args.output is None and widgets_available(self.shell))
         view = WidgetChatView() if use_widget else TextChatView()
-        if args.no_batch or batch_refusal(runtime) is not None:  # the model or its interventions need one reply
+        if args.no_batch or batch_refusal(runtime) is not None:  # a model the batch cannot hold replies alone
             stream = ChatStream(runtime, request, on_notice=relay.notice, start=False)
         else:
             stream = BatchChatStream(runtime, request, on_notice=relay.notice, start=False)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import secrets
 import threading
 from collections.abc import Callable, Hashable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -82,11 +83,14 @@ def submit(
     each piece of text, `on_delta` the same pieces with their tokens and log-probabilities.
 
     `owner` is whom the stop button stops it for: by default (`CALLER`) the cell running when the main thread
-    submits it, and nobody when another thread does (an HTTP request's: its client or the server stops it).
+    submits it, and nobody when another thread does (an HTTP request's: its client or the server stops it). The
+    `%intervene` functions apply to an owned sequence (a cell's), never to another (an HTTP client's).
     """
     if owner is CALLER:
         owner = foreground.running_cell() if threading.current_thread() is threading.main_thread() else None
     scheduler = scheduler_for(runtime)
+    if owner is not None and interventions_set(runtime):  # a cell's rows: its %intervene functions apply to them
+        request = replace(request, intervene=True)
     handle = scheduler.submit(request, on_text, on_done, on_delta, owner=owner)
     if handle.starts_loop:
         scheduler.driven.clear()
@@ -94,24 +98,33 @@ def submit(
     return handle
 
 
-def batch_refusal(runtime: Runtime, *, interventions: bool = True) -> str | None:
-    """Why a reply should take the single-sequence path by default with the model loaded now, or None.
-
-    The batch cannot hold a cache that is not full attention on every layer (sliding windows, linear
-    attention; GLM-5's sparse-attention indexer batches); and while `%intervene` functions are set
-    (`interventions`), the single path is the one whose stop button reaches a function that blocks inside the
-    forward on its rank.
-    """
+def batch_refusal(runtime: Runtime) -> str | None:
+    """Why a reply should take the single-sequence path by default with the model loaded now, or None: the batch
+    cannot hold a cache kind `cache_rows` has no row operations for."""
     from shardbook.rankd.generation.batching import cache_refusal
+
+    loaded = runtime.ctx0.state.get("loaded")
+    return None if loaded is None else cache_refusal(loaded.model)
+
+
+def interventions_set(runtime: Runtime) -> bool:
+    """Whether `%intervene` functions are set on the model loaded now."""
     from shardbook.rankd.inspection.interventions import registry
 
     loaded = runtime.ctx0.state.get("loaded")
-    if loaded is None:
-        return None
-    refusal = cache_refusal(loaded.model)
-    if refusal is None and interventions and registry(loaded.model):
-        refusal = "interventions are set (%intervene)"
-    return refusal
+    return loaded is not None and bool(registry(loaded.model))
+
+
+def stop_sequences(runtime: Runtime, handles: list[SequenceHandle]) -> None:
+    """Stop `handles` (they leave at the next step); when interventions apply to any of them, also interrupt the
+    functions running now on every rank (and those called until a step has no such row), so a function that
+    blocks inside the forward on its rank lets the step, and the other rows, go on."""
+    for handle in handles:
+        handle.stop()
+    scheduler = runtime.ctx0.state.get("batch_scheduler")
+    command = None if scheduler is None else scheduler.command
+    if command is not None and any(handle.request.intervene for handle in handles):
+        runtime.pool.interrupt_user_calls(command)
 
 
 MODEL_CHANGED = "model_changed"
@@ -125,8 +138,15 @@ def _drive(runtime: Runtime, scheduler: BatchScheduler) -> None:
             if runtime.ctx0.state.get("loaded") is not scheduler.loaded:  # a %load_sharded went first
                 scheduler._fail_all([], f"{MODEL_CHANGED}: {model_changed(runtime, scheduler)}")
                 return
-            turn.on_stop = lambda: scheduler.stop_owned(foreground.running_cell())  # the running cell's only
-            outcome = pool.run("batch", {}, list(range(pool.world.world_size)), lambda *a: None, lambda text: None)
+            turn.on_stop = lambda: stop_sequences(runtime, scheduler.owned(foreground.running_cell()))  # its own
+            outcome = pool.run(
+                "batch",
+                {},
+                list(range(pool.world.world_size)),
+                lambda *a: None,
+                lambda text: None,
+                on_start=lambda command: setattr(scheduler, "command", command),
+            )
         if not outcome.ok:
             scheduler.failure = outcome  # every rank's reply, for an error report per rank
             errors = {r: reply.get("evalue", reply.get("status")) for r, reply in outcome.replies.items()}
@@ -134,6 +154,7 @@ def _drive(runtime: Runtime, scheduler: BatchScheduler) -> None:
     except BaseException as exc:
         scheduler._fail_all([], f"{type(exc).__name__}: {exc}")
     finally:
+        scheduler.command = None
         scheduler.driven.set()
 
 

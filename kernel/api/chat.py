@@ -358,9 +358,11 @@ class BatchChatStream:
         return self
 
     def stop(self) -> None:
+        from shardbook.kernel.api.batch import stop_sequences
+
         self._stopped = True
         if self.handle is not None:
-            self.handle.stop()
+            stop_sequences(self.runtime, [self.handle])  # and the interventions on its row, on every rank
 
     @property
     def stopped(self) -> bool:
@@ -373,6 +375,8 @@ class BatchChatStream:
             if kind == "text":
                 yield value
                 continue
+            if value.finish_reason == "error" and value.failed_alone:  # its step or its intervention: no rank's batch
+                raise PoolError(f"the reply failed: {value.error}")
             if value.finish_reason == "error":
                 from shardbook.kernel.api.batch import batch_failure
 

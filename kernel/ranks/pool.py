@@ -378,6 +378,15 @@ class Pool:
             if rank != 0:
                 self._send(rank, protocol.INTERRUPT, {}, command.id)
 
+    def interrupt_user_calls(self, command: Command) -> None:
+        """Interrupt the user functions (interventions) that ``command`` calls on every rank, not the command: the
+        continuous batch goes on for other rows while one cell's rows, and the functions applied to them, stop."""
+        if 0 in command.pending:
+            user_calls.interrupt_calls(main_thread=False)
+        for rank in command.pending:
+            if rank != 0:
+                self._send(rank, protocol.INTERRUPT, {"calls_only": True}, command.id)
+
     def _forward_interrupts(self, command: Command):
         return _SigintForwarder(self, command)
 

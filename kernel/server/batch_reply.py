@@ -87,7 +87,7 @@ class BatchReplyHandler(BodyHandler):
 
     def check_batch_serves(self) -> None:
         """ApiError 501 when the model loaded now has a cache the batch cannot hold (chat then takes turns)."""
-        refusal = batch_refusal(self.server.runtime, interventions=False)
+        refusal = batch_refusal(self.server.runtime)
         if refusal is not None:
             raise ApiError(
                 501,

@@ -218,7 +218,7 @@ class ServerState:
         or a model loaded now whose cache the batch cannot hold (asked per request, so a later load counts)."""
         from shardbook.kernel.api.batch import batch_refusal
 
-        return "--no-batch" if not self.options.batch else batch_refusal(self.runtime, interventions=False)
+        return "--no-batch" if not self.options.batch else batch_refusal(self.runtime)
 
     def batch_limits(self) -> BatchLimits:
         """The batch's size and waiting line: the loaded model's (``batch_sizing``), with ``--max-waiting`` when

@@ -79,14 +79,18 @@ class Follower:
     # --- I/O thread -------------------------------------------------------------------------
     def _on_message(self, message: protocol.Message, ident: bytes | None) -> None:
         if message.type == protocol.INTERRUPT:
-            self._interrupt(message.id)
+            self._interrupt(message.id, calls_only=bool(message.payload.get("calls_only")))
         elif message.type == protocol.SHUTDOWN:
             self._shutdown("rank 0 asked to shut down")
         elif message.type == protocol.COMMAND:
             self.inbox.put(message)
 
-    def _interrupt(self, command_id: str) -> None:
+    def _interrupt(self, command_id: str, calls_only: bool = False) -> None:
         with self._lock:
+            if calls_only:  # the command goes on (the batch, for other rows): only its user functions stop
+                if self.running_id == command_id:
+                    user_calls.interrupt_calls()
+                return
             if self.running_id != command_id:  # not started yet (still in the inbox), or already over
                 self._early_interrupts.append(command_id)
                 return

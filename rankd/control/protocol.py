@@ -24,7 +24,8 @@ PROTOCOL_VERSION = 1
 
 # rank 0 -> followers
 COMMAND = "command"  # payload: {"kind": handler name, "args": {...}}
-INTERRUPT = "interrupt"  # raise KeyboardInterrupt in the follower running command `id`
+INTERRUPT = "interrupt"  # raise KeyboardInterrupt in the follower running command `id` (payload calls_only: only in
+# the user functions it calls, see user_calls: the continuous batch's rows of one cell)
 SHUTDOWN = "shutdown"  # leave the follower loop and exit
 
 # followers -> rank 0

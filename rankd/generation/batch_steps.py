@@ -13,6 +13,10 @@ step), so every rank knows the same outcome and stays in the loop, receiving pla
   is no longer the same on every rank, so every row of the step fails and every rank empties its batch.
   Waiting requests then start a new batch at the next step.
 
+An intervention (`%intervene`) that fails in a step, on any rank, fails the rows it applied to in that step (the
+plan names them: `intervened`, `join_intervened`, `Chunk.intervened`); the batch itself is sound (the function was
+skipped, its rows computed untouched from then on), so the other rows go on.
+
 The prefill forward runs on every rank even after its decode failed, so when a step fails on every rank
 at the same place (the usual case: the same code on the same inputs) the forwards' collectives still
 line up. A step that raises on one rank *inside* a forward whose layers hold collectives (`tp`) leaves
@@ -28,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardbook.rankd.control import user_calls
 from shardbook.rankd.generation.cache_keyword import cache_keyword
 from shardbook.rankd.generation.cache_rows import (
     append_rows,
@@ -37,6 +42,7 @@ from shardbook.rankd.generation.cache_rows import (
     select_rows,
 )
 from shardbook.rankd.generation.prefix_store import BLOCK_TOKENS, prefix_store
+from shardbook.rankd.inspection.interventions import Rows, applied_to, take_failure
 
 STEP_OK, JOIN_FAILED, STEP_FAILED = 0, 1, 2
 """How a step ended on a rank; the worst over the ranks is the step's outcome."""
@@ -56,6 +62,8 @@ class Chunk:
     """Keep the logits of every position (the prompt is scored), not only the last piece's last one."""
     prefix: list[int] = field(default_factory=list)
     """The kept blocks (prefix_store keys) a new prompt's cache starts from; `start` is where they end."""
+    intervened: bool = False
+    """The model's interventions apply to this prompt (a notebook cell's)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,10 @@ class StepPlan:
     """Leaving rows whose blocks the prefix store keeps, first: (row, the keys of its whole blocks from its start)."""
     prefix_blocks: int = 0
     """Blocks the prefix store holds after this step (0: prefix reuse is off, the store empties)."""
+    intervened: list[int] = field(default_factory=list)
+    """Rows of `decode` (by index) that the model's interventions apply to (a notebook cell's; never a client's)."""
+    join_intervened: list[int] = field(default_factory=list)
+    """Prompts of `join` (by index) that the model's interventions apply to."""
 
 
 @dataclass
@@ -95,6 +107,9 @@ class StepOutcome:
     """STEP_OK, JOIN_FAILED (the joining rows failed, the batch is as before) or STEP_FAILED (the batch is empty)."""
     errors: dict[int, str] = field(default_factory=dict)
     """Each failed rank's error, by rank."""
+    intervention_error: str | None = None
+    """An intervention failed in this step on some rank (each such rank's first failure): the rows it applied to
+    fail, the others go on."""
 
     def error_text(self) -> str:
         """The failed ranks' errors, those failing alike once with their ranks."""
@@ -170,7 +185,7 @@ def execute_step(state: BatchState, plan: StepPlan, *, keep_logits: bool = True,
         keep_blocks(state, plan)
         state.drop(plan.leave)
         if plan.decode:
-            outcome.decoded = _decode(state, plan.decode, keep_logits)
+            outcome.decoded = _decode(state, plan.decode, plan.intervened, keep_logits)
     except Exception as exc:
         code, error = STEP_FAILED, exc
     for prefill in (_chunk_step, _join_step):  # each runs even after a failure, so the forwards line up
@@ -185,7 +200,10 @@ def execute_step(state: BatchState, plan: StepPlan, *, keep_logits: bool = True,
                 appended += new_rows[1].shape[0]
             except Exception as exc:
                 code, error = STEP_FAILED, exc
-    outcome.failure, outcome.errors = _agree(code, error, state.device, group)
+    failed = take_failure(state.model)
+    outcome.failure, outcome.errors, outcome.intervention_error = _agree(code, error, failed, state.device, group)
+    if not (plan.intervened or plan.join_intervened or (plan.chunk is not None and plan.chunk.intervened)):
+        user_calls.begin_command()  # no row calls the functions now: a stop pressed for earlier rows no longer holds
     if outcome.failure == JOIN_FAILED:
         if appended:  # this rank's prefill worked, another's did not: back to the batch before it
             state.drop(list(range(state.rows - appended, state.rows)))
@@ -228,7 +246,7 @@ def _join_step(state: BatchState, plan: StepPlan, outcome: StepOutcome, keep_log
     """Prefill the plan's joining prompts (if any) together: their cache and mask."""
     if not plan.join:
         return None
-    cache, mask, outcome.joined = _prefill(state, plan.join, keep_logits)
+    cache, mask, outcome.joined = _prefill(state, plan.join, plan.join_intervened, keep_logits)
     return cache, mask
 
 
@@ -245,15 +263,17 @@ def _feed_chunk(state: BatchState, chunk: Chunk, keep_logits: bool) -> torch.Ten
             state.prefixes.seed(state.chunked_cache, chunk.prefix)
             state.chunked_tokens = chunk.start
     device, end = state.device, chunk.start + len(chunk.tokens)
-    out = state.model(
-        input_ids=torch.tensor([chunk.tokens], device=device),
-        attention_mask=torch.ones(1, end, dtype=torch.long, device=device),
-        position_ids=torch.arange(chunk.start, end, device=device).view(1, -1),
-        **{cache_keyword(state.model): state.chunked_cache},
-        use_cache=True,
-        cache_position=torch.arange(chunk.start, end, device=device),
-        logits_to_keep=0 if chunk.all_logits else 1,  # alike on every rank
-    )
+    rows = Rows((0,) if chunk.intervened else (), 1, len(chunk.tokens))
+    with applied_to(state.model, rows):
+        out = state.model(
+            input_ids=torch.tensor([chunk.tokens], device=device),
+            attention_mask=torch.ones(1, end, dtype=torch.long, device=device),
+            position_ids=torch.arange(chunk.start, end, device=device).view(1, -1),
+            **{cache_keyword(state.model): state.chunked_cache},
+            use_cache=True,
+            cache_position=torch.arange(chunk.start, end, device=device),
+            logits_to_keep=0 if chunk.all_logits else 1,  # alike on every rank
+        )
     check_batchable(state.chunked_cache)
     state.chunked_tokens = end
     if not keep_logits or not (chunk.all_logits or chunk.last):
@@ -261,28 +281,31 @@ def _feed_chunk(state: BatchState, chunk: Chunk, keep_logits: bool) -> torch.Ten
     return out.logits[0].float()
 
 
-def _decode(state: BatchState, tokens: list[int], keep_logits: bool) -> torch.Tensor | None:
-    """One forward of one token per row; the rows' next-token logits (float32) when `keep_logits`."""
+def _decode(state: BatchState, tokens: list[int], intervened: list[int], keep_logits: bool) -> torch.Tensor | None:
+    """One forward of one token per row (the interventions on the `intervened` rows only); the rows' next-token
+    logits (float32) when `keep_logits`."""
     assert state.cache is not None and len(tokens) == state.rows, "the plan does not match the batch"
     device, columns = state.device, state.mask.shape[1]
     state.mask = torch.cat([state.mask, torch.ones(state.rows, 1, dtype=torch.long, device=device)], dim=1)
-    out = state.model(
-        input_ids=torch.tensor(tokens, device=device).view(-1, 1),
-        attention_mask=state.mask,
-        position_ids=state.next_pos.view(-1, 1),
-        **{cache_keyword(state.model): state.cache},
-        use_cache=True,
-        cache_position=torch.arange(columns, columns + 1, device=device),
-    )
+    with applied_to(state.model, Rows(tuple(intervened), state.rows, 1)):
+        out = state.model(
+            input_ids=torch.tensor(tokens, device=device).view(-1, 1),
+            attention_mask=state.mask,
+            position_ids=state.next_pos.view(-1, 1),
+            **{cache_keyword(state.model): state.cache},
+            use_cache=True,
+            cache_position=torch.arange(columns, columns + 1, device=device),
+        )
     state.next_pos = state.next_pos + 1
     return out.logits[:, -1].float() if keep_logits else None
 
 
 def _prefill(
-    state: BatchState, join: list[tuple[list[int], bool]], keep_logits: bool
+    state: BatchState, join: list[tuple[list[int], bool]], intervened: list[int], keep_logits: bool
 ) -> tuple[Any, torch.Tensor, list[torch.Tensor]]:
-    """One forward for every joining prompt, left-padded to the longest: its cache and mask (for the batch to
-    append) and, when `keep_logits`, each prompt's logits. The batch itself is not touched."""
+    """One forward for every joining prompt, left-padded to the longest (the interventions on the `intervened`
+    prompts only, cut to the longest of them): its cache and mask (for the batch to append) and, when
+    `keep_logits`, each prompt's logits. The batch itself is not touched."""
     from transformers import DynamicCache
 
     width = max(len(prompt) for prompt, _ in join)
@@ -293,15 +316,17 @@ def _prefill(
         mask[row, width - len(prompt) :] = 1
     ids, mask = ids.to(state.device), mask.to(state.device)
     cache = DynamicCache(config=state.model.config)
-    out = state.model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=(mask.cumsum(1) - 1).clamp(min=0),
-        **{cache_keyword(state.model): cache},
-        use_cache=True,
-        cache_position=torch.arange(width, device=state.device),
-        logits_to_keep=0 if any(all_logits for _, all_logits in join) else 1,  # alike on every rank
-    )
+    start = width - max((len(join[i][0]) for i in intervened), default=width)
+    with applied_to(state.model, Rows(tuple(intervened), len(join), width, start)):
+        out = state.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+            **{cache_keyword(state.model): cache},
+            use_cache=True,
+            cache_position=torch.arange(width, device=state.device),
+            logits_to_keep=0 if any(all_logits for _, all_logits in join) else 1,  # alike on every rank
+        )
     check_batchable(cache)
     if not keep_logits:
         return cache, mask, []
@@ -348,29 +373,33 @@ def broadcast_plan(plan: StepPlan | None, device: torch.device, group: Any) -> S
     return box[0]
 
 
-def _agree(code: int, error: BaseException | None, device: torch.device, group: Any) -> tuple[int, dict[int, str]]:
-    """The worst of every rank's `code` (one all-reduce of one number per rank), and each failed rank's error (one
-    all-gather, only when a rank failed)."""
+def _agree(
+    code: int, error: BaseException | None, intervention: str | None, device: torch.device, group: Any
+) -> tuple[int, dict[int, str], str | None]:
+    """The worst of every rank's `code` and whether any rank's `intervention` failed (one all-reduce of two numbers
+    per rank); each failed rank's error, and the failed interventions' texts (one all-gather, only when a rank
+    failed)."""
     mine = None if error is None else _error_text(error)
     if not _distributed(group):
-        return code, {} if mine is None else {0: mine}
+        return code, {} if mine is None else {0: mine}, intervention
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    codes = torch.zeros(world, dtype=torch.long, device=device)
-    codes[rank] = code
+    codes = torch.zeros(2, world, dtype=torch.long, device=device)
+    codes[0, rank], codes[1, rank] = code, intervention is not None
     try:
         dist.all_reduce(codes, group=group)
-        codes = codes.tolist()
-        if not any(codes):
-            return STEP_OK, {}
+        codes, interventions = codes.tolist()
+        if not any(codes) and not any(interventions):
+            return STEP_OK, {}, None
         texts: list[Any] = [None] * world
-        dist.all_gather_object(texts, mine, group=group)
+        dist.all_gather_object(texts, (mine, intervention), group=group)
     except Exception as exc:
         if error is None:
             raise
         # the failure came first: the other ranks may still be in the step's own collectives (tp), and
         # the agreement then fails too; this rank's report must name the cause, not the timeout after it
         raise RuntimeError(f"{mine} (then the ranks could not agree on the failed step: {_error_text(exc)})") from error
-    return max(codes), {r: text for r, text in enumerate(texts) if text is not None}
+    failed = "; ".join(text for _, text in texts if text is not None) or None
+    return max(codes), {r: text for r, (text, _) in enumerate(texts) if text is not None}, failed
 
 
 def _error_text(error: BaseException) -> str:

@@ -129,6 +129,8 @@ class BatchScheduler:
         self.failure: Any = None
         """What the last failed batch command left (rank 0's driver sets it: every rank's reply)."""
         self._loaded: Any = None
+        self.command: Any = None
+        """The batch command running on the ranks (rank 0's driver sets it), whose user functions a stop reaches."""
         self.driven = threading.Event()
         """Set while no batch command runs on the ranks (rank 0's driver clears it for the command's span)."""
         self.driven.set()
@@ -248,6 +250,10 @@ class BatchScheduler:
                 self._fail(seq, outcome.error_text())
             return []
         decoding = rows[: len(plan.decode)]
+        if outcome.intervention_error is not None:  # before their tokens are taken: they came from a failed function
+            for seq in decoding + chunked + joining:
+                if seq.handle.request.intervene:
+                    self._fail(seq, outcome.intervention_error)
         if decoding:
             requests, counts = [seq.handle.request for seq in decoding], [len(seq.tokens) for seq in decoding]
             picked = greedy_tokens(outcome.decoded, requests, counts)
@@ -304,14 +310,18 @@ class BatchScheduler:
     def stop_owned(self, owner: Hashable | None) -> int:
         """Stop the running and waiting sequences `owner` submitted (a cell's, on the stop button), from any
         thread; the others run on. None stops nothing. Returns how many were stopped."""
-        if owner is None:
-            return 0
-        with self.lock:
-            handles = [seq.handle for seq in self.rows if not seq.finished] + list(self.waiting)
-        owned = [handle for handle in handles if handle.owner == owner]
+        owned = self.owned(owner)
         for handle in owned:
             handle.stop()
         return len(owned)
+
+    def owned(self, owner: Hashable | None) -> list[SequenceHandle]:
+        """The running and waiting sequences `owner` submitted (none for None), from any thread."""
+        if owner is None:
+            return []
+        with self.lock:
+            handles = [seq.handle for seq in self.rows if not seq.finished] + list(self.waiting)
+        return [handle for handle in handles if handle.owner == owner]
 
     # ------------------------------------------------------------------ rank 0 only
 
@@ -370,6 +380,8 @@ class BatchScheduler:
             end=end,
             keep=[(i, self._kept_keys(rows[i])) for i in leave] if self._prefix_blocks else [],
             prefix_blocks=self._prefix_blocks,
+            intervened=[i for i, seq in enumerate(kept) if seq.handle.request.intervene],
+            join_intervened=[i for i, seq in enumerate(joining) if seq.handle.request.intervene],
         )
         return plan, kept, joining
 
@@ -404,6 +416,7 @@ class BatchScheduler:
             seq.prefilled == len(prompt),
             seq.handle.request.prompt_logprobs,
             prefix,
+            seq.handle.request.intervene,
         )
 
     def _cache_holds(self, rows: list[RunningSequence], request: SequenceRequest) -> bool:
@@ -458,22 +471,26 @@ class BatchScheduler:
         self, method: Callable[[RunningSequence, torch.Tensor], None], seq: RunningSequence, logits: torch.Tensor
     ) -> None:
         """`method(seq, logits)`; if it raises (scores that are not numbers, a tokenizer's error), `seq` fails
-        alone: its row leaves at the next step and the others go on."""
+        alone: its row leaves at the next step and the others go on. A row that failed already is left as it is."""
+        if seq.finished:
+            return
         try:
             method(seq, logits)
         except Exception as exc:
             self._fail(seq, f"{type(exc).__name__}: {exc}")
 
     def _fail(self, seq: RunningSequence, why: str) -> None:
-        """Finish `seq` with an error (even if its text cannot be decoded)."""
+        """Finish `seq` alone with an error (even if its text cannot be decoded); the batch goes on."""
         if seq.finished:
             return
         try:
-            self._finish(seq, "error", error=why)
+            self._finish(seq, "error", error=why, alone=True)
         except Exception:
             seq.finished = True
             request = seq.handle.request
-            seq.handle.complete(SequenceResult(list(seq.tokens), "", "error", len(request.prompt_ids), error=why))
+            seq.handle.complete(
+                SequenceResult(list(seq.tokens), "", "error", len(request.prompt_ids), error=why, failed_alone=True)
+            )
 
     def _advance(self, seq: RunningSequence, logits: torch.Tensor, token: int | None = None) -> None:
         """Take `seq`'s next token (`token` when the batch's greedy pick gave it, else picked from its logits);
@@ -532,7 +549,7 @@ class BatchScheduler:
             except Exception:  # a consumer that fails stops its own sequence only
                 seq.handle.stop()
 
-    def _finish(self, seq: RunningSequence, reason: str, error: str | None = None) -> None:
+    def _finish(self, seq: RunningSequence, reason: str, error: str | None = None, alone: bool = False) -> None:
         request = seq.handle.request
         tokens = seq.tokens
         if reason == "stop" and tokens and tokens[-1] in request.eos_ids:
@@ -560,6 +577,7 @@ class BatchScheduler:
                 total_s=now - seq.handle.submitted_at,
                 error=error,
                 cached_tokens=seq.cached,
+                failed_alone=alone,
             )
         )
 

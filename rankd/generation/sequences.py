@@ -51,6 +51,8 @@ class SequenceRequest:
     """Record each generated token's log-probability and this many most likely alternatives (0-5)."""
     prompt_logprobs: bool = False
     """Also score every prompt token after the first (`echo` with `logprobs`)."""
+    intervene: bool = False
+    """The model's interventions (`%intervene`) apply to this sequence: a notebook cell's, never an HTTP client's."""
 
     def __post_init__(self) -> None:
         _check(len(self.prompt_ids) >= 1, "the prompt must have at least one token")
@@ -94,6 +96,8 @@ class SequenceResult:
     error: str | None = None
     cached_tokens: int = 0
     """Prompt tokens taken from kept blocks (prefix reuse) instead of prefilled."""
+    failed_alone: bool = False
+    """The error is this sequence's (its step, its intervention, its scores) and the batch went on."""
 
     @property
     def generated_tokens(self) -> int:

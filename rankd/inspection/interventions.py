@@ -13,13 +13,21 @@ collectives stay in step, including the extra forwards `synced_gpus` runs on ran
 A function that the stop button interrupts (KeyboardInterrupt raised inside it, see
 :mod:`..control.user_calls`) or that raises is skipped for the rest of that command on that rank, and the command
 then fails on that rank naming the function, the module and the cause.
+
+In the continuous batch the functions apply to some rows only: a notebook cell's, not an HTTP client's. Each
+forward of a batch step names those rows (:func:`applied_to`, from the step's plan, so every rank selects alike);
+the function is called on their slice alone, cut to the columns where they have real tokens, and its result is
+put back into those rows; the other rows pass untouched, and a forward with no such row calls nothing and gathers
+nothing. One cell's reply thus gives the function what the single-reply path gives it: [1, tokens, ...]. Under
+the batch a failure is the step's (``take_failure``): every rank learns of it and the rows it applied to fail.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +39,7 @@ from shardbook.rankd.control import user_calls
 from shardbook.rankd.parallel.wholes import FeatureSplit, activation_split, all_gather_whole, local_part
 
 REGISTRY_ATTRIBUTE = "shardbook_interventions"
+ROWS_ATTRIBUTE = "shardbook_intervened_rows"
 
 
 class InterventionError(RuntimeError):
@@ -51,6 +60,19 @@ class Intervention:
         return {"name": self.name, "modules": self.modules, "on": "input" if self.on_input else "output"}
 
 
+@dataclass(frozen=True)
+class Rows:
+    """The rows of one batched forward that the interventions apply to (the continuous batch names them)."""
+
+    rows: tuple[int, ...]
+    batch: int
+    """Rows in the forward."""
+    tokens: int
+    """Tokens each row feeds in the forward (left-padded to the longest)."""
+    start: int = 0
+    """The first column where one of `rows` has a real token: the padding before it is cut from their slice."""
+
+
 def registry(model: nn.Module) -> dict[str, Intervention]:
     """The interventions on `model` by name (kept on the model: a new model starts with none)."""
     if not hasattr(model, REGISTRY_ATTRIBUTE):
@@ -65,15 +87,14 @@ def add(model: nn.Module, namespace: dict[str, Any], name: str, modules: list[st
     remove(model, name)
     fn = namespace[name]
     iv = Intervention(name, modules, on_input)
+    selected = _selection(model)
     for module_name in modules:
-        split = activation_split(model, module_name, on_input)
+        apply = _applier(iv, fn, module_name, activation_split(model, module_name, on_input), selected)
         module = model.get_submodule(module_name)
         if on_input:
-            iv.handles.append(
-                module.register_forward_pre_hook(_input_hook(iv, fn, module_name, split), with_kwargs=True)
-            )
+            iv.handles.append(module.register_forward_pre_hook(_input_hook(apply), with_kwargs=True))
         else:
-            iv.handles.append(module.register_forward_hook(_output_hook(iv, fn, module_name, split)))
+            iv.handles.append(module.register_forward_hook(_output_hook(apply)))
     registry(model)[name] = iv
     return iv
 
@@ -90,11 +111,36 @@ def remove(model: nn.Module, name: str | None) -> list[str]:
 
 def raise_failures(model: nn.Module) -> None:
     """Raise the first failure of any intervention since the last call (and forget them)."""
+    text = take_failure(model)
+    if text is not None:
+        raise InterventionError(text)
+
+
+def take_failure(model: nn.Module) -> str | None:
+    """The first failure of any intervention since the last call, or None (and forget them: the functions run
+    again from the next forward on)."""
     failed = [iv for iv in registry(model).values() if iv.failure]
     for iv in failed:
         iv.failure, text = None, iv.failure
-    if failed:
-        raise InterventionError(text)
+    return text if failed else None
+
+
+@contextlib.contextmanager
+def applied_to(model: nn.Module, rows: Rows) -> Iterator[None]:
+    """Within the block (one batched forward), the interventions apply to `rows` only."""
+    selected = _selection(model)
+    selected[0] = rows
+    try:
+        yield
+    finally:
+        selected[0] = None
+
+
+def _selection(model: nn.Module) -> list[Rows | None]:
+    """The model's current row selection, in a box the hooks hold (None: every row, as outside the batch)."""
+    if not hasattr(model, ROWS_ATTRIBUTE):
+        object.__setattr__(model, ROWS_ATTRIBUTE, [None])
+    return getattr(model, ROWS_ATTRIBUTE)
 
 
 def agreed_function(model: nn.Module, namespace: dict[str, Any], name: str, example: str) -> Callable:
@@ -175,20 +221,66 @@ def _whole_then_back(
     return local_part(_call(iv, fn, module_name, whole), split)
 
 
-def _output_hook(iv: Intervention, fn: Callable, module_name: str, split: FeatureSplit | None):
+def _applier(
+    iv: Intervention, fn: Callable, module_name: str, split: FeatureSplit | None, selected: list[Rows | None]
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The hooks' work on one tensor: `fn` on every row, or on the selected rows' slice only (see the module)."""
+
+    def apply(local: torch.Tensor) -> torch.Tensor:
+        rows = selected[0]
+        if rows is None:
+            return _whole_then_back(iv, fn, module_name, split, local)
+        if not rows.rows:
+            return local
+        cut = _row_slice(local, rows)
+        if cut is None:  # alike on every rank (same shapes, same plan): nothing is gathered anywhere
+            if iv.failure is None:
+                iv.failure = (
+                    f"intervention {iv.name!r} cannot apply to some rows of the batch at {module_name}: its "
+                    f"{'input' if iv.on_input else 'output'} there has shape {tuple(local.shape)}, not [rows, "
+                    f"tokens, ...] of a forward of {rows.batch} rows of {rows.tokens} tokens. Intervene on a module "
+                    "whose tensor has a row per sequence, or reply alone (%%chat --no-batch)."
+                )
+            return local
+        picked, put_back = cut
+        return put_back(_whole_then_back(iv, fn, module_name, split, picked))
+
+    return apply
+
+
+def _row_slice(local: torch.Tensor, rows: Rows):
+    """`rows`' slice of `local` [batch, tokens, ...] (or its tokens flattened: [batch * tokens, ...]), and how to put a
+    result of that shape back into a copy of `local`; None when `local` has neither layout."""
+    index = torch.tensor(rows.rows, device=local.device)
+    flat = local.dim() >= 1 and local.shape[0] == rows.batch * rows.tokens and rows.tokens > 1
+    view = local.unflatten(0, (rows.batch, rows.tokens)) if flat else local
+    if view.dim() < 1 or view.shape[0] != rows.batch:
+        return None
+    columns = slice(rows.start, None) if view.dim() >= 2 and view.shape[1] == rows.tokens else slice(None)
+    picked = view[index, columns]
+
+    def put_back(result: torch.Tensor) -> torch.Tensor:
+        out = view.clone()
+        out[index, columns] = (result.unflatten(0, (len(rows.rows), -1)) if flat else result).to(out.dtype)
+        return out.flatten(0, 1) if flat else out
+
+    return (picked.flatten(0, 1) if flat else picked), put_back
+
+
+def _output_hook(apply: Callable[[torch.Tensor], torch.Tensor]):
     def hook(module: nn.Module, args: tuple, output: Any) -> Any:
         if isinstance(output, tuple):
-            return (_whole_then_back(iv, fn, module_name, split, output[0]), *output[1:])
-        return _whole_then_back(iv, fn, module_name, split, output)
+            return (apply(output[0]), *output[1:])
+        return apply(output)
 
     return hook
 
 
-def _input_hook(iv: Intervention, fn: Callable, module_name: str, split: FeatureSplit | None):
+def _input_hook(apply: Callable[[torch.Tensor], torch.Tensor]):
     def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
         if args:
-            return (_whole_then_back(iv, fn, module_name, split, args[0]), *args[1:]), kwargs
+            return (apply(args[0]), *args[1:]), kwargs
         key = "hidden_states" if "hidden_states" in kwargs else next(iter(kwargs))
-        return args, {**kwargs, key: _whole_then_back(iv, fn, module_name, split, kwargs[key])}
+        return args, {**kwargs, key: apply(kwargs[key])}
 
     return hook
