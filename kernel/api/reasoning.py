@@ -13,9 +13,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>")
-HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
+from shardbook.rankd.generation.reply_text import FORMAT_TAGS
+
+THINK_OPEN, THINK_CLOSE = FORMAT_TAGS["think"]
+HARMONY_MARKERS = FORMAT_TAGS["harmony"]
+CHANNEL, START, MESSAGE, END, RETURN, CALL, CONSTRAIN = HARMONY_MARKERS
+"""Harmony's markers by name: ``<|channel|>``, ``<|start|>``, ``<|message|>``, ``<|end|>``, ... ."""
+HARMONY_ENDS = (END, RETURN, CALL)
+"""The markers that end a harmony message."""
 HARMONY_REASONING_CHANNEL = "analysis"
 HARMONY_MODEL_TYPES = ("gpt_oss",)
 PARSERS = ("think", "harmony", "none")
@@ -122,9 +127,9 @@ class HarmonyParser(StreamParser):
         return out
 
     def on_marker(self, marker: str) -> None:
-        if marker == "<|message|>":
+        if marker == MESSAGE:
             self.in_header = False
-            name = self.header.rsplit("<|channel|>", 1)[-1] if "<|channel|>" in self.header else ""
+            name = self.header.rsplit(CHANNEL, 1)[-1] if CHANNEL in self.header else ""
             self.channel = name.split()[0] if name.split() else None
             self.header = ""
         elif marker in HARMONY_ENDS:
@@ -187,7 +192,7 @@ def parser_name(config: Any, tokenizer: Any, override: str | None = None) -> str
             raise ValueError(f"unknown reasoning parser {override!r}; use one of {', '.join(('auto', *PARSERS))}")
         return override
     model_type = getattr(config, "model_type", None)
-    if model_type in HARMONY_MODEL_TYPES or has_tokens(tokenizer, "<|channel|>", "<|message|>"):
+    if model_type in HARMONY_MODEL_TYPES or has_tokens(tokenizer, CHANNEL, MESSAGE):
         return "harmony"
     if has_tokens(tokenizer, THINK_OPEN, THINK_CLOSE):
         return "think"

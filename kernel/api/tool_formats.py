@@ -22,8 +22,14 @@ import json
 import re
 from typing import Any
 
-from shardbook.kernel.api.reasoning import HARMONY_ENDS, partial_suffix
+from shardbook.kernel.api.reasoning import CALL, CHANNEL, HARMONY_ENDS, MESSAGE, START, partial_suffix
 from shardbook.kernel.api.tool_parse import MalformedCall, Schemas, ToolCall, ToolFormat, load_json, make_call
+from shardbook.rankd.generation.reply_text import FORMAT_TAGS
+
+CALL_OPEN, CALL_CLOSE = FORMAT_TAGS["hermes"]
+"""``<tool_call>`` and ``</tool_call>``: hermes' and GLM's."""
+ARG_KEY, ARG_KEY_END, ARG_VALUE, ARG_VALUE_END = FORMAT_TAGS["glm45"]
+MINIMAX_OPEN, MINIMAX_CLOSE = FORMAT_TAGS["minimax_m2"]
 
 
 class TaggedFormat(ToolFormat):
@@ -60,8 +66,8 @@ class TaggedFormat(ToolFormat):
 
 class Hermes(TaggedFormat):
     name = "hermes"
-    markers = ("<tool_call>",)
-    call_tags = ("<tool_call>", "</tool_call>")
+    markers = (CALL_OPEN,)
+    call_tags = (CALL_OPEN, CALL_CLOSE)
 
     def read_call(self, body: str, schemas: Schemas) -> ToolCall:
         call = load_json(body, "the call")
@@ -94,51 +100,69 @@ def read_pairs(body: str, pattern: re.Pattern[str], what: str, schema: Any) -> d
 
 class Glm45(TaggedFormat):
     name = "glm45"
-    markers = ("<tool_call>",)
-    call_tags = ("<tool_call>", "</tool_call>")
-    pair = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+    markers = (CALL_OPEN,)
+    call_tags = (CALL_OPEN, CALL_CLOSE)
+    pair = re.compile(
+        "{}(.*?){}\\s*{}(.*?){}".format(*map(re.escape, (ARG_KEY, ARG_KEY_END, ARG_VALUE, ARG_VALUE_END))), re.DOTALL
+    )
 
     def read_call(self, body: str, schemas: Schemas) -> ToolCall:
-        at = body.find("<arg_key>")
+        at = body.find(ARG_KEY)
         name, args = (body, "") if at < 0 else (body[:at], body[at:])
         if "\n" in name.strip() or "<" in name:
             raise MalformedCall(f"the call's name {name.strip()[:80]!r} is not a function name")
         return make_call(name, read_pairs(args, self.pair, f"the call of {name.strip()}", schemas.get(name.strip())))
 
 
-class DeepSeekV31(TaggedFormat):
-    name = "deepseek_v31"
-    markers = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>")
-    call_tags = ("<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>")
-    section_tags = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
+class SectionFormat(TaggedFormat):
+    """Calls inside a section's tags, each ``CALL_BEGIN head SEPARATOR {json} CALL_END``; `tags` are the five in
+    that order (section begin, call begin, separator, call end, section end), and ``call`` makes a call of the
+    head and the arguments."""
+
+    tags: tuple[str, ...] = ()
+    head = "name"
+    """What the text before the separator is (for errors)."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        section_begin, call_begin, cls.separator, call_end, section_end = cls.tags
+        cls.markers = (section_begin, call_begin)
+        cls.call_tags = (call_begin, call_end)
+        cls.section_tags = (section_begin, section_end)
 
     def read_call(self, body: str, schemas: Schemas) -> ToolCall:
-        name, sep, arguments = body.partition("<｜tool▁sep｜>")
+        head, sep, arguments = body.partition(self.separator)
         if not sep:
-            raise MalformedCall("a call without <｜tool▁sep｜> between its name and its arguments")
-        return make_call(name, arguments)
+            raise MalformedCall(f"a call without {self.separator} between its {self.head} and its arguments")
+        return self.call(head.strip(), arguments)
+
+    def call(self, head: str, arguments: str) -> ToolCall:
+        return make_call(head, arguments)
 
 
-class KimiK2(TaggedFormat):
+class DeepSeekV31(SectionFormat):
+    name = "deepseek_v31"
+    tags = FORMAT_TAGS["deepseek_v31"]
+
+
+class KimiK2(SectionFormat):
+    """The head is the call's id, ``functions.NAME:INDEX``."""
+
     name = "kimi_k2"
-    markers = ("<|tool_calls_section_begin|>", "<|tool_call_begin|>")
-    call_tags = ("<|tool_call_begin|>", "<|tool_call_end|>")
-    section_tags = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
+    tags = FORMAT_TAGS["kimi_k2"]
+    head = "id (functions.NAME:INDEX)"
 
-    def read_call(self, body: str, schemas: Schemas) -> ToolCall:
-        call_id, sep, arguments = body.partition("<|tool_call_argument_begin|>")
-        call_id = call_id.strip()
-        if not sep or ":" not in call_id:
-            raise MalformedCall("a call that is not functions.NAME:INDEX<|tool_call_argument_begin|>{arguments}")
-        name = call_id.rsplit(":", 1)[0].removeprefix("functions.")
-        return make_call(name, arguments, call_id)
+    def call(self, head: str, arguments: str) -> ToolCall:
+        if ":" not in head:
+            raise MalformedCall(f"a call whose id {head[:80]!r} is not functions.NAME:INDEX")
+        return make_call(head.rsplit(":", 1)[0].removeprefix("functions."), arguments, head)
 
 
 class MiniMaxM2(TaggedFormat):
     name = "minimax_m2"
-    markers = ("<minimax:tool_call>",)
+    markers = (MINIMAX_OPEN,)
     call_tags = ("<invoke name=", "</invoke>")
-    section_tags = ("<minimax:tool_call>", "</minimax:tool_call>")
+    section_tags = (MINIMAX_OPEN, MINIMAX_CLOSE)
     head = re.compile(r'\s*"([^"]*)"\s*>(.*)', re.DOTALL)
     pair = re.compile(r'<parameter name="([^"]*)">(.*?)</parameter>', re.DOTALL)
 
@@ -155,11 +179,11 @@ class Harmony(ToolFormat):
     messages, markers and all) is left for the harmony reasoning parser, so this format reads the raw reply."""
 
     name = "harmony"
-    markers = ("<|start|>", "<|channel|>", "<|message|>", "<|call|>")
+    markers = (START, CHANNEL, MESSAGE, CALL)
     """The markers a call is written with (this format finds calls by their headers, not by these alone)."""
     before_reasoning = True
-    message = "<|message|>"
-    header_starts = ("<|start|>", "<|channel|>", " to=", "to=")
+    message = MESSAGE
+    header_starts = (START, CHANNEL, " to=", "to=")
     recipient = re.compile(r"to=functions\.([^\s<]+)")
 
     def segments(self, text: str) -> list[tuple[int, str]]:
@@ -183,7 +207,7 @@ class Harmony(ToolFormat):
         opening = last.lstrip()
         if self.message not in last and any(h.startswith(opening) or opening.startswith(h) for h in self.header_starts):
             return len(last)  # a header still being written: it may yet name a recipient
-        return partial_suffix(text, (*HARMONY_ENDS, "<|start|>"))
+        return partial_suffix(text, (*HARMONY_ENDS, START))
 
     def read_calls(self, tail: str, schemas: Schemas | None = None) -> tuple[str, list[ToolCall]]:
         around, calls = [], []
@@ -193,9 +217,9 @@ class Harmony(ToolFormat):
                 continue
             header, _, body = segment.partition(self.message)
             name = self.recipient.search(header).group(1)
-            body = body.removesuffix("<|call|>")
+            body = body.removesuffix(CALL)
             if body.endswith(HARMONY_ENDS):
-                raise MalformedCall(f"the call of {name} ends with {body[-7:]} instead of <|call|>")
+                raise MalformedCall(f"the call of {name} ends with {body[-7:]} instead of {CALL}")
             calls.append(make_call(name, body))
         return "".join(around), calls
 
@@ -217,11 +241,11 @@ MODEL_TYPES = {
 }
 """A model's config ``model_type`` -> its family's format."""
 TELLTALES = (
-    ("deepseek_v31", ("<｜tool▁calls▁begin｜>", "<｜tool▁sep｜>")),
-    ("kimi_k2", ("<|tool_calls_section_begin|>", "<|tool_call_argument_begin|>")),
-    ("minimax_m2", ("<minimax:tool_call>",)),
-    ("harmony", ("<|channel|>", "<|call|>")),
-    ("glm45", ("<tool_call>", "<arg_key>", "<arg_value>")),
-    ("hermes", ("<tool_call>", "</tool_call>")),
+    ("deepseek_v31", (DeepSeekV31.tags[0], DeepSeekV31.separator)),
+    ("kimi_k2", (KimiK2.tags[0], KimiK2.separator)),
+    ("minimax_m2", (MINIMAX_OPEN,)),
+    ("harmony", (CHANNEL, CALL)),
+    ("glm45", (CALL_OPEN, ARG_KEY, ARG_VALUE)),
+    ("hermes", (CALL_OPEN, CALL_CLOSE)),
 )
 """Tokens whose presence in a vocabulary shows a format, in the order they are tried."""
