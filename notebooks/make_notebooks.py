@@ -306,6 +306,30 @@ plt.show()
 """),
 ]
 
+TOOL_FUNCTIONS = '''
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+
+
+def halve(x: float) -> float:
+    """Half of a number.
+
+    Args:
+        x: the number
+    """
+    return x / 2
+
+
+tools = [add, halve]
+'''
+"""The tools of notebooks/tools.ipynb (also the ones tests/e2e/test_chat_tools.py's taught model calls)."""
+
 TOOLS = [
     md("""
 # A tool loop, step by step
@@ -328,28 +352,7 @@ MODEL = os.environ.get("SHARDBOOK_TOOLS_MODEL", os.path.expanduser("~/models/Qwe
 """),
     code("%load_sharded " + CONFIG + " --model.model_name_or_path {MODEL} --inference.system_prompt none"),
     md("Tools are plain functions with type hints and a docstring: their JSON schemas are read from both."),
-    code('''
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: the first
-        b: the second
-    """
-    return a + b
-
-
-def halve(x: float) -> float:
-    """Half of a number.
-
-    Args:
-        x: the number
-    """
-    return x / 2
-
-
-tools = [add, halve]
-'''),
+    code(TOOL_FUNCTIONS),
     code("""
 %%chat --tools tools --max-new-tokens 64
 Add 2 and 3, then halve it.

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from notebooks.make_notebooks import TOOL_FUNCTIONS
 from tests.driver import interrupt_when
-from tests.taught import THINK_TAGS, save_taught, tag_tokenizer, teach
+from tests.taught import THINK_TAGS, rendered, save_taught, tag_tokenizer, teach
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -27,26 +28,11 @@ TOOL_TEMPLATE = (
 )
 QUESTION = "Add 2 and 3, then halve it."
 RAISED = "error: ValueError: no halves today"
-TOOLS_CODE = '''
+TOOLS_CODE = (
+    TOOL_FUNCTIONS
+    + '''
 import json
 import time
-
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: the first
-        b: the second
-    """
-    return a + b
-
-def halve(x: float) -> float:
-    """Half of a number.
-
-    Args:
-        x: the number
-    """
-    return x / 2
 
 def halve_raising(x: float) -> float:
     """Half of a number.
@@ -67,8 +53,10 @@ def halve_slowly(x: float) -> float:
     return x / 2
 
 halve_raising.__name__ = halve_slowly.__name__ = "halve"
-tools, raising_tools, slow_tools = [add, halve], [add, halve_raising], [add, halve_slowly]
+raising_tools, slow_tools = [add, halve_raising], [add, halve_slowly]
 '''
+)
+"""The notebook's tools (``add``, ``halve``, the list ``tools``), and a ``halve`` that raises and one that sleeps."""
 
 
 def call_text(name: str, arguments: dict) -> str:
@@ -77,8 +65,6 @@ def call_text(name: str, arguments: dict) -> str:
 
 def taught_examples(tokenizer) -> list[tuple[list[int], str]]:
     """(prompt ids, reply) for each step of the loop, built with the template as the kernel builds them."""
-    from shardbook.rankd.generation.engine import build_prompt_ids
-
     tools = [{"type": "function", "function": {"name": name}} for name in ("add", "halve")]
     calls = [("add", {"a": 2, "b": 3}, "5"), ("halve", {"x": 5}, "2.5")]
     messages = [{"role": "user", "content": QUESTION}]
@@ -91,7 +77,7 @@ def taught_examples(tokenizer) -> list[tuple[list[int], str]]:
             examples.append(([*messages, {"role": "tool", "content": RAISED}], "Halving failed."))
         messages = [*messages, {"role": "tool", "content": result}]
     examples.append((messages, "It is 2.5."))
-    return [(build_prompt_ids(tokenizer, m, {"tools": tools})[0].tolist(), reply) for m, reply in examples]
+    return rendered(tokenizer, [(m, {"tools": tools}, reply) for m, reply in examples])
 
 
 def make_tool_model(path: Path) -> Path:
@@ -146,6 +132,42 @@ def test_two_tool_calls_then_an_answer_and_a_step_traced(loaded):
     )
     assert traced.status == "ok", traced.error_text() + traced.stderr()
     assert traced.stdout().strip() == "['<tool_call>', '<tool_call>']"
+
+
+def test_an_intervention_reaches_the_loops_steps(loaded):
+    """A step is an ordinary prompt under interventions too: one that bans the call token on every rank changes
+    a traced step's logits there, and a loop run under it calls nothing; cleared, the loop calls again."""
+    ran = loaded.run(f"%%chat --new --tools tools --output text --max-new-tokens 64\n{QUESTION}", timeout=120)
+    assert ran.status == "ok" and len(steps(loaded)) == 2, ran.error_text() + ran.stderr()
+    ban = (
+        "%%all\n"
+        "CALL_ID = tokenizer.convert_tokens_to_ids('<tool_call>')\n"
+        "def no_calls(output, module_name):\n"
+        "    output = output.clone()\n"
+        "    output[..., CALL_ID] = -1e4\n"
+        "    return output\n"
+    )
+    assert loaded.run(ban).status == "ok"
+    trace = (
+        "step_prompts = [s.prompt for s in _chat.steps]\n"
+        "traces = %trace --prompts step_prompts --modules model.layers.1\n"
+        "print(json.dumps([[tokenizer.decode([int(t.logits[-1].argmax())]), float(t.logits[-1, CALL_ID])] "
+        "for t in traces]))"
+    )
+    clean = loaded.run(trace)
+    assert clean.status == "ok", clean.error_text() + clean.stderr()
+    assert [token for token, _ in json.loads(clean.stdout())] == ["<tool_call>", "<tool_call>"]
+    try:
+        assert loaded.run("%intervene no_calls lm_head --quiet").status == "ok"
+        banned = loaded.run(trace)
+        assert banned.status == "ok", banned.error_text() + banned.stderr()
+        for token, logit in json.loads(banned.stdout()):
+            assert token != "<tool_call>" and logit == -1e4, banned.stdout()
+        under = loaded.run(f"%%chat --new --tools tools --output text --max-new-tokens 16\n{QUESTION}", timeout=120)
+        assert under.status == "ok", under.error_text() + under.stderr()
+        assert steps(loaded) == [] and not shown_steps(under)
+    finally:
+        assert loaded.run("%intervene --clear").status == "ok"
 
 
 def test_a_tool_that_raises_gives_the_model_the_error(loaded):
