@@ -89,7 +89,7 @@ def submit(
     if owner is CALLER:
         owner = foreground.running_cell() if threading.current_thread() is threading.main_thread() else None
     scheduler = scheduler_for(runtime)
-    if owner is not None and interventions_set(runtime):  # a cell's rows: its %intervene functions apply to them
+    if owner is not None and interventions_set(scheduler):  # a cell's rows: its %intervene functions apply to them
         request = replace(request, intervene=True)
     handle = scheduler.submit(request, on_text, on_done, on_delta, owner=owner)
     if handle.starts_loop:
@@ -107,11 +107,11 @@ def batch_refusal(runtime: Runtime) -> str | None:
     return None if loaded is None else cache_refusal(loaded.model)
 
 
-def interventions_set(runtime: Runtime) -> bool:
-    """Whether `%intervene` functions are set on the model loaded now."""
+def interventions_set(scheduler: BatchScheduler) -> bool:
+    """Whether `%intervene` functions are set on the model `scheduler` serves."""
     from shardbook.rankd.inspection.interventions import registry
 
-    loaded = runtime.ctx0.state.get("loaded")
+    loaded = scheduler.loaded
     return loaded is not None and bool(registry(loaded.model))
 
 

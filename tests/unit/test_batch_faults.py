@@ -229,25 +229,33 @@ def test_stop_owned_stops_that_owners_sequences_only(model_and_tokenizer) -> Non
 
 
 def test_a_cells_submission_is_that_cells_and_another_threads_nobodys(model_and_tokenizer, monkeypatch) -> None:
+    """And while an intervention is set, the interventions apply to the cell's sequence, not to the other's."""
     import threading
+    from types import SimpleNamespace
 
     from shardbook.kernel.api import batch
     from shardbook.kernel.ranks import foreground
+    from shardbook.rankd.inspection import interventions
 
-    scheduler = BatchScheduler(model_and_tokenizer[1])
+    model, tokenizer = model_and_tokenizer
+    scheduler = BatchScheduler(tokenizer)
     scheduler.running = True  # a loop runs already: submit starts none
+    scheduler.loaded = SimpleNamespace(model=model)
     monkeypatch.setattr(batch, "scheduler_for", lambda runtime: scheduler)
     request = SequenceRequest(prompt_ids=[1, 2], max_new_tokens=2)
     foreground.cell_started()
     cell, other_thread = foreground.running_cell(), []
+    interventions.registry(model)["steer"] = interventions.Intervention("steer", [], on_input=False)
     try:
         own = batch.submit(None, request)
         thread = threading.Thread(target=lambda: other_thread.append(batch.submit(None, request)))
         thread.start()
         thread.join(30)
     finally:
+        interventions.remove(model, None)
         foreground.cell_ended()
     assert cell is not None and own.owner is cell and other_thread[0].owner is None
+    assert own.request.intervene and not other_thread[0].request.intervene
     assert foreground.running_cell() is None and scheduler.stop_owned(foreground.running_cell()) == 0
     assert scheduler.stop_owned(cell) == 1 and own.stop_requested.is_set()
     assert not other_thread[0].stop_requested.is_set()
