@@ -1,7 +1,9 @@
-"""Real clients against ``shardbook serve --nproc 2`` (one server start for all): a tiny model taught to call its
-tool (``tool_serve_check.py``) served by 2 ranks under torchrun; the openai client's tool-calling round trip,
-whole and streamed, the OpenAI Agents SDK's agent and LangChain's ``bind_tools`` to their final answer, and
-lm-eval's ``local-chat-completions`` passing ``chat_template_kwargs`` that reach the template."""
+"""Real clients against ``shardbook serve --nproc 2`` (one server start for all): the tiny tool model of
+``tests/taught.py`` served by 2 ranks under torchrun; the openai client's tool-calling round trip, whole and
+streamed, the OpenAI Agents SDK's agent and LangChain's ``bind_tools`` to their final answer, and lm-eval's
+``local-chat-completions`` passing ``chat_template_kwargs`` that reach the template. The same checkpoint in the
+2-rank kernel, served by ``%serve`` with each family's parser in turn: every format read from real tokens that
+2 ranks generated."""
 
 from __future__ import annotations
 
@@ -14,10 +16,11 @@ import pytest
 from openai import OpenAI
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from tool_serve_check import MODEL, agents_sdk, get_weather, langchain, round_trip, taught_model
+from tool_serve_check import MODEL, agents_sdk, langchain, read, round_trip
 
+from tests.e2e.http_helpers import server_url
 from tests.e2e.test_terminal_serve import Served
-from tests.taught import save_taught
+from tests.taught import FAMILY_CALLS, family_question, get_weather, save_taught, tool_model
 from tests.tiny import TOOLS_TEMPLATE
 
 pytestmark = pytest.mark.timeout(420)
@@ -50,14 +53,18 @@ metric_list:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def checkpoint(tmp_path_factory) -> Path:
+    """The tool model, also taught to answer "Say hi" with thinking on and off, saved once for the module."""
     assert "(no thinking)" in THINKING_TEMPLATE
-    root = tmp_path_factory.mktemp("agents")
     extra = tuple((SAY, {"enable_thinking": on}, reply) for on, reply in REPLIES.items())
-    model, tokenizer = taught_model(THINKING_TEMPLATE, extra)
-    path = save_taught(root / MODEL, model, tokenizer)
-    config = root / "tools.yaml"
-    config.write_text(f"model:\n  model_name_or_path: {path}\n  dtype: float32\n")
+    model, tokenizer = tool_model(THINKING_TEMPLATE, extra)
+    return save_taught(tmp_path_factory.mktemp("agents") / MODEL, model, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint):
+    config = checkpoint.parent / "tools.yaml"
+    config.write_text(f"model:\n  model_name_or_path: {checkpoint}\n  dtype: float32\n")
     # hermes named: with every family's tool tokens in the taught vocabulary, auto would choose deepseek_v31's
     server = Served(config, "--tool-call-parser", "hermes")
     yield server
@@ -104,3 +111,25 @@ def test_chat_template_kwargs_reach_the_template_from_the_client_and_lm_eval(ser
     )
     assert results["samples"]["say_thinking_off"][0]["resps"][0][0] == REPLIES[False], results["samples"]
     assert results["results"]["say_thinking_off"]["exact_match,none"] == 1.0
+
+
+def test_every_familys_call_is_read_from_two_ranks_tokens(kernel, checkpoint):
+    """The checkpoint loaded in the 2-rank kernel and served by ``%serve`` with each family's tool_call_parser in
+    turn (one load, a server start per family): the call each family's format writes, whole and streamed."""
+    load = f"%load_sharded --model.model_name_or_path {checkpoint} --model.dtype float32 --inference.system_prompt none"
+    loaded = kernel.run(load, timeout=120)
+    assert loaded.status == "ok", loaded.error_text() + loaded.stderr()
+    found = {}
+    for name in FAMILY_CALLS:
+        started = kernel.run(f"%serve --port 0 --tool-call-parser {name}")
+        assert started.status == "ok", started.error_text()
+        try:
+            client = OpenAI(base_url=server_url(started.stdout()), api_key="none", max_retries=0)
+            found[name] = read(client, family_question(name))
+        finally:
+            assert kernel.run("%serve --stop").status == "ok"
+    call = [("get_weather", {"city": "Paris"})]
+    for name, replies in found.items():
+        for finish, reasoning, content, calls in replies:  # whole, then streamed
+            assert (finish, calls, content or "") == ("tool_calls", call, ""), (name, found)
+            assert (reasoning or "") == ("Need the weather." if name == "harmony" else ""), (name, found)

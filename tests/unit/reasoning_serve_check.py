@@ -16,49 +16,15 @@ QUESTION = [{"role": "user", "content": "Hello"}]
 
 
 def taught_model():
-    """A tiny Llama and a tokenizer with think tags, trained until its greedy reply to QUESTION is REPLY."""
-    from tests.tiny import make_tokenizer
+    """A tiny Llama and a tokenizer with think tags (as Qwen3's: ordinary added tokens, kept in the text), trained
+    until its greedy reply to QUESTION is REPLY."""
+    from tests.taught import THINK_TAGS, rendered, tag_tokenizer, teach
 
-    tokenizer = make_tokenizer()
-    tokenizer.add_tokens(["<think>", "</think>"])  # as Qwen3's: ordinary added tokens, kept in the text
-    return teach(tokenizer, [(QUESTION, {}, REPLY)]), tokenizer
-
-
-def teach(tokenizer, examples, steps: int = 300):
-    """A tiny Llama for `tokenizer`, trained until its greedy reply to each example's messages (rendered with its
-    template options) is the example's reply, then the end of turn."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
-    from shardbook.rankd.generation.engine import build_prompt_ids
-    from tests.tiny import IM_END
-
-    eos = tokenizer.convert_tokens_to_ids(IM_END)
-    config = AutoConfig.for_model(
-        "llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=None,
-        eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, dtype="float32",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).to(torch.float32)
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, do_sample=False)
-    batches = []
-    for messages, options, text in examples:
-        prompt = build_prompt_ids(tokenizer, messages, options)[0].tolist()
-        reply = tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]
-        batches.append((torch.tensor([prompt + reply]), torch.tensor([[-100] * len(prompt) + reply])))
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for _ in range(steps):
-        loss = sum(model(input_ids=ids, labels=labels).loss for ids, labels in batches) / len(batches)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if loss.item() < 1e-3:
-            break
-    return model.eval()
+    tokenizer = tag_tokenizer(THINK_TAGS)
+    return teach(tokenizer, rendered(tokenizer, [(QUESTION, {}, REPLY)]), max_steps=300), tokenizer
 
 
 def main() -> None:
-
     from batch_server_check import one_rank_serving  # a sibling script: this one runs as a file too
 
     from shardbook.kernel.server.server import Server

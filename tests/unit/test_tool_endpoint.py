@@ -188,10 +188,12 @@ def test_tools_the_model_cannot_take_are_refused_naming_why(serve, monkeypatch):
 
 
 @pytest.mark.timeout(400)
-def test_a_taught_model_calls_its_tool_for_real_clients():
-    """Real generated tokens: a tiny model taught (in `tool_serve_check.py`) to call get_weather and then answer,
-    driven by the openai client on both paths (the agent frameworks: test_agents_on_two_ranks.py); and to write
-    the call in GLM's, DeepSeek's, Kimi's and MiniMax's formats, each read by a server told that family's parser."""
+def test_a_taught_model_calls_its_tool_in_each_familys_format():
+    """Real generated tokens (`tool_serve_check.py`), on the batch and the single path: the openai client's hermes
+    round trip; the same call in GLM's, DeepSeek's, Kimi's, MiniMax's and gpt-oss's (harmony) formats, each read
+    by a server told that family's parser, whole and streamed (Kimi's and harmony's tags are special tokens:
+    kept for the parsers, kept out of the content); harmony's reasoning apart from its answer, on the endpoint
+    and in ChatModel (the agent frameworks: test_agents_on_two_ranks.py)."""
     done = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("tool_serve_check.py"))],
         capture_output=True,
@@ -203,11 +205,16 @@ def test_a_taught_model_calls_its_tool_for_real_clients():
     found = json.loads(done.stdout.strip().splitlines()[-1])
     call = [["get_weather", {"city": "Paris"}]]
     for where in ("batch", "no_batch"):
-        assert found[where]["whole"] == ["tool_calls", call], found
-        assert found[where]["stream"] == ["tool_calls", call], found  # the client's own stream accumulation
-        assert found[where]["answer"] == ["stop", "It is sunny in Paris."], found
-    for family in ("glm45", "deepseek_v31", "kimi_k2", "minimax_m2"):  # the same call in each family's format
-        assert found[family] == [["tool_calls", call], ["tool_calls", call]], (family, found)
+        assert found[f"{where}_hermes"]["whole"] == ["tool_calls", call], found
+        assert found[f"{where}_hermes"]["stream"] == ["tool_calls", call], found  # the client's own accumulation
+        assert found[f"{where}_hermes"]["answer"] == ["stop", "It is sunny in Paris."], found
+        for family in ("glm45", "deepseek_v31", "kimi_k2", "minimax_m2", "harmony"):
+            for finish, reasoning, content, calls in found[f"{where}_{family}"]:  # whole, then streamed
+                assert (finish, calls) == ("tool_calls", call) and not content, (family, found)
+                assert (reasoning or "") == ("Need the weather." if family == "harmony" else ""), (family, found)
+        for whole_or_streamed in found[f"{where}_harmony_answer"]:
+            assert whole_or_streamed[:3] == ["stop", "It said sunny.", "Sunny."], found
+        assert found[f"{where}_chat_model"] == ["A greeting.", "Hello!"], found
 
 
 def test_the_tool_call_parser_is_chosen_at_the_server():

@@ -1,9 +1,10 @@
-"""Run by test_tool_endpoint.py in a process of its own (a world of one rank with a process-wide runtime): a tiny
-model taught here to answer a question with a hermes tool call and, given the tool's result, with an answer, served
-on the batch and on ``--no-batch``; the openai client's round trip whole and streamed on both; then the same call
-written in GLM's, DeepSeek's, Kimi's and MiniMax's formats (taught too), each read by a server started with that
-family's ``tool_call_parser``, whole and streamed. Prints one JSON line of findings. The OpenAI Agents SDK and
-LangChain (`agents_sdk`, `langchain`) run against 2 ranks in ``tests/e2e/test_agents_on_two_ranks.py``."""
+"""Run by test_tool_endpoint.py in a process of its own (a world of one rank with a process-wide runtime): the
+tiny tool model of ``tests/taught.py``, served on the batch and on ``--no-batch``; the openai client's hermes
+round trip whole and streamed on both; the same call written in each other family's format (harmony's and Kimi's
+tags special tokens) read by a server started with that family's ``tool_call_parser``, whole and streamed, and
+harmony's answer to the call's result; and a greeting with harmony reasoning read by ChatModel (as %%chat and the
+terminal chat read it). Prints one JSON line of findings. The OpenAI Agents SDK and LangChain (`agents_sdk`,
+`langchain`) and every family's call run against 2 ranks in ``tests/e2e/test_agents_on_two_ranks.py``."""
 
 from __future__ import annotations
 
@@ -14,83 +15,30 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.taught import FAMILY_CALLS, QUESTION, RESULT, TAUGHT_CALL, TOOL, family_question, get_weather
+
 MODEL = "tiny-tools"
-QUESTION = [{"role": "user", "content": "Weather in Paris?"}]
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-ANSWER = "It is sunny in Paris."
-TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
-TAUGHT_CALL = {
-    "role": "assistant",
-    "content": "",
-    "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
-}
-RESULT = {"role": "tool", "tool_call_id": "any", "content": "sunny"}
-FAMILY_CALLS = {
-    "glm45": "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>",
-    "deepseek_v31": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
-    '{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
-    "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
-    '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>',
-    "minimax_m2": '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
-    "</invoke>\n</minimax:tool_call>",
-}
-"""The same call in the other families' formats, each answered to the question asked in the family's name."""
-MARKERS = """<tool_call> </tool_call> <arg_key> </arg_key> <arg_value> </arg_value> <｜tool▁calls▁begin｜>
-<｜tool▁call▁begin｜> <｜tool▁sep｜> <｜tool▁call▁end｜> <｜tool▁calls▁end｜> <|tool_calls_section_begin|>
-<|tool_call_begin|> <|tool_call_argument_begin|> <|tool_call_end|> <|tool_calls_section_end|>
-<minimax:tool_call> </minimax:tool_call>""".split()
 
 
-def get_weather(city: str) -> str:
-    """The weather in a city.
-
-    Args:
-        city: The city's name.
-    """
-    return "sunny"
-
-
-def taught_model(chat_template: str | None = None, extra: tuple = ()):
-    """A tiny Llama and a tokenizer with the families' tool tags, taught the hermes call and the answer after its
-    result, and the call in each other family's format when asked in that family's name (and the `extra`
-    ``(messages, template options, reply)`` examples, under `chat_template` when given)."""
-    from reasoning_serve_check import teach  # a sibling script: this one runs as a file too
-
-    from tests.tiny import TOOLS_TEMPLATE, make_tokenizer
-
-    tokenizer = make_tokenizer()
-    tokenizer.add_tokens(MARKERS)  # as Qwen3's, GLM's, ...: ordinary added tokens, kept in the text
-    tokenizer.chat_template = chat_template or TOOLS_TEMPLATE
-    tools = {"tools": [TOOL]}
-    examples = [(QUESTION, tools, CALL), ([*QUESTION, TAUGHT_CALL, RESULT], tools, ANSWER), *extra]
-    examples += [(family_question(name), tools, call) for name, call in FAMILY_CALLS.items()]
-    return teach(tokenizer, examples, steps=500), tokenizer
-
-
-def family_question(name: str) -> list[dict]:
-    return [{"role": "user", "content": f"Weather in Paris? ({name})"}]
-
-
-def family_calls(client, name: str) -> list:
-    """The call read in family `name`'s format (the server started with that tool_call_parser), whole and streamed."""
-    ask = dict(model=MODEL, messages=family_question(name), tools=[TOOL], temperature=0, max_tokens=80)
+def read(client, messages: list) -> list:
+    """[finish_reason, reasoning, content, calls] of the reply, whole and streamed (the deltas joined, calls by
+    their index)."""
+    ask = dict(model=MODEL, messages=messages, tools=[TOOL], temperature=0, max_tokens=80)
     whole = client.chat.completions.create(**ask).choices[0]
-    with client.chat.completions.stream(**ask) as stream:
-        streamed = stream.get_final_completion().choices[0]
-    return [
-        [
-            choice.finish_reason,
-            [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []],
-        ]
-        for choice in (whole, streamed)
+    chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **ask) if c.choices]
+    calls: dict = {}
+    for call in (t for c in chunks for t in c.delta.tool_calls or ()):
+        name, arguments = calls.get(call.index, ("", ""))
+        calls[call.index] = (name + (call.function.name or ""), arguments + (call.function.arguments or ""))
+    streamed = [
+        next(c.finish_reason for c in chunks if c.finish_reason),
+        "".join(getattr(c.delta, "reasoning_content", None) or "" for c in chunks),
+        "".join(c.delta.content or "" for c in chunks),
+        [(name, json.loads(arguments)) for name, arguments in (calls[i] for i in sorted(calls))],
     ]
+    message = whole.message
+    made = [(t.function.name, json.loads(t.function.arguments)) for t in message.tool_calls or []]
+    return [[whole.finish_reason, getattr(message, "reasoning_content", None), message.content, made], streamed]
 
 
 def round_trip(client) -> dict:
@@ -153,22 +101,26 @@ def langchain(base_url: str) -> list:
 def main() -> None:
     from batch_server_check import one_rank_serving  # a sibling script: this one runs as a file too
 
+    from shardbook.kernel.api.chat import ChatModel
     from shardbook.kernel.server.server import Server
     from shardbook.kernel.server.state import ServeOptions
+    from tests.taught import tool_model
 
     torch.set_num_threads(1)  # before the model is taught
-    model, tokenizer = taught_model()
+    model, tokenizer = tool_model()
     runtime, port, client = one_rank_serving(model, tokenizer, f"/models/{MODEL}")
     out: dict = {}
     for batch in (True, False):
-        # hermes named: with every family's markers in its vocabulary, auto would choose deepseek_v31's
-        server = Server(runtime, ServeOptions(port=port, batch=batch, tool_call_parser="hermes")).start()
-        out["batch" if batch else "no_batch"] = round_trip(client)
-        server.stop()
-    for name in FAMILY_CALLS:
-        server = Server(runtime, ServeOptions(port=port, tool_call_parser=name)).start()
-        out[name] = family_calls(client, name)
-        server.stop()
+        where = "batch" if batch else "no_batch"
+        # each parser named: with every family's tags in the vocabulary, auto would choose deepseek_v31's
+        for name in FAMILY_CALLS:
+            server = Server(runtime, ServeOptions(port=port, batch=batch, tool_call_parser=name)).start()
+            out[f"{where}_{name}"] = round_trip(client) if name == "hermes" else read(client, family_question(name))
+            if name == "harmony":
+                out[f"{where}_harmony_answer"] = read(client, [*family_question(name), TAUGHT_CALL, RESULT])
+            server.stop()
+        reply = ChatModel(runtime).chat("Hello", batch=batch, max_new_tokens=60, do_sample=False)
+        out[f"{where}_chat_model"] = [reply.reasoning, reply.text]  # %%chat's and the terminal's reply
     print(json.dumps(out))
 
 
