@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from typing import Any
 
 import tornado.web
@@ -182,6 +183,7 @@ class ChatCompletionsHandler(BodyHandler):
             generation = model.build_request(
                 request.messages, stop=request.stop, template_options=options, **request.settings
             )
+            generation = replace(generation, intervene=False)  # a client's reply: the notebook's %intervene is not
             context = getattr(loaded.model.config.get_text_config(), "max_position_embeddings", None)
             prompt = prompt_ids(loaded.tokenizer, generation.messages, options)
         except (ValueError, PoolError) as e:

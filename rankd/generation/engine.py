@@ -44,6 +44,7 @@ from shardbook.rankd.generation.cache_keyword import cache_keyword
 from shardbook.rankd.generation.reply_text import DECODE_KWARGS, reply_decoder
 from shardbook.rankd.generation.sampling import check_sampling
 from shardbook.rankd.generation.streaming import StopTextFilter, TextDeltaStreamer, find_stop
+from shardbook.rankd.inspection.interventions import Rows, applied_to
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ class GenerationRequest:
     """Strings that end the reply; the reply (streamed and final) stops just before the first one."""
     template_options: dict[str, Any] = field(default_factory=dict)
     """Keywords for the chat template (`enable_thinking=False`, `reasoning_effort="low"`, `tools=[...]`)."""
+    intervene: bool = True
+    """The model's interventions (`%intervene`) apply to this reply (False: an HTTP client's, untouched)."""
 
     def __post_init__(self) -> None:
         _check_messages(self.messages)
@@ -304,7 +307,9 @@ def generate(
             stopping_criteria=StoppingCriteriaList([stop]),
         ),
     )
-    with _eval_mode(model):
+    with _eval_mode(model), contextlib.ExitStack() as interventions:
+        if not request.intervene:  # no row of this reply's forwards is intervened
+            interventions.enter_context(applied_to(model, Rows((), 1, 1)))
         worker.start()
         with user_calls.serve_calls(lambda job: events.put(("call", job))):  # a follower's main thread runs them
             output = _consume(events, on_text, stop_event, timeout_s)

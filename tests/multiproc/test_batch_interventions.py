@@ -38,15 +38,18 @@ def _steer(seen: list[tuple[int, ...]]):
     return steer
 
 
-def scenario_single(model: Any, tokenizer: Any, rank: int) -> dict:
-    """The cell's reply on the single-reply path (the engine's generate), its function on every row."""
+def scenario_single(model: Any, tokenizer: Any, rank: int, intervene: bool = True) -> dict:
+    """The cell's reply on the single-reply path (the engine's generate), the function registered: on every row,
+    or (not `intervene`: an HTTP client's reply there) on none."""
     from shardbook.rankd.generation.engine import GenerationRequest, generate
     from shardbook.rankd.inspection import interventions
 
     seen: list[tuple[int, ...]] = []
     interventions.add(model, {"steer": _steer(seen)}, "steer", [MODULE], on_input=False)
     try:
-        request = GenerationRequest(messages=CELL, max_new_tokens=NEW_TOKENS, want_scores=True, seed=0)
+        request = GenerationRequest(
+            messages=CELL, max_new_tokens=NEW_TOKENS, want_scores=True, seed=0, intervene=intervene
+        )
         result = generate(model, tokenizer, request, device="cpu", on_text=None, stop_event=threading.Event())
         interventions.raise_failures(model)
     finally:
@@ -126,6 +129,11 @@ def test_an_intervention_applies_to_the_cells_rows_only(ranks: Ranks) -> None:
     assert single[0]["seen"][0][0] == 1 and single[0]["seen"][1:] == [(1, 1, hidden)] * (len(tokens) - 1)
 
     _assert_same(together[0]["replies"]["client"], client_alone)  # untouched by the cell's function
+
+    # a client's reply on the single-reply path is untouched too
+    client_single = _run(ranks, "single", intervene=False)
+    _assert_same((client_single[0]["tokens"], client_single[0]["probs"]), cell_untouched)
+    assert client_single[0]["seen"] == client_single[1]["seen"] == []
 
     # both prompts prefilled in chunks of at most 20 tokens (the client's first), the cell's intervened alone
     chunked = _run(ranks, "batch", rows=["client", "cell"], intervention=True, max_step_tokens=20)[0]["replies"]
