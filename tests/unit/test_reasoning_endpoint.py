@@ -7,10 +7,6 @@ The last test serves a tiny model taught to answer with a think block (``reasoni
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,6 +21,7 @@ from shardbook.kernel.server.state import ServeOptions
 from shardbook.rankd.config.schema import InferenceConfig
 from shardbook.rankd.generation.batching import SequenceResult, StreamDelta
 from shardbook.rankd.generation.engine import build_prompt_ids
+from tests.checks import run_check
 from tests.tiny import CHATML_TEMPLATE, make_tokenizer
 
 openai = pytest.importorskip("openai")
@@ -283,15 +280,7 @@ def test_the_reasoning_parser_is_chosen_by_flags_and_reaches_the_reply(serve):
 @pytest.mark.timeout(240)
 def test_a_taught_model_reasons_apart_on_both_paths():
     """Real generated tokens: a tiny model taught (in `reasoning_serve_check.py`) to answer with a think block."""
-    done = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("reasoning_serve_check.py"))],
-        capture_output=True,
-        text=True,
-        timeout=220,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found = run_check(Path(__file__).with_name("reasoning_serve_check.py"), timeout=220)
     for where in ("batch", "no_batch"):
         assert found[f"{where}_whole"] == ["Greet back.", "Hello!"], found
         assert found[f"{where}_stream"] == ["Greet back.", "Hello!"], found

@@ -5,15 +5,13 @@ clients raise on, then ``[DONE]``; a whole reply that fails is a 500. On the bat
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from checks import run_check
 from tiny import make_tiny_llama
 
 pytestmark = pytest.mark.timeout(300)
@@ -23,15 +21,7 @@ pytestmark = pytest.mark.timeout(300)
 def found(tmp_path_factory) -> dict:
     pytest.importorskip("openai")
     model = make_tiny_llama(tmp_path_factory.mktemp("failing") / "tiny")
-    done = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("serve_failure_check.py")), str(model)],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_check(Path(__file__).with_name("serve_failure_check.py"), model, timeout=280)
 
 
 @pytest.mark.parametrize("path", ["batch", "no_batch", "completions"])

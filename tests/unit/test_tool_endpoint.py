@@ -8,9 +8,6 @@ template (``qwen3``'s format). ``tool_serve_check.py`` runs a taught model and a
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,6 +18,9 @@ from shardbook.kernel.server.openai_api import ApiError
 from shardbook.kernel.server.state import ServeOptions
 from shardbook.kernel.server.tool_reply import request_tool_format
 from shardbook.kernel.server.tool_request import ToolRequest
+from tests.checks import run_check
+from tests.taught import FAMILY_CALLS
+from tests.taught import TOOL as WEATHER_TOOL
 from tests.tiny import TOOLS_TEMPLATE, make_tokenizer
 from tests.unit import test_reasoning_endpoint as scripted
 from tests.unit.test_reasoning_endpoint import serve  # noqa: F401  (the fixture: a server on each path)
@@ -28,15 +28,7 @@ from tests.unit.test_reasoning_endpoint import serve  # noqa: F401  (the fixture
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.timeout(60)
 
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+CALL = FAMILY_CALLS["hermes"]
 REPLIES = {
     "weather": ["Let me check.\n<tool", "_call>\n" + CALL[12:30], CALL[30:]],
     "twice": ["<tool_call>", CALL[11:] + CALL.replace("Paris", "Rome")],
@@ -194,15 +186,7 @@ def test_a_taught_model_calls_its_tool_in_each_familys_format():
     by a server told that family's parser, whole and streamed (Kimi's and harmony's tags are special tokens:
     kept for the parsers, kept out of the content); harmony's reasoning apart from its answer, on the endpoint
     and in ChatModel (the agent frameworks: test_agents_on_two_ranks.py)."""
-    done = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("tool_serve_check.py"))],
-        capture_output=True,
-        text=True,
-        timeout=380,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found = run_check(Path(__file__).with_name("tool_serve_check.py"), timeout=380)
     call = [["get_weather", {"city": "Paris"}]]
     for where in ("batch", "no_batch"):
         assert found[f"{where}_hermes"]["whole"] == ["tool_calls", call], found
