@@ -170,6 +170,30 @@ def test_an_intervention_reaches_the_loops_steps(loaded):
         assert loaded.run("%intervene --clear").status == "ok"
 
 
+def test_a_step_patched(loaded):
+    """%patch on a step's prompt against the same prompt with another tool result: the last layer's output at the
+    last position taken from the clean run gives the clean metric, and at the first position the corrupt one."""
+    ran = loaded.run(f"%%chat --new --tools tools --output text --max-new-tokens 64\n{QUESTION}", timeout=120)
+    assert ran.status == "ok" and len(steps(loaded)) == 2, ran.error_text() + ran.stderr()
+    metric = (
+        "%%all\ndef call_logit(logits):\n    return logits[0, -1, tokenizer.convert_tokens_to_ids('<tool_call>')]\n"
+    )
+    assert loaded.run(metric).status == "ok"
+    patch = loaded.run(
+        "clean = _chat.steps[1].prompt\n"
+        "corrupt = clean.replace('tool\\n5<|im_end|>', 'tool\\n7<|im_end|>')\n"
+        "assert corrupt != clean\n"
+        "%patch --clean clean --corrupt corrupt --modules model.layers.* --metric call_logit\n"
+        "r = _patch.result\n"
+        "last = r['effect'][r['modules'].index('model.layers.1')]\n"
+        "print(json.dumps([float(r['clean_metric']), float(r['corrupt_metric']), float(last[-1]), float(last[0])]))"
+    )
+    assert patch.status == "ok", patch.error_text() + patch.stderr()
+    clean, corrupt, last_position, first_position = json.loads(patch.stdout().strip().splitlines()[-1])
+    assert clean != pytest.approx(corrupt, abs=1e-4)
+    assert last_position == pytest.approx(clean, abs=1e-3) and first_position == pytest.approx(corrupt, abs=1e-3)
+
+
 def test_a_tool_that_raises_gives_the_model_the_error(loaded):
     ex = loaded.run(f"%%chat --new --tools raising_tools --output text --max-new-tokens 64\n{QUESTION}", timeout=120)
     assert ex.status == "ok", ex.error_text() + ex.stderr()
