@@ -5,15 +5,13 @@ The server runs in a process of its own (`batch_server_check.py`), since the run
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from checks import run_check
 from tiny import make_tiny_llama, make_tiny_lm
 
 pytestmark = pytest.mark.timeout(300)
@@ -25,16 +23,7 @@ def test_completions_over_the_batch(tmp_path: Path) -> None:
     # Llama 4's chunked attention: a model the batch cannot hold
     llama4 = dict(attention_chunk_size=8, num_local_experts=2, intermediate_size_mlp=64)
     chunked = make_tiny_lm(tmp_path / "chunked", family="llama4_text", **llama4)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("batch_server_check.py")), str(model), str(chunked)],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        env=env,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found = run_check(Path(__file__).with_name("batch_server_check.py"), model, chunked, timeout=280)
     assert found["echo_text"] and found["echo_first_none"]
     assert found["echo_max_diff"] < 1e-4
     assert found["echo_lengths"][:3] == [found["echo_lengths"][3]] * 3

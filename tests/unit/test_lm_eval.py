@@ -5,14 +5,13 @@ do not depend on `num_concurrent`."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from checks import run_check
 from tiny import make_tiny_llama
 
 pytestmark = pytest.mark.timeout(480)
@@ -63,17 +62,8 @@ def test_lm_eval_log_likelihoods_equal_hf_and_generations_do_not_depend_on_concu
     data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
     (tasks / "capitals_local.yaml").write_text(TASK.format(data=data))
     (tasks / "say_local.yaml").write_text(GENERATE_TASK.format(data=data))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    env["HF_DATASETS_CACHE"] = str(tmp_path / "datasets")
-    done = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("lm_eval_check.py")), str(model), str(tasks)],
-        capture_output=True,
-        text=True,
-        timeout=450,
-        env=env,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "datasets")}
+    found = run_check(Path(__file__).with_name("lm_eval_check.py"), model, tasks, timeout=450, env=env)
     assert found["n"] == 3 and found["agree"]  # lm-eval's numbers are ChatModel.score's, request by request
     assert found["hf_max_diff"] < 1e-3 and found["acc"] == found["hf_acc"]  # and those of lm-eval's hf backend
     assert found["generated_n"] == 3 and found["generated_nonempty"]
