@@ -205,6 +205,7 @@ def test_the_stop_button_reaches_a_blocking_intervention(kernel, uneven, tmp_pat
         rank = 1 if name == "blocks_on_rank1" else 0
         assert f"intervention {name!r} was interrupted on rank {rank} at model.layers.1.mlp" in text, text
         assert "blocked inside a collective" not in text, text
+        assert "the reply failed: " in text, text  # its row of the continuous batch failed; the batch went on
     finally:
         kernel.run("%intervene --clear", timeout=60)
         if before:

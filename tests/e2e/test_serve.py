@@ -229,6 +229,56 @@ def test_chat_cells_and_http_requests_from_two_threads_join_the_running_batch_un
     assert cells == [solo_cell] * 3 and replies == [solo_http] * 3
 
 
+STEERS_OR_BLOCKS = """%%all
+import os, time, torch.distributed as dist
+def steer(output, module_name):
+    return output * 4 + 1
+def blocks_on_rank1(output, module_name):
+    if dist.get_rank() == 1:
+        open({entered!r}, "w").close()
+        time.sleep(30)
+        open({slept!r}, "w").close()"""
+
+
+def test_an_intervention_steers_the_cells_reply_not_the_http_requests_beside_it(loaded, serve, tmp_path):
+    """With `%intervene` set, a %%chat reply joins the batch beside an HTTP stream and is steered, while an HTTP
+    request in the same batch equals its solo reply; the cell's stop button reaches its function blocking on rank 1
+    inside the batch's forward, the cell ends naming it, and the HTTP stream beside it runs on."""
+    url = serve()
+    cell = "%%chat --new --output text --max-new-tokens 12\nhello there"
+    solo_cell, solo_http = cell_reply(loaded.run(cell)), chat(url, MODEL, "count with me", max_tokens=12).body
+    entered, slept = tmp_path / "entered", tmp_path / "slept"
+
+    def idle() -> bool:  # the batch has ended: %%all and %intervene need the ranks
+        return request(url, "GET", "/health").body["status"] == "ok"
+
+    assert wait_until(idle, timeout=60)
+    defined = loaded.run(STEERS_OR_BLOCKS.format(entered=str(entered), slept=str(slept)))
+    assert defined.status == "ok", defined.error_text()
+    try:
+        assert loaded.run("%intervene steer model.layers.1.mlp").status == "ok"
+        running = OpenStream(url, MODEL, "talk", max_tokens=3000)
+        assert running.next_chunk()
+        assert cell_reply(loaded.run(cell, timeout=120)) != solo_cell
+        beside = chat(url, MODEL, "count with me", max_tokens=12).body
+        assert beside["choices"][0]["message"]["content"] == solo_http["choices"][0]["message"]["content"]
+        running.drop()
+        assert wait_until(idle, timeout=60)
+        assert loaded.run("%intervene --clear --quiet\n%intervene blocks_on_rank1 model.layers.1.mlp").status == "ok"
+        running = OpenStream(url, MODEL, "talk", max_tokens=3000)
+        assert running.next_chunk()
+        ex, _ = interrupt_when(loaded, cell, lambda msg: wait_until(entered.exists, timeout=60), wait_s=90)
+        text = ex.error_text() + ex.stdout() + ex.stderr()
+        assert not slept.exists(), text
+        assert "intervention 'blocks_on_rank1' was interrupted on rank 1 at model.layers.1.mlp" in text, text
+        assert running.next_chunk() and request(url, "GET", "/health").body["batch_running"] == 1  # it runs on
+        running.drop()
+    finally:
+        wait_until(idle, timeout=60)
+        loaded.run("%intervene --clear", timeout=60)
+    assert cell_reply(loaded.run(cell)) == solo_cell
+
+
 def test_no_batch_takes_turns_as_before(loaded, serve):
     url = serve("--no-batch")
     assert "chat completions: one at a time (--no-batch)" in loaded.run("%serve --status").stdout()
