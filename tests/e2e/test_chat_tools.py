@@ -171,27 +171,29 @@ def test_an_intervention_reaches_the_loops_steps(loaded):
 
 
 def test_a_step_patched(loaded):
-    """%patch on a step's prompt against the same prompt with another tool result: the last layer's output at the
-    last position taken from the clean run gives the clean metric, and at the first position the corrupt one."""
+    """%patch on a step's prompt against the same prompt with another tool result, the metric the call token's
+    logits summed over positions: the last layer patched at a position changes that position's logits only, so
+    its effects add up to the clean metric, and before the result it has none."""
     ran = loaded.run(f"%%chat --new --tools tools --output text --max-new-tokens 64\n{QUESTION}", timeout=120)
     assert ran.status == "ok" and len(steps(loaded)) == 2, ran.error_text() + ran.stderr()
     metric = (
-        "%%all\ndef call_logit(logits):\n    return logits[0, -1, tokenizer.convert_tokens_to_ids('<tool_call>')]\n"
+        "%%all\ndef call_logits(logits):\n"
+        "    return logits[0, :, tokenizer.convert_tokens_to_ids('<tool_call>')].sum()\n"
     )
     assert loaded.run(metric).status == "ok"
     patch = loaded.run(
         "clean = _chat.steps[1].prompt\n"
         "corrupt = clean.replace('tool\\n5<|im_end|>', 'tool\\n7<|im_end|>')\n"
         "assert corrupt != clean\n"
-        "%patch --clean clean --corrupt corrupt --modules model.layers.* --metric call_logit\n"
+        "%patch --clean clean --corrupt corrupt --modules model.layers.* --metric call_logits\n"
         "r = _patch.result\n"
-        "last = r['effect'][r['modules'].index('model.layers.1')]\n"
-        "print(json.dumps([float(r['clean_metric']), float(r['corrupt_metric']), float(last[-1]), float(last[0])]))"
+        "last = r['effect'][r['modules'].index('model.layers.1')] - r['corrupt_metric']\n"
+        "print(json.dumps([float(r['clean_metric'] - r['corrupt_metric']), float(last.sum()), float(last[0])]))"
     )
     assert patch.status == "ok", patch.error_text() + patch.stderr()
-    clean, corrupt, last_position, first_position = json.loads(patch.stdout().strip().splitlines()[-1])
-    assert clean != pytest.approx(corrupt, abs=1e-4)
-    assert last_position == pytest.approx(clean, abs=1e-3) and first_position == pytest.approx(corrupt, abs=1e-3)
+    difference, summed, first = json.loads(patch.stdout().strip().splitlines()[-1])
+    assert abs(difference) > 1e-2 and summed == pytest.approx(difference, rel=1e-2, abs=1e-3), patch.stdout()
+    assert first == pytest.approx(0, abs=1e-3), patch.stdout()
 
 
 def test_a_tool_that_raises_gives_the_model_the_error(loaded):
