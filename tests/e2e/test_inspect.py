@@ -176,12 +176,13 @@ hook = model.model.layers[0].mlp.register_forward_hook(wait_for_the_stop)"""
     ids=["blocks_on_rank1", "loops_on_rank0", "before_the_function"],
 )  # fmt: skip
 def test_the_stop_button_reaches_a_blocking_intervention(kernel, uneven, tmp_path, name, before):
-    """An intervention that sleeps (on a follower) or loops (on rank 0, in the generate thread) is interrupted
-    inside the function on its rank: the cell ends naming rank, function and module, and the next cell runs
-    (before, the cell said "blocked inside a collective" and the ranks stayed busy 28 s). Pressed before the
-    function is called (here rank 1 is held in layer 0 until the stop reaches it), the stop holds for the rest
-    of the command: the function is interrupted as it starts instead of sleeping its 30 s (the 28 s once seen
-    under load, where the stop had come before rank 1 got to the function).
+    """An intervention that sleeps (on a follower) or loops (on rank 0, in the batch thread) is interrupted
+    inside the function on its rank, in the continuous batch (the reply's row fails, the batch goes on): the cell
+    ends naming rank, function and module, and the next cell runs (before, the cell said "blocked inside a
+    collective" and the ranks stayed busy 28 s). Pressed before the function is called (here rank 1 is held in
+    layer 0 until the stop reaches it), the stop holds until a step has no intervened row: the function is
+    interrupted as it starts instead of sleeping its 30 s (the 28 s once seen under load, where the stop had come
+    before rank 1 got to the function).
     """
     from tests.driver import interrupt_when
     from tests.e2e.conftest import wait_until
