@@ -252,11 +252,11 @@ def _row_slice(local: torch.Tensor, rows: Rows):
     """`rows`' slice of `local` [batch, tokens, ...] (or its tokens flattened: [batch * tokens, ...]), and how to put a
     result of that shape back into a copy of `local`; None when `local` has neither layout."""
     index = torch.tensor(rows.rows, device=local.device)
-    flat = local.dim() >= 1 and local.shape[0] == rows.batch * rows.tokens and rows.tokens > 1
+    flat = local.dim() >= 2 and local.shape[0] == rows.batch * rows.tokens and rows.tokens > 1
     view = local.unflatten(0, (rows.batch, rows.tokens)) if flat else local
-    if view.dim() < 1 or view.shape[0] != rows.batch:
+    if view.dim() < 2 or view.shape[0] != rows.batch:
         return None
-    columns = slice(rows.start, None) if view.dim() >= 2 and view.shape[1] == rows.tokens else slice(None)
+    columns = slice(rows.start, None) if view.shape[1] == rows.tokens else slice(None)
     picked = view[index, columns]
 
     def put_back(result: torch.Tensor) -> torch.Tensor:

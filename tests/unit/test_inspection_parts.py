@@ -1,4 +1,5 @@
-"""Pieces of the inspection tools that need no ranks: module globs, --layers, the lens table and heatmap."""
+"""Pieces of the inspection tools that need no ranks: module globs, --layers, the lens table and heatmap, and
+which rows of a batched forward an intervention sees."""
 
 from __future__ import annotations
 
@@ -64,3 +65,63 @@ def test_lens_table_and_heatmap():
 def test_heatmap_cells_show_whitespace_tokens():
     assert short(" ") == "␣" and short("\n") == "\\n" and short("") == "∅"
     assert short(" Paris") == " Paris" and short(" capitalism") == " capit…"
+
+
+class _Flattens(torch.nn.Module):
+    """[rows, tokens, features] in, [rows * tokens, features] out, like the experts of an MoE block."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(0, 1) * 1
+
+
+class _Model(torch.nn.Sequential):
+    """`module` as submodule "0" of a model of one process: a parameter (registration reads the device from one)
+    and input embeddings with no tensor-parallel group."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__(module)
+        self.unused = torch.nn.Parameter(torch.zeros(1))
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self[0]
+
+
+class _Pools(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(0, 2)
+
+
+@pytest.mark.parametrize("module", [torch.nn.Identity(), _Flattens()], ids=["per_row", "flattened"])
+def test_an_intervention_sees_the_selected_rows_cut_to_their_tokens_only(module):
+    """In the batch (`applied_to`), the function gets the selected rows without the padding columns before them and
+    its result goes back into those rows; the other rows, and a forward with no selected row, pass untouched."""
+    from shardbook.rankd.inspection import interventions
+
+    model, seen = _Model(module), []
+
+    def plus_one(output, module_name):
+        seen.append(tuple(output.shape))
+        return output + 1
+
+    interventions.add(model, {"plus_one": plus_one}, "plus_one", ["0"], on_input=False)
+    x = torch.zeros(3, 5, 4)
+    with interventions.applied_to(model, interventions.Rows((1,), batch=3, tokens=5, start=2)):
+        out = model(x).view(3, 5, 4)
+    with interventions.applied_to(model, interventions.Rows((), batch=3, tokens=5)):
+        untouched = model(x)
+    assert seen == ([(1, 3, 4)] if isinstance(module, torch.nn.Identity) else [(3, 4)])  # its row, its 3 tokens
+    assert (out[1, 2:] == 1).all() and (out[1, :2] == 0).all() and (out[0] == 0).all() and (out[2] == 0).all()
+    assert (untouched == 0).all()
+    assert (model(x) == 1).all()  # outside the batch: every row, as before
+
+
+def test_an_intervention_on_a_tensor_without_rows_fails_naming_its_shape():
+    from shardbook.rankd.inspection import interventions
+
+    model = _Model(_Pools())
+    interventions.add(model, {"f": lambda output, name: output + 1}, "f", ["0"], on_input=False)
+    with interventions.applied_to(model, interventions.Rows((0,), batch=2, tokens=3)):
+        out = model(torch.zeros(2, 3, 4))
+    assert (out == 0).all()
+    with pytest.raises(interventions.InterventionError, match=r"has shape \(24,\), not \[rows, tokens, \.\.\.\]"):
+        interventions.raise_failures(model)
