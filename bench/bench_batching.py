@@ -39,6 +39,7 @@ import http.client
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -59,20 +60,36 @@ PROMPT = "Tell me about the city of Paris, client {i}:"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
-def stream(url: str, path: str, body: dict, key: str) -> dict:
-    """One streamed request: when it was sent, when each content chunk arrived, the text."""
+def stream(
+    url: str,
+    path: str,
+    body: dict,
+    key: str,
+    until: threading.Event | None = None,
+    started: threading.Semaphore | None = None,
+) -> dict:
+    """One streamed request: when it was sent, when each content chunk arrived, the text, the last ``usage``.
+
+    A refusal (any status but 200) comes back with its status and body, no arrivals; ``until`` set ends the
+    reading (the connection closes, so the server stops the request) at the next chunk; ``started`` is
+    released at the first.
+    """
     parts = urlparse(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=900)
     sent = time.perf_counter()
     conn.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
     response = conn.getresponse()
-    assert response.status == 200, response.read()
-    arrivals, text = [], []
+    if response.status != 200:
+        return {"sent": sent, "arrivals": [], "text": response.read().decode(), "status": response.status}
+    arrivals, text, usage = [], [], None
     for line in response:
         line = line.decode().strip()
+        if until is not None and until.is_set():
+            break
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
         chunk = json.loads(line[len("data: ") :])
+        usage = chunk.get("usage") or usage
         piece = (
             (chunk["choices"][0].get(key) if key == "text" else chunk["choices"][0]["delta"].get("content"))
             if chunk["choices"]
@@ -81,8 +98,10 @@ def stream(url: str, path: str, body: dict, key: str) -> dict:
         if piece:
             arrivals.append(time.perf_counter())
             text.append(piece)
+            if started is not None and len(arrivals) == 1:
+                started.release()
     conn.close()
-    return {"sent": sent, "arrivals": arrivals, "text": "".join(text)}
+    return {"sent": sent, "arrivals": arrivals, "text": "".join(text), "status": 200, "usage": usage}
 
 
 def completion(url: str, i: int, n: int) -> dict:
@@ -96,14 +115,15 @@ def chat_chunks(url: str, model: str, i: int, n: int) -> dict:
     return {**result, "tokens": len(result["arrivals"])}
 
 
-def together(run, num: int) -> list[dict]:
+def together(run, num: int, refused_ok: bool = False) -> list[dict | None]:
+    """``num`` clients at once; with ``refused_ok`` a refusal or a failed client (None) is the caller's to count."""
     results: list[dict | None] = [None] * num
     threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, run(i))) for i in range(num)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(1800)
-    assert all(r is not None and r["arrivals"] for r in results), "a client got no reply"
+    assert refused_ok or all(r is not None and r["arrivals"] for r in results), f"a client got no reply: {results}"
     return results
 
 
@@ -205,10 +225,26 @@ def transformers_serve(continuous: bool) -> Iterator[str]:
         "float32",
         "--continuous-batching" if continuous else "--no-continuous-batching",
     ]
-    env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": "2"}
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with launched("transformers serve", argv, port, {**OFFLINE, "OMP_NUM_THREADS": "2"}) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def launched(
+    name: str, argv: list[str], port: int, env: dict, log: Path | None = None, wait_s: float = 300
+) -> Iterator[str]:
+    """A server process in a session of its own, up once ``GET /v1/models`` answers 200; yields its URL.
+
+    On leaving, the whole process group gets SIGTERM, then SIGKILL after 60 s (servers that start workers,
+    as torchrun and vLLM do, leave none behind). Its output goes to ``log`` (else nowhere); a server that
+    exits or does not answer within ``wait_s`` raises, naming the log.
+    """
+    out = log.open("wb") if log else subprocess.DEVNULL
+    proc = subprocess.Popen(
+        argv, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + wait_s
         while True:
             try:
                 conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
@@ -216,12 +252,28 @@ def transformers_serve(continuous: bool) -> Iterator[str]:
                 if conn.getresponse().status == 200:
                     break
             except OSError:
-                assert time.monotonic() < deadline and proc.poll() is None, "transformers serve did not start"
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"{name} did not start within {wait_s:.0f} s (exit {proc.poll()}; log {log})"
+                    ) from None
                 time.sleep(1)
         yield f"http://127.0.0.1:{port}/v1"
     finally:
-        proc.terminate()
+        _stop_group(proc)
+        if log:
+            out.close()
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
         proc.wait(60)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # workers that outlived their parent
+    proc.wait(10)
 
 
 LAYOUTS = ("gather", "tp")

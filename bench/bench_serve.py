@@ -24,6 +24,13 @@ streamed clients under gather and tp, guidellm at 1 and 8 streams, and ``transfo
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_serve.py --batching --clients 8 --many 32 --client-tokens 32
     .venv/bin/python bench/bench_serve.py --batching --clients 2 --many 4 --client-tokens 4 --guidellm-requests 2
+
+``--batching --side-by-side`` is issue 32's comparison instead (``bench_side_by_side.py`` says what): ``vllm serve``
+(vLLM's CPU build, from ``--vllm-python``), ``transformers serve --continuous-batching`` and ``shardbook serve``
+under ``tp``, one at a time: 1/8/32/64 clients, an 8k-token prompt beside 7 streams, a 10-turn conversation.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_serve.py --batching --side-by-side --client-tokens 64 \
+        --vllm-python /tmp/vllm-venv/bin/python
 """
 
 from __future__ import annotations
@@ -125,7 +132,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batching", action="store_true", help="measure continuous batching (bench_batching.py)")
     p.add_argument("--many", type=int, default=32, help="--batching: clients of the latency run")
     p.add_argument("--guidellm-requests", type=int, default=32, help="--batching: guidellm requests per stream count")
+    p.add_argument("--side-by-side", action="store_true", help="--batching: issue 32's comparison with vLLM")
+    p.add_argument("--vllm-python", help="--side-by-side: the python of vLLM's venv (else $VLLM_PYTHON)")
+    p.add_argument("--counts", type=lambda s: [int(c) for c in s.split(",")], default=[1, 8, 32, 64])
+    p.add_argument("--long-tokens", type=int, default=7900, help="--side-by-side: the long prompt's text tokens")
+    p.add_argument("--turns", type=int, default=10, help="--side-by-side: the conversation's turns")
     args = p.parse_args(argv)
+    if args.batching and args.side_by_side:
+        from bench_side_by_side import run
+
+        return run(args)
     if args.batching:
         from bench_batching import run
 
