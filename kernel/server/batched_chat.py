@@ -17,7 +17,7 @@ from shardbook.kernel.server.batch_reply import BatchReplyHandler
 from shardbook.kernel.server.openai_api import FINISH_REASONS, ApiError, load_body, parse_request
 from shardbook.kernel.server.reasoning_reply import reply_format, template_options, with_reasoning_tokens
 from shardbook.kernel.server.text_completions import MAX_N
-from shardbook.kernel.server.tool_reply import reply_splitter, request_tool_format, with_tools
+from shardbook.kernel.server.tool_reply import call_pieces, reply_splitter, request_tool_format, with_tools
 from shardbook.rankd.generation.batching import BatchLimitError, SequenceRequest, SequenceResult, StreamDelta
 
 EXTRA = ("n", "logprobs", "top_logprobs", "ignore_eos", "min_tokens")
@@ -114,10 +114,19 @@ class BatchedChatCompletionsHandler(BatchReplyHandler):
         return self.stream_choice(request, planned, index, delta, final=True)
 
     def send_chunk(self, ids: tuple[str, int], request, choices: list, usage: dict[str, int] | None = None) -> None:
-        """A choice that ends on its tool calls finishes with ``tool_calls`` (its last delta carries them)."""
+        """A choice that ends on its tool calls finishes with ``tool_calls``; its calls go first in chunks of their
+        own, as ``call_pieces`` streams them."""
         for choice in choices:
             if choice.get("finish_reason") is not None:
                 choice["finish_reason"] = self.splitters[choice["index"]].finish_reason(choice["finish_reason"])
+        if len(choices) == 1 and choices[0]["delta"].get("tool_calls"):
+            choice = choices[0]
+            first, *pieces, last = call_pieces(choice["delta"])  # the text's logprobs go with the first
+            super().send_chunk(ids, request, [{**choice, "delta": first, "finish_reason": None}], usage)
+            for piece in pieces:
+                piece_choice = {**choice, "delta": piece, "finish_reason": None, "logprobs": None}
+                super().send_chunk(ids, request, [piece_choice], usage)
+            choices = [{**choice, "delta": last, "logprobs": None}]
         super().send_chunk(ids, request, choices, usage)
 
     def usage(self, planned, results: dict[int, SequenceResult]) -> dict[str, Any]:

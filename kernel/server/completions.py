@@ -42,7 +42,7 @@ from shardbook.kernel.server.openai_api import (
 )
 from shardbook.kernel.server.reasoning_reply import prompt_ids, reply_format, template_options, with_reasoning_tokens
 from shardbook.kernel.server.state import ServerState
-from shardbook.kernel.server.tool_reply import reply_splitter, request_tool_format, with_tools
+from shardbook.kernel.server.tool_reply import call_pieces, reply_splitter, request_tool_format, with_tools
 
 log = logging.getLogger(__name__)
 BODY_READ_LIMIT = 64 * 1024 * 1024
@@ -268,7 +268,10 @@ class ChatCompletionsHandler(BodyHandler):
             self.open_stream(request, stream, completion_id)
         rest = self.splitter.delta("", final=True)  # a tag cut short at the end is text after all; the calls
         finish = self.splitter.finish_reason(FINISH_REASONS[response.finish_reason])
-        self.send_event(chunk_body(completion_id, request.model, rest, finish, include_usage=request.include_usage))
+        *pieces, last = call_pieces(rest)
+        for piece in pieces:
+            self.send_event(chunk_body(completion_id, request.model, piece, include_usage=request.include_usage))
+        self.send_event(chunk_body(completion_id, request.model, last, finish, include_usage=request.include_usage))
         if request.include_usage:
             usage = with_reasoning_tokens(
                 usage_body(response), self.fmt, self.tokenizer, [self.splitter.whole.reasoning]

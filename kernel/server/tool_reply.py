@@ -2,12 +2,13 @@
 template, and a reply's calls as ``message.tool_calls`` / ``delta.tool_calls`` with ``finish_reason:
 "tool_calls"``.
 
-Calls come whole, in the reply's last chunk (index, id, type, name and all the arguments at once, which the
-openai client's and LangChain's stream accumulation take): a call is only sure once the reply has ended, since
-a call that cannot be read, or that does not answer the request (a tool not offered, a required argument
-missing, ``tool_choice`` not followed), turns the reply back into text, with ``finish_reason: "stop"``, a
-warning in the log and ``shardbook_tool_call_parse_failures_total`` counted in ``/metrics``. Decoding is not
-constrained: ``tool_choice: "required"`` or a named function asks, it cannot force.
+Streamed, calls come at the reply's end as the OpenAI API streams them (``call_pieces``): a chunk with each
+call's index, id, type and name and empty arguments, then the arguments in pieces. They wait for the end since a
+call is only sure once the reply has ended: a call that cannot be read, or that does not answer the request (a
+tool not offered, a required argument missing, ``tool_choice`` not followed), turns the reply back into text,
+with ``finish_reason: "stop"``, a warning in the log and ``shardbook_tool_call_parse_failures_total`` counted in
+``/metrics``. Decoding is not constrained: ``tool_choice: "required"`` or a named function asks, it cannot
+force.
 """
 
 from __future__ import annotations
@@ -100,6 +101,27 @@ class ToolReplySplitter(ReplySplitter):
             message["content"] = message["content"] or None  # OpenAI's shape: null beside calls
             message["tool_calls"] = [call.as_openai() for call in self.calls]
         return message
+
+
+ARGUMENTS_PIECE = 16
+"""Characters of a call's arguments per streamed chunk (the OpenAI API streams them a few tokens at a time)."""
+
+
+def call_pieces(delta: dict[str, Any]) -> list[dict[str, Any]]:
+    """A reply's last delta as the chunks' deltas the OpenAI API would stream: its text and each call's index, id,
+    type and name with empty arguments first, then each call's arguments in pieces of ARGUMENTS_PIECE
+    characters (clients join them by index); a delta without calls as it is."""
+    calls = delta.get("tool_calls")
+    if not calls:
+        return [delta]
+    heads = [{**call, "function": {"name": call["function"]["name"], "arguments": ""}} for call in calls]
+    pieces = [{**delta, "tool_calls": heads}]
+    for call in calls:
+        arguments = call["function"]["arguments"]
+        for at in range(0, len(arguments), ARGUMENTS_PIECE):
+            piece = {"index": call["index"], "function": {"arguments": arguments[at : at + ARGUMENTS_PIECE]}}
+            pieces.append({"tool_calls": [piece]})
+    return pieces
 
 
 def reply_splitter(

@@ -83,6 +83,16 @@ def test_a_call_whole_and_streamed_then_the_result_back(client):
     assert (content, finish) == ("Let me check.", "tool_calls")
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris"})]
     assert calls[0]["id"].startswith("call_")
+    chunks = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER_TOOL], stream=True)
+    pieces = [
+        (c.id, c.type, c.function.name, c.function.arguments)
+        for k in chunks
+        for c in k.choices[0].delta.tool_calls or ()
+    ]
+    # as the OpenAI API streams a call: id, type and name with empty arguments, then the arguments in pieces
+    assert pieces[0][0].startswith("call_") and pieces[0][1:] == ("function", "get_weather", "")
+    assert len(pieces) > 2 and all(piece[:3] == (None, None, None) for piece in pieces[1:])
+    assert json.loads("".join(piece[3] for piece in pieces[1:])) == {"city": "Paris"}
     turns = [
         *ASK,
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
