@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import subprocess
+import time
 
 import pytest
 
@@ -57,7 +58,8 @@ def test_two_nodes_dist_chat_interrupt_restart_shutdown(slurm_prefix, slurm_clus
 
 
 def test_two_nodes_of_two_ranks_until_the_time_limit_kills_the_kernel(slurm_prefix, slurm_cluster, caplog):
-    """The job's time limit, shortened to 1 min (Slurm's least), ends it: a dead kernel, with Slurm's TIMEOUT."""
+    """The job's time limit ends it: a dead kernel, with Slurm's TIMEOUT. The end time is moved to 2 s from now
+    (``TimeLimit=1``, Slurm's least limit, would count a whole minute from the job's start)."""
     caplog.set_level(logging.INFO)
     handle = KernelHandle("slurm2x2", env={"OMP_NUM_THREADS": "1"})
     try:
@@ -72,7 +74,8 @@ def test_two_nodes_of_two_ranks_until_the_time_limit_kills_the_kernel(slurm_pref
         ex = handle.run("%%all\nimport os\nprint(os.environ['SLURMD_NODENAME'], os.environ['LOCAL_RANK'])")
         assert ex.status == "ok", ex.error_text()
         assert "[rank 3]\nn2 1" in ex.stdout(), ex.stdout()
-        subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=1"], check=True, env=slurm_cluster.env)
+        end = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() + 2))  # slurmctld's clock and zone
+        subprocess.run(["scontrol", "update", f"JobId={job}", f"EndTime={end}"], check=True, env=slurm_cluster.env)
         assert wait_until(lambda: not handle.km.is_alive(), timeout=120)  # slurmctld checks limits every ~30 s
         assert f"Slurm job {job} is TIMEOUT" in caplog.text
     finally:
