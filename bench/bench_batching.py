@@ -214,7 +214,7 @@ def guidellm(url: str, streams: list[int], requests: int, n: int, out: Path) -> 
 
 
 @contextlib.contextmanager
-def transformers_serve(continuous: bool) -> Iterator[str]:
+def transformers_serve(continuous: bool, log: Path | None = None) -> Iterator[str]:
     """``transformers serve`` on the demo model in one process, 2 threads (the anchor); yields its URL."""
     port = 8700 + continuous
     argv = [str(Path(sys.executable).parent / "transformers"), "serve", str(MODEL_DIR), "--port", str(port)]
@@ -225,7 +225,7 @@ def transformers_serve(continuous: bool) -> Iterator[str]:
         "float32",
         "--continuous-batching" if continuous else "--no-continuous-batching",
     ]
-    with launched("transformers serve", argv, port, {**OFFLINE, "OMP_NUM_THREADS": "2"}) as url:
+    with launched("transformers serve", argv, port, {**OFFLINE, "OMP_NUM_THREADS": "2"}, log) as url:
         yield url
 
 
@@ -252,10 +252,10 @@ def launched(
                 if conn.getresponse().status == 200:
                     break
             except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"{name} did not start within {wait_s:.0f} s (exit {proc.poll()}; log {log})"
-                    ) from None
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {proc.returncode} before serving (log: {log})") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{name} did not answer within {wait_s:.0f} s (log: {log})") from None
                 time.sleep(1)
         yield f"http://127.0.0.1:{port}/v1"
     finally:

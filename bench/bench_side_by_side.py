@@ -67,7 +67,7 @@ def server(name: str, vllm_python: str, log: Path):
     if name == "vllm":
         return vllm_serve(vllm_python, log), MODEL, True
     if name == "transformers":
-        return transformers_serve(True), str(MODEL_DIR), False
+        return transformers_serve(True, log), str(MODEL_DIR), False
     return shardbook_serve(log), MODEL, True
 
 
