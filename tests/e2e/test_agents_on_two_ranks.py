@@ -22,6 +22,7 @@ from tests.e2e.http_helpers import server_url
 from tests.e2e.test_terminal_serve import Served
 from tests.taught import FAMILY_CALLS, family_question, get_weather, save_taught, tool_model
 from tests.tiny import TOOLS_TEMPLATE
+from tests.unit.test_lm_eval import GENERATE_TASK
 
 pytestmark = pytest.mark.timeout(420)
 THINKING_TEMPLATE = TOOLS_TEMPLATE.replace(
@@ -32,24 +33,6 @@ THINKING_TEMPLATE = TOOLS_TEMPLATE.replace(
 """The tools template, whose prompt says when a request turned thinking off (as Qwen3's writes an empty block)."""
 SAY = [{"role": "user", "content": "Say hi"}]
 REPLIES = {True: "Thinking on.", False: "Thinking off."}
-SAY_TASK = """task: say_thinking_off
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{question}}}}"
-doc_to_target: "{{{{answer}}}}"
-generation_kwargs:
-  until: ["\\n\\n"]
-  max_gen_toks: 16
-  do_sample: false
-  chat_template_kwargs:
-    enable_thinking: false
-metric_list:
-  - metric: exact_match
-"""
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +83,9 @@ def test_chat_template_kwargs_reach_the_template_from_the_client_and_lm_eval(ser
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
     data = tmp_path / "say.jsonl"
     data.write_text(json.dumps({"question": "Say hi", "answer": REPLIES[False]}) + "\n")
-    (tmp_path / "say_thinking_off.yaml").write_text(SAY_TASK.format(data=data))
+    kwargs = "  chat_template_kwargs:\n    enable_thinking: false\n"
+    task = GENERATE_TASK.format(name="say_thinking_off", data=data, max_gen_toks=16, more=kwargs)
+    (tmp_path / "say_thinking_off.yaml").write_text(task)
     results = lm_eval.simple_evaluate(
         model="local-chat-completions",
         model_args=f"model={MODEL},base_url={served.url}/chat/completions,max_retries=1,num_concurrent=1",

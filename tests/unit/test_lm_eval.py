@@ -29,7 +29,7 @@ doc_to_target: "{{{{answer}}}}"
 metric_list:
   - metric: acc
 """
-GENERATE_TASK = """task: say_local
+GENERATE_TASK = """task: {name}
 dataset_path: json
 dataset_kwargs:
   data_files:
@@ -40,11 +40,12 @@ doc_to_text: "{{{{question}}}}"
 doc_to_target: "{{{{answer}}}}"
 generation_kwargs:
   until: ["\\n\\n"]
-  max_gen_toks: 8
+  max_gen_toks: {max_gen_toks}
   do_sample: false
-metric_list:
+{more}metric_list:
   - metric: exact_match
 """
+"""A generate_until task over the JSON lines at `data`; `more` adds lines to its generation_kwargs."""
 DOCS = [
     {"question": "The capital of France is", "choices": ["Paris.", "Rome.", "the dog"], "answer": 0},
     {"question": "The quick brown fox jumps over the", "choices": ["lazy dog", "capital", "42"], "answer": 0},
@@ -61,7 +62,7 @@ def test_lm_eval_log_likelihoods_equal_hf_and_generations_do_not_depend_on_concu
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
     (tasks / "capitals_local.yaml").write_text(TASK.format(data=data))
-    (tasks / "say_local.yaml").write_text(GENERATE_TASK.format(data=data))
+    (tasks / "say_local.yaml").write_text(GENERATE_TASK.format(name="say_local", data=data, max_gen_toks=8, more=""))
     env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "datasets")}
     found = run_check(Path(__file__).with_name("lm_eval_check.py"), model, tasks, timeout=450, env=env)
     assert found["n"] == 3 and found["agree"]  # lm-eval's numbers are ChatModel.score's, request by request
