@@ -109,7 +109,7 @@ def batch_refusal(runtime: Runtime) -> str | None:
 
 def interventions_set(scheduler: BatchScheduler) -> bool:
     """Whether `%intervene` functions are set on the model `scheduler` serves."""
-    from shardbook.rankd.inspection.interventions import registry
+    from shardbook.rankd.generation.intervention_state import registry
 
     loaded = scheduler.loaded
     return loaded is not None and bool(registry(loaded.model))

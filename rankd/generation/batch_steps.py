@@ -41,8 +41,8 @@ from shardbook.rankd.generation.cache_rows import (
     layer_refusal,
     select_rows,
 )
+from shardbook.rankd.generation.intervention_state import Rows, applied_to, take_failure
 from shardbook.rankd.generation.prefix_store import BLOCK_TOKENS, prefix_store
-from shardbook.rankd.inspection.interventions import Rows, applied_to, take_failure
 
 STEP_OK, JOIN_FAILED, STEP_FAILED = 0, 1, 2
 """How a step ended on a rank; the worst over the ranks is the step's outcome."""

@@ -41,10 +41,10 @@ from shardbook.rankd.control.agreement import agree
 from shardbook.rankd.control.text import check_valid
 from shardbook.rankd.control.world import set_current_device
 from shardbook.rankd.generation.cache_keyword import cache_keyword
+from shardbook.rankd.generation.intervention_state import Rows, applied_to
 from shardbook.rankd.generation.reply_text import DECODE_KWARGS, reply_decoder
 from shardbook.rankd.generation.sampling import check_sampling
 from shardbook.rankd.generation.streaming import StopTextFilter, TextDeltaStreamer, find_stop
-from shardbook.rankd.inspection.interventions import Rows, applied_to
 
 log = logging.getLogger(__name__)
 

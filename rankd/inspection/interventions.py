@@ -15,20 +15,19 @@ A function that the stop button interrupts (KeyboardInterrupt raised inside it, 
 then fails on that rank naming the function, the module and the cause.
 
 In the continuous batch the functions apply to some rows only: a notebook cell's, not an HTTP client's. Each
-forward of a batch step names those rows (:func:`applied_to`, from the step's plan, so every rank selects alike);
-the function is called on their slice alone, cut to the columns where they have real tokens, and its result is
-put back into those rows; the other rows pass untouched, and a forward with no such row calls nothing and gathers
-nothing. One cell's reply thus gives the function what the single-reply path gives it: [1, tokens, ...]. Under
-the batch a failure is the step's (``take_failure``): every rank learns of it and the rows it applied to fail.
+forward of a batch step names those rows (``intervention_state.applied_to``, from the step's plan, so every rank
+selects alike); the function is called on their slice alone, cut to the columns where they have real tokens, and
+its result is put back into those rows; the other rows pass untouched, and a forward with no such row calls
+nothing and gathers nothing. One cell's reply thus gives the function what the single-reply path gives it:
+[1, tokens, ...]. Under the batch a failure is the step's (``intervention_state.take_failure``): every rank learns
+of it and the rows it applied to fail.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,48 +35,12 @@ import torch.distributed as dist
 from torch import nn
 
 from shardbook.rankd.control import user_calls
+from shardbook.rankd.generation.intervention_state import Intervention, Rows, registry, row_selection, take_failure
 from shardbook.rankd.parallel.wholes import FeatureSplit, activation_split, all_gather_whole, local_part
-
-REGISTRY_ATTRIBUTE = "shardbook_interventions"
-ROWS_ATTRIBUTE = "shardbook_intervened_rows"
 
 
 class InterventionError(RuntimeError):
     """A registered intervention function raised on this rank."""
-
-
-@dataclass
-class Intervention:
-    """One registered function: where it applies, its hooks, and its first failure since the last check."""
-
-    name: str
-    modules: list[str]
-    on_input: bool
-    handles: list[Any] = field(default_factory=list)
-    failure: str | None = None
-
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "modules": self.modules, "on": "input" if self.on_input else "output"}
-
-
-@dataclass(frozen=True)
-class Rows:
-    """The rows of one batched forward that the interventions apply to (the continuous batch names them)."""
-
-    rows: tuple[int, ...]
-    batch: int
-    """Rows in the forward."""
-    tokens: int
-    """Tokens each row feeds in the forward (left-padded to the longest)."""
-    start: int = 0
-    """The first column where one of `rows` has a real token: the padding before it is cut from their slice."""
-
-
-def registry(model: nn.Module) -> dict[str, Intervention]:
-    """The interventions on `model` by name (kept on the model: a new model starts with none)."""
-    if not hasattr(model, REGISTRY_ATTRIBUTE):
-        object.__setattr__(model, REGISTRY_ATTRIBUTE, {})
-    return getattr(model, REGISTRY_ATTRIBUTE)
 
 
 def add(model: nn.Module, namespace: dict[str, Any], name: str, modules: list[str], on_input: bool) -> Intervention:
@@ -87,7 +50,7 @@ def add(model: nn.Module, namespace: dict[str, Any], name: str, modules: list[st
     remove(model, name)
     fn = namespace[name]
     iv = Intervention(name, modules, on_input)
-    selected = _selection(model)
+    selected = row_selection(model)
     for module_name in modules:
         apply = _applier(iv, fn, module_name, activation_split(model, module_name, on_input), selected)
         module = model.get_submodule(module_name)
@@ -114,33 +77,6 @@ def raise_failures(model: nn.Module) -> None:
     text = take_failure(model)
     if text is not None:
         raise InterventionError(text)
-
-
-def take_failure(model: nn.Module) -> str | None:
-    """The first failure of any intervention since the last call, or None (and forget them: the functions run
-    again from the next forward on)."""
-    failed = [iv for iv in registry(model).values() if iv.failure]
-    for iv in failed:
-        iv.failure, text = None, iv.failure
-    return text if failed else None
-
-
-@contextlib.contextmanager
-def applied_to(model: nn.Module, rows: Rows) -> Iterator[None]:
-    """Within the block (one batched forward), the interventions apply to `rows` only."""
-    selected = _selection(model)
-    selected[0] = rows
-    try:
-        yield
-    finally:
-        selected[0] = None
-
-
-def _selection(model: nn.Module) -> list[Rows | None]:
-    """The model's current row selection, in a box the hooks hold (None: every row, as outside the batch)."""
-    if not hasattr(model, ROWS_ATTRIBUTE):
-        object.__setattr__(model, ROWS_ATTRIBUTE, [None])
-    return getattr(model, ROWS_ATTRIBUTE)
 
 
 def agreed_function(model: nn.Module, namespace: dict[str, Any], name: str, example: str) -> Callable:

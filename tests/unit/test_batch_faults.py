@@ -235,6 +235,7 @@ def test_a_cells_submission_is_that_cells_and_another_threads_nobodys(model_and_
 
     from shardbook.kernel.api import batch
     from shardbook.kernel.ranks import foreground
+    from shardbook.rankd.generation import intervention_state
     from shardbook.rankd.inspection import interventions
 
     model, tokenizer = model_and_tokenizer
@@ -245,7 +246,7 @@ def test_a_cells_submission_is_that_cells_and_another_threads_nobodys(model_and_
     request = SequenceRequest(prompt_ids=[1, 2], max_new_tokens=2)
     foreground.cell_started()
     cell, other_thread = foreground.running_cell(), []
-    interventions.registry(model)["steer"] = interventions.Intervention("steer", [], on_input=False)
+    intervention_state.registry(model)["steer"] = intervention_state.Intervention("steer", [], on_input=False)
     try:
         own = batch.submit(None, request)
         thread = threading.Thread(target=lambda: other_thread.append(batch.submit(None, request)))

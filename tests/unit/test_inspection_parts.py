@@ -95,6 +95,7 @@ class _Pools(torch.nn.Module):
 def test_an_intervention_sees_the_selected_rows_cut_to_their_tokens_only(module):
     """In the batch (`applied_to`), the function gets the selected rows without the padding columns before them and
     its result goes back into those rows; the other rows, and a forward with no selected row, pass untouched."""
+    from shardbook.rankd.generation.intervention_state import Rows, applied_to
     from shardbook.rankd.inspection import interventions
 
     model, seen = _Model(module), []
@@ -105,9 +106,9 @@ def test_an_intervention_sees_the_selected_rows_cut_to_their_tokens_only(module)
 
     interventions.add(model, {"plus_one": plus_one}, "plus_one", ["0"], on_input=False)
     x = torch.zeros(3, 5, 4)
-    with interventions.applied_to(model, interventions.Rows((1,), batch=3, tokens=5, start=2)):
+    with applied_to(model, Rows((1,), batch=3, tokens=5, start=2)):
         out = model(x).view(3, 5, 4)
-    with interventions.applied_to(model, interventions.Rows((), batch=3, tokens=5)):
+    with applied_to(model, Rows((), batch=3, tokens=5)):
         untouched = model(x)
     assert seen == ([(1, 3, 4)] if isinstance(module, torch.nn.Identity) else [(3, 4)])  # its row, its 3 tokens
     assert (out[1, 2:] == 1).all() and (out[1, :2] == 0).all() and (out[0] == 0).all() and (out[2] == 0).all()
@@ -116,11 +117,12 @@ def test_an_intervention_sees_the_selected_rows_cut_to_their_tokens_only(module)
 
 
 def test_an_intervention_on_a_tensor_without_rows_fails_naming_its_shape():
+    from shardbook.rankd.generation.intervention_state import Rows, applied_to
     from shardbook.rankd.inspection import interventions
 
     model = _Model(_Pools())
     interventions.add(model, {"f": lambda output, name: output + 1}, "f", ["0"], on_input=False)
-    with interventions.applied_to(model, interventions.Rows((0,), batch=2, tokens=3)):
+    with applied_to(model, Rows((0,), batch=2, tokens=3)):
         out = model(torch.zeros(2, 3, 4))
     assert (out == 0).all()
     with pytest.raises(interventions.InterventionError, match=r"has shape \(24,\), not \[rows, tokens, \.\.\.\]"):
