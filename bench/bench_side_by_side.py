@@ -5,7 +5,8 @@ Each server serves the demo model in float32 (the demo's dtype; this CPU has no 
 machine, started, measured and stopped before the next one starts:
 
 * vLLM: ``python -m vllm.entrypoints.openai.api_server`` from ``--vllm-python`` (or ``$VLLM_PYTHON``), its own venv
-  (``bench/anchors/vllm-requirements.txt`` says how to make it), its defaults but ``--dtype float32``. Without
+  (``bench/anchors/vllm-requirements.txt`` says how to make it), its defaults but ``--dtype float32`` and
+  ``--gpu-memory-utilization 0.25`` (``vllm_serve`` says why). Without
   that python the vLLM column is skipped with a line saying so;
 * ``transformers serve --continuous-batching``, one process, 2 threads (``bench_batching.transformers_serve``);
 * shardbook: ``shardbook serve --nproc 2`` with ``--parallel.decode tp``, the config's defaults otherwise.
@@ -16,8 +17,9 @@ from the client's side:
 
 * 1, 8, 32, 64 clients (``--counts``) x ``--client-tokens`` tokens, all sent at once: aggregate tok/s (generated
   tokens / (last token - first send)), TTFT p50 and requests refused (429) or failed;
-* a long prompt (``--long-tokens`` of text, ~8k with the template) sent while 7 other streams decode: its TTFT,
-  and the 7 streams' inter-token gaps while it prefills (median and longest) against their median gap before;
+* a long prompt (``--long-tokens`` of text, ~8k with the template) sent while 7 other streams decode (after
+  their first tokens and 5 s more): its TTFT, and the 7 streams' inter-token gaps while it prefills (median and
+  longest) against their median gap in those 5 s;
 * a ``--turns`` conversation (the whole history resent each turn, 64 tokens a reply): TTFT of the last turn
   against the first.
 """
@@ -30,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,16 +41,23 @@ from bench_prefix_reuse import QUESTIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "configs/smollm2-135m.yaml"
-SERVERS = ("vllm", "transformers", "shardbook")
+BASELINE_S = 5
+VLLM_MEMORY = 0.25
 LONG_TEXT = "The history of Paris spans two thousand years, from a Gallic settlement on an island in the Seine to a city of bridges, museums and boulevards. "  # noqa: E501
 
 
 @contextlib.contextmanager
 def vllm_serve(python: str, log: Path) -> Iterator[str]:
-    """vLLM's OpenAI server from its CPU build, its defaults but the dtype; yields its URL."""
+    """vLLM's OpenAI server from its CPU build, its defaults but the dtype and its memory; yields its URL.
+
+    Its default reserves 92% of the host's memory (``--gpu-memory-utilization``, on a CPU the share of RAM
+    for weights and KV cache) and refuses to start when less is free, as on a machine shared with other work:
+    25% of this 23 GiB host holds ~120k float32 tokens of the demo model's cache, more than 64 clients use.
+    """
     port = 8710
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL_DIR)]
     argv += ["--served-model-name", MODEL, "--port", str(port), "--dtype", "float32"]
+    argv += ["--gpu-memory-utilization", str(VLLM_MEMORY)]
     with launched("vllm serve", argv, port, OFFLINE, log, wait_s=900) as url:
         yield url
 
@@ -126,6 +136,7 @@ def long_prompt(url: str, model: str, eos: bool, text: str, others: int = 7) -> 
         if not started.acquire(timeout=600):
             stop.set()
             raise RuntimeError(f"the {others} other streams did not all start within 600 s: {running}")
+    time.sleep(BASELINE_S)  # their gaps before the long prompt
     long = chat(url, model, eos, [{"role": "user", "content": text}], 8)
     stop.set()
     for t in threads:
@@ -172,7 +183,7 @@ def run(args) -> int:
     text = long_text(args.long_tokens)
     found: dict = {}
     with tempfile.TemporaryDirectory(prefix="bench-side-") as tmp:
-        for name in SERVERS:
+        for name in args.servers:
             if name == "vllm" and not (vllm_python and Path(vllm_python).exists()):
                 found[name] = {"error": f"skipped: no vLLM python (--vllm-python or $VLLM_PYTHON: {vllm_python!r})"}
                 print(f"vllm: {found[name]['error']}; bench/anchors/vllm-requirements.txt says how to install it")
@@ -192,16 +203,16 @@ def run(args) -> int:
 
 def report(found: dict, args) -> int:
     print(f"{MODEL}, float32, one server at a time; streamed greedy chat completions, {args.client_tokens} tokens")
-    print("| | " + " | ".join(SERVERS) + " |\n|---|" + "---|" * len(SERVERS))
+    print("| | " + " | ".join(args.servers) + " |\n|---|" + "---|" * len(args.servers))
     rows = [(f"{num} clients", lambda r, num=num: _clients_cell(r[num])) for num in args.counts]
     rows += [
         ("long prompt: TTFT", lambda r: _long_cell(r["long"])),
         (f"{args.turns}-turn conversation: TTFT first -> last", lambda r: _turns_cell(r["turns"])),
     ]
     for label, cell in rows:
-        cells = [found[s]["error"] if "error" in found[s] else cell(found[s]) for s in SERVERS]
+        cells = [found[s]["error"] if "error" in found[s] else cell(found[s]) for s in args.servers]
         print(f"| {label} | " + " | ".join(cells) + " |")
-    return 0 if all("error" not in found[s] for s in SERVERS) else 1
+    return 0 if all("error" not in found[s] for s in args.servers) else 1
 
 
 def _clients_cell(r: dict) -> str:
@@ -217,7 +228,7 @@ def _long_cell(r: dict) -> str:
     if "error" in r:
         return f"failed: {r['error']}"
     return (
-        f"{r['ttft']:.1f} s ({r['prompt']} prompt tokens); 7 streams' gaps during it p50 {r['gap_p50']:.2f} s, "
+        f"{r['ttft']:.1f} s ({r['prompt'] or '?'} prompt tokens); 7 streams' gaps during it p50 {r['gap_p50']:.2f} s, "
         f"max {r['gap_max']:.2f} s (before: p50 {r['gap_before_p50']:.2f} s)"
     )
 
