@@ -39,7 +39,6 @@ import http.client
 import json
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -52,6 +51,7 @@ from urllib.parse import urlparse
 
 from batch_ceiling import ceiling
 from bench_chat import Kernel
+from gpu_serving import ServerProcess
 
 CONFIG = "configs/smollm2-135m.yaml"
 MODEL = "smollm2-135m-instruct"
@@ -214,7 +214,7 @@ def guidellm(url: str, streams: list[int], requests: int, n: int, out: Path) -> 
 
 
 @contextlib.contextmanager
-def transformers_serve(continuous: bool, log: Path | None = None) -> Iterator[str]:
+def transformers_serve(continuous: bool) -> Iterator[str]:
     """``transformers serve`` on the demo model in one process, 2 threads (the anchor); yields its URL."""
     port = 8700 + continuous
     argv = [str(Path(sys.executable).parent / "transformers"), "serve", str(MODEL_DIR), "--port", str(port)]
@@ -225,55 +225,21 @@ def transformers_serve(continuous: bool, log: Path | None = None) -> Iterator[st
         "float32",
         "--continuous-batching" if continuous else "--no-continuous-batching",
     ]
-    with launched("transformers serve", argv, port, {**OFFLINE, "OMP_NUM_THREADS": "2"}, log) as url:
+    with launched("transformers serve", argv, port, {**OFFLINE, "OMP_NUM_THREADS": "2"}) as url:
         yield url
 
 
 @contextlib.contextmanager
-def launched(
-    name: str, argv: list[str], port: int, env: dict, log: Path | None = None, wait_s: float = 300
-) -> Iterator[str]:
-    """A server process in a session of its own, up once ``GET /v1/models`` answers 200; yields its URL.
-
-    On leaving, the whole process group gets SIGTERM, then SIGKILL after 60 s (servers that start workers,
-    as torchrun and vLLM do, leave none behind). Its output goes to ``log`` (else nowhere); a server that
-    exits or does not answer within ``wait_s`` raises, naming the log.
-    """
-    out = log.open("wb") if log else subprocess.DEVNULL
-    proc = subprocess.Popen(
-        argv, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-    )
+def launched(name: str, argv: list[str], port: int, env: dict, wait_s: float = 300) -> Iterator[str]:
+    """A server in a process group of its own (``gpu_serving.ServerProcess``), up once ``GET /v1/models`` answers
+    200; yields its URL. A server that exits or does not answer within ``wait_s`` raises with its last lines; on
+    leaving, the whole group is stopped (torchrun's and vLLM's workers too)."""
+    server = ServerProcess(name, argv, {**os.environ, **env}, MODEL, url=f"http://127.0.0.1:{port}/v1")
     try:
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                conn.request("GET", "/v1/models")
-                if conn.getresponse().status == 200:
-                    break
-            except OSError:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {proc.returncode} before serving (log: {log})") from None
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{name} did not answer within {wait_s:.0f} s (log: {log})") from None
-                time.sleep(1)
-        yield f"http://127.0.0.1:{port}/v1"
+        server.start(time.monotonic() + wait_s)
+        yield server.url
     finally:
-        _stop_group(proc)
-        if log:
-            out.close()
-
-
-def _stop_group(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        pass
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)  # workers that outlived their parent
-    proc.wait(10)
+        server.stop()
 
 
 LAYOUTS = ("gather", "tp")

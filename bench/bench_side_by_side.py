@@ -30,7 +30,6 @@ import contextlib
 import os
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -47,7 +46,7 @@ LONG_TEXT = "The history of Paris spans two thousand years, from a Gallic settle
 
 
 @contextlib.contextmanager
-def vllm_serve(python: str, log: Path) -> Iterator[str]:
+def vllm_serve(python: str) -> Iterator[str]:
     """vLLM's OpenAI server from its CPU build, its defaults but the dtype and its memory; yields its URL.
 
     Its default reserves 92% of the host's memory (``--gpu-memory-utilization``, on a CPU the share of RAM
@@ -58,27 +57,27 @@ def vllm_serve(python: str, log: Path) -> Iterator[str]:
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL_DIR)]
     argv += ["--served-model-name", MODEL, "--port", str(port), "--dtype", "float32"]
     argv += ["--gpu-memory-utilization", str(VLLM_MEMORY)]
-    with launched("vllm serve", argv, port, OFFLINE, log, wait_s=900) as url:
+    with launched("vllm serve", argv, port, OFFLINE, wait_s=900) as url:
         yield url
 
 
 @contextlib.contextmanager
-def shardbook_serve(log: Path) -> Iterator[str]:
+def shardbook_serve() -> Iterator[str]:
     """``shardbook serve`` on 2 ranks of 1 thread under ``tp``, the demo config's defaults otherwise."""
     port = 8720
     argv = [str(Path(sys.executable).parent / "shardbook"), "serve", "--nproc", "2", "--port", str(port), CONFIG]
     argv += ["--parallel.decode", "tp"]
-    with launched("shardbook serve", argv, port, {**OFFLINE, "OMP_NUM_THREADS": "1"}, log, wait_s=900) as url:
+    with launched("shardbook serve", argv, port, {**OFFLINE, "OMP_NUM_THREADS": "1"}, wait_s=900) as url:
         yield url
 
 
-def server(name: str, vllm_python: str, log: Path):
+def server(name: str, vllm_python: str):
     """The server's context manager, the model name its requests give, and whether it takes ``ignore_eos``."""
     if name == "vllm":
-        return vllm_serve(vllm_python, log), MODEL, True
+        return vllm_serve(vllm_python), MODEL, True
     if name == "transformers":
-        return transformers_serve(True, log), str(MODEL_DIR), False
-    return shardbook_serve(log), MODEL, True
+        return transformers_serve(True), str(MODEL_DIR), False
+    return shardbook_serve(), MODEL, True
 
 
 def chat(url: str, model: str, eos: bool, messages: list[dict], n: int, until=None, started=None) -> dict:
@@ -182,22 +181,18 @@ def run(args) -> int:
     vllm_python = args.vllm_python or os.environ.get("VLLM_PYTHON")
     text = long_text(args.long_tokens)
     found: dict = {}
-    with tempfile.TemporaryDirectory(prefix="bench-side-") as tmp:
-        for name in args.servers:
-            if name == "vllm" and not (vllm_python and Path(vllm_python).exists()):
-                found[name] = {"error": f"skipped: no vLLM python (--vllm-python or $VLLM_PYTHON: {vllm_python!r})"}
-                print(f"vllm: {found[name]['error']}; bench/anchors/vllm-requirements.txt says how to install it")
-                continue
-            log = Path(tmp) / f"{name}.log"
-            context, model, eos = server(name, vllm_python, log)
-            try:
-                with context as url:
-                    found[name] = measure(url, model, eos, args, text)
-            except Exception as e:  # one server's failure is reported in its column; the others still run
-                tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-                found[name] = {"error": f"{type(e).__name__}: {e}"}
-                print(f"{name} failed: {found[name]['error']}\n{tail}", flush=True)
-            print(f"{name}: {found[name]}", flush=True)
+    for name in args.servers:
+        if name == "vllm" and not (vllm_python and Path(vllm_python).exists()):
+            found[name] = {"error": f"skipped: no vLLM python (--vllm-python or $VLLM_PYTHON: {vllm_python!r})"}
+            print(f"vllm: {found[name]['error']}; bench/anchors/vllm-requirements.txt says how to install it")
+            continue
+        context, model, eos = server(name, vllm_python)
+        try:
+            with context as url:
+                found[name] = measure(url, model, eos, args, text)
+        except Exception as e:  # one server's failure is reported in its column; the others still run
+            found[name] = {"error": f"{type(e).__name__}: {e}"}
+        print(f"{name}: {found[name]}", flush=True)
     return report(found, args)
 
 
