@@ -79,9 +79,8 @@ def test_failing_all_cell_stops_the_run_with_the_rank_error(tmp_path):
 
 def test_output_is_live_and_a_cell_past_the_timeout_is_interrupted(tmp_path):
     notebook = write_notebook(
-        tmp_path / "slow.ipynb", "%%all\nimport time\nprint('sleeping', flush=True)\ntime.sleep(120)"
+        tmp_path / "slow.ipynb", "%%all\nimport time\nprint('sleeping', flush=True)\ntime.sleep(3600)"
     )
-    start = time.monotonic()
     with subprocess.Popen(
         [sys.executable, "-m", "shardbook.kernel.cli.main", "run", str(notebook), "--nproc", "2", "--timeout", "5"],
         stdout=subprocess.PIPE,
@@ -96,7 +95,6 @@ def test_output_is_live_and_a_cell_past_the_timeout_is_interrupted(tmp_path):
     assert "ran past --timeout 5 s and was interrupted on every rank" in stderr
     assert stdout.count("sleeping") == 1  # the other rank's line; the first was read live
     assert ended_at - first_line_at > 3, "the cell's output only arrived when it ended"
-    assert ended_at - start < 90
 
 
 def test_rich_outputs_print_as_text_and_widget_state_is_saved(tmp_path):
