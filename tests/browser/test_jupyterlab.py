@@ -216,16 +216,27 @@ def scroll_to_top(cell) -> None:
     cell.evaluate("element => element.scrollIntoView({block: 'start'})")
 
 
-def sample_reply(page, cell, deadline: float, on_sample) -> tuple[list[int], str]:
+def reply_state(cell) -> dict:
+    """The cell's live widget text (None when there is none) and its number of markdown replies, read in one
+    step in the page: the widget turns into markdown between two separate locator calls, and a locator
+    call on the widget that just left waits out its whole timeout (the CI failure of an earlier stop)."""
+    return cell.evaluate(
+        """cell => {
+            const widget = cell.querySelector('.shardbook-reply');
+            return {widget: widget ? widget.textContent : null,
+                    markdown: cell.querySelectorAll('.jp-RenderedMarkdown').length};
+        }"""
+    )
+
+
+def sample_reply(cell, deadline: float, on_sample) -> tuple[list[int], str]:
     """Lengths of the reply text in the widget, sampled until the widget turns into the markdown reply,
     and the last text seen in the widget."""
-    reply = cell.locator(".shardbook-reply")
-    markdown = cell.locator(".jp-RenderedMarkdown")
     lengths, last_text, started = [], "", time.monotonic()
-    while markdown.count() == 0:
+    while (seen := reply_state(cell))["markdown"] == 0:
         assert time.monotonic() < deadline, f"no markdown reply within {REPLY_S} s; lengths seen {lengths}"
-        if reply.count():
-            last_text = reply.first.text_content() or ""
+        if seen["widget"] is not None:
+            last_text = seen["widget"]
             lengths.append(len(last_text))
             on_sample(lengths)
         time.sleep(SAMPLE_EVERY_S)
@@ -282,7 +293,7 @@ def test_chat_reply_grows_live_in_jupyterlab(sync_playwright, jupyterlab):
                 if not streaming_shot.exists() and len(set(lengths) - {0}) >= 3 and lengths[-1] >= MID_STREAM_CHARS:
                     page.screenshot(path=str(streaming_shot))
 
-            lengths, widget_text = sample_reply(page, story, time.monotonic() + REPLY_S, on_sample)
+            lengths, widget_text = sample_reply(story, time.monotonic() + REPLY_S, on_sample)
             markdown_text = story.locator(".jp-RenderedMarkdown").first.inner_text()
             num_widgets_left = story.locator(".shardbook-reply").count()
             story.locator(".jp-OutputArea-output", has_text="tok/s").wait_for(timeout=30_000)  # the status line
