@@ -240,7 +240,7 @@ class ChatMagics(Magics):
         message, the calls, their results and the answer join the conversation, even when interrupted."""
         from dataclasses import replace
 
-        from shardbook.kernel.api.replies import ReplyParts, prompt_text, request_format
+        from shardbook.kernel.api.replies import prompt_text, request_format
         from shardbook.kernel.api.tools import ModelReply
 
         def reply(messages):
@@ -248,7 +248,7 @@ class ChatMagics(Magics):
                 request = request_for(messages)
             except (PoolError, ValueError) as e:  # e.g. the calls and results grew past the model's context
                 raise UsageError(str(e)) from e
-            parts = ReplyParts(request_format(runtime, request), loop.format)
+            parts = loop.reply_parts(request_format(runtime, request))
             response = self._stream_reply(runtime, request, parts, args, relay)
             return ModelReply(response, parts, request.messages, prompt_text(runtime, request))
 

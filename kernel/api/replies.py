@@ -13,7 +13,7 @@ REASONING_MARK, ANSWER_MARK = "[reasoning]", "[answer]"
 
 if TYPE_CHECKING:
     from shardbook.kernel.api.responses import ChatResponse
-    from shardbook.kernel.api.tool_calls import ParsedReply, ToolFormat
+    from shardbook.kernel.api.tool_calls import ParsedReply, Schemas, ToolFormat
     from shardbook.kernel.ranks.runtime import Runtime
     from shardbook.rankd.generation.engine import GenerationRequest
 
@@ -29,14 +29,16 @@ def request_format(runtime: Runtime, request: GenerationRequest) -> ReasoningFor
 
 class ReplyParts:
     """One reply's text chunks split as they stream (``feed``, then ``finish``): its reasoning apart from its
-    content, and, given a tool format, its calls held out of the content; ``split`` reads the finished response."""
+    content, and, given a tool format, its calls held out of the content (values the format writes bare typed by
+    the tools' parameter `schemas`); ``split`` reads the finished response."""
 
-    def __init__(self, fmt: ReasoningFormat, tools: ToolFormat | None = None):
+    def __init__(self, fmt: ReasoningFormat, tools: ToolFormat | None = None, schemas: Schemas | None = None):
         from shardbook.kernel.api.tool_calls import ReplyStream
 
         self.fmt = fmt
         self.tools = tools
-        self.stream = ReplyStream(fmt, tools)
+        self.schemas = schemas
+        self.stream = ReplyStream(fmt, tools, schemas)
         self.in_reasoning: bool | None = None
         """Which part :func:`marked` wrote last (None: neither yet)."""
 
@@ -50,7 +52,7 @@ class ReplyParts:
         """The response with ``text`` its content and ``reasoning`` apart, and its calls (none without tools)."""
         from shardbook.kernel.api.tool_calls import split_reply
 
-        reasoning, parsed = split_reply(response.text, self.fmt, self.tools)
+        reasoning, parsed = split_reply(response.text, self.fmt, self.tools, schemas=self.schemas)
         return replace(response, text=parsed.content, reasoning=reasoning), parsed
 
     def apart(self, response: ChatResponse) -> ChatResponse:

@@ -18,10 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from shardbook.kernel.api.replies import assistant_message
+from shardbook.kernel.api.replies import ReplyParts, assistant_message
 
 if TYPE_CHECKING:
-    from shardbook.kernel.api.replies import ReplyParts
+    from shardbook.kernel.api.reasoning import ReasoningFormat
     from shardbook.kernel.api.responses import ChatResponse
     from shardbook.kernel.api.tool_calls import ToolCall, ToolFormat
     from shardbook.kernel.ranks.runtime import Runtime
@@ -165,6 +165,13 @@ class ToolLoop:
                     self.last = replace(self.last, finish_reason="interrupted", steps=tuple(self.steps))
                     return self.last
 
+    def reply_parts(self, reasoning: ReasoningFormat) -> ReplyParts:
+        """How to split one of the loop's replies: its reasoning in `reasoning`, its calls in the loop's format,
+        their values typed by the tools' parameter schemas (glm45's and minimax_m2's bare ``123`` stays the
+        string ``"123"`` for a string parameter)."""
+        parameters = {s["function"]["name"]: s["function"].get("parameters") or {} for s in self.schemas}
+        return ReplyParts(reasoning, self.format, parameters)
+
     def stop(self) -> None:
         """End the loop before its next step or reply (an interrupt between them)."""
         self.stopped = True
@@ -225,7 +232,7 @@ def chat_with_tools(
 ) -> ChatResponse:
     """``ChatModel.chat(tools=...)``: the loop with each reply waited for (an interrupt stops the reply, and the
     loop ends with the steps so far)."""
-    from shardbook.kernel.api.replies import ReplyParts, prompt_text, request_format
+    from shardbook.kernel.api.replies import prompt_text, request_format
 
     loop = ToolLoop(tools, tool_format(model.runtime), max_steps=max_steps)
     options = dict(settings.pop("template_options", None) or {})
@@ -233,7 +240,7 @@ def chat_with_tools(
     def reply(asked: list[dict[str, Any]]) -> ModelReply:
         stream = model.stream_chat(asked, template_options={**options, "tools": loop.schemas}, **settings)
         request = stream.request
-        parts = ReplyParts(request_format(model.runtime, request), loop.format)
+        parts = loop.reply_parts(request_format(model.runtime, request))
         return ModelReply(stream.wait(), parts, request.messages, prompt_text(model.runtime, request))
 
     if isinstance(messages, str):

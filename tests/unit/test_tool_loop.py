@@ -150,3 +150,31 @@ def test_a_stop_between_two_steps_ends_the_loop_before_the_next_reply():
     response = loop.run([{"role": "user", "content": "go"}], reply)
     assert response.finish_reason == "interrupted" and len(asked) == 1
     assert [s.result for s in response.steps] == ["3"]
+
+
+def test_the_loop_types_bare_values_by_the_tools_schemas():
+    """glm45 writes values bare: a string parameter's ``123`` reaches the tool as the string "123", an integer's
+    ``7`` as 7 (read by the tools' parameter schemas, as the endpoint reads them)."""
+
+    def repeat(code: str, times: int) -> str:
+        """Repeat a code.
+
+        Args:
+            code: the code, digits or letters
+            times: how many times
+        """
+        return type(code).__name__ + ":" + code * times
+
+    loop = ToolLoop([repeat], FORMATS["glm45"])
+    glm_call = (
+        "<tool_call>repeat\n<arg_key>code</arg_key>\n<arg_value>123</arg_value>\n"
+        "<arg_key>times</arg_key>\n<arg_value>2</arg_value>\n</tool_call>"
+    )
+    texts = iter([glm_call, "Done."])
+
+    def reply(messages):
+        response = ChatResponse(next(texts), 10, 5, "stop", 0.1, 10.0, 1)
+        return ModelReply(response, loop.reply_parts(ReasoningFormat("none")), messages, "prompt")
+
+    response = loop.run([{"role": "user", "content": "repeat 123 twice"}], reply)
+    assert [(s.arguments, s.result) for s in response.steps] == [({"code": "123", "times": 2}, "str:123123")]
