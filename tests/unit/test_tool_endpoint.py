@@ -182,11 +182,26 @@ def test_tools_the_model_cannot_take_are_refused_naming_why(serve, monkeypatch):
         client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER_TOOL])
     assert "does not read 'tools'" in refused.value.body["message"]
     assert client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER_TOOL], tool_choice="none")
-    llama = SimpleNamespace(
-        tokenizer=make_tokenizer(), model=SimpleNamespace(config=SimpleNamespace(model_type="llama"))
-    )
-    with pytest.raises(ApiError, match="this model has no tool-call format"):
-        request_tool_format(llama, ToolRequest([WEATHER_TOOL]), "auto")
+
+
+def test_tools_for_a_model_with_no_tool_format_are_a_400_naming_why(serve, monkeypatch):  # noqa: F811
+    """A Llama model whose vocabulary has no call tokens: a request with tools is a 400 over HTTP, on the batch
+    and on --no-batch, saying the model writes no format the server reads and what to do; without tools it is
+    answered."""
+    monkeypatch.setattr(scripted, "reply_to", reply_to)
+    fake_model = scripted.FakeModel
+    monkeypatch.setattr(scripted, "FakeModel", lambda model_type: fake_model("llama"))
+    client, tokenizer = serve("think")
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER_TOOL])
+    assert refused.value.status_code == 400 and refused.value.body["param"] == "tools"
+    message = refused.value.body["message"]
+    assert "this model has no tool-call format" in message and "model_type (llama)" in message
+    assert "without 'tools'" in message and "tool_call_parser" in message
+    with pytest.raises(openai.BadRequestError):
+        streamed(client, messages=ASK, tools=[WEATHER_TOOL])
+    assert client.chat.completions.create(model="m", messages=ASK).choices[0].message.content == "Hello!"
 
 
 @pytest.mark.timeout(400)
