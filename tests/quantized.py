@@ -11,10 +11,16 @@ Formats (`FORMATS`):
 - `fp8-blocks`: DeepSeek-V3 / Kimi-K2 / GLM-5-FP8 (`quant_method: fp8`, `weight_block_size`,
   float32 `weight_scale_inv` over a grid rounded up, so small dims end in partial blocks);
 - `fp8-ue8m0`: DeepSeek-V3.1 and later (`scale_fmt: ue8m0`: power-of-two scales, stored as e8m0 bytes);
+- `fp8-ue8m0-float32`: the same scales stored as float32 powers of two;
+- `fp8-e5m2`: FP8 blocks with e5m2 codes;
+- `fp8-tensor`: `quant_method: fp8` without `weight_block_size`, one scale per tensor;
 - `fp8-minimax`: MiniMax-M2 (`modules_to_not_convert`: router gate, score bias and lm_head unquantized);
 - `mxfp4`: gpt-oss (experts as `_blocks` / `_scales`, stored out x in);
 - `int4-pack`: Kimi-K2-Thinking (compressed-tensors pack-quantized int4, group 32, routed experts only);
-- `fp8-channel`: llm-compressor's float-quantized FP8, one scale per output channel;
+- `int8-pack`: llm-compressor's W8A16 (pack-quantized int8 in groups, every linear but lm_head);
+- `fp8-channel`, `fp8-float-tensor`, `fp8-float-group`, `fp8-float-block`: llm-compressor's float-quantized FP8,
+  one bf16 `weight_scale` per output channel, per tensor, per group of a row or per block, in the shapes
+  compressed-tensors gives them ([rows, 1], [1], [rows, ceil(cols / group)], ceil(shape / block));
 - `deepseek-v4`: DeepSeek-V4's FP4 experts over FP8-block linears, every scale an e8m0 `.scale`.
 """
 
@@ -63,17 +69,24 @@ def _linear(name: str, tensor: torch.Tensor) -> bool:
     return tensor.dim() >= 2 and name.endswith(".weight") and not _unquantized(name)
 
 
-def fp8_blocks(weight: torch.Tensor, block: int, power_of_two: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 codes and float32 `weight_scale_inv` per `block` x `block` (grid rounded up) of a 2-D weight."""
+def block_amax(weight: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """The largest |value| of each `block` of a 2-D weight, over a grid rounded up (partial last blocks)."""
     rows, cols = weight.shape
-    grid = (math.ceil(rows / block), math.ceil(cols / block))
-    padded = torch.zeros(grid[0] * block, grid[1] * block)
+    grid = (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+    padded = torch.zeros(grid[0] * block[0], grid[1] * block[1])
     padded[:rows, :cols] = weight
-    amax = padded.reshape(grid[0], block, grid[1], block).abs().amax(dim=(1, 3)).clamp(min=1e-8)
-    scale = amax / FP8_MAX
+    return padded.reshape(grid[0], block[0], grid[1], block[1]).abs().amax(dim=(1, 3))
+
+
+def fp8_blocks(
+    weight: torch.Tensor, block: int, power_of_two: bool = False, dtype: torch.dtype = torch.float8_e4m3fn
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 codes (e4m3 unless `dtype` says) and float32 `weight_scale_inv` per `block` x `block` (grid rounded up)
+    of a 2-D weight."""
+    scale = block_amax(weight, (block, block)).clamp(min=1e-8) / torch.finfo(dtype).max
     if power_of_two:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
-    codes = (weight / expand_blocks(scale, (block, block), weight.shape)).to(torch.float8_e4m3fn)
+    codes = (weight / expand_blocks(scale, (block, block), weight.shape)).to(dtype)
     return codes, scale
 
 
@@ -84,7 +97,16 @@ def expand_blocks(scale: torch.Tensor, block: tuple[int, ...], shape) -> torch.T
     return scale[tuple(slice(0, n) for n in shape)]
 
 
-def _fp8(state: dict, block: int | None = BLOCK, power_of_two: bool = False, keep=()) -> tuple[dict, dict]:
+def _fp8(
+    state: dict,
+    block: int | None = BLOCK,
+    power_of_two: bool = False,
+    keep=(),
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    e8m0_bytes: bool = True,
+) -> tuple[dict, dict]:
+    """Fine-grained FP8 of every linear but `keep`'s; power-of-two scales are stored as e8m0 bytes unless not
+    `e8m0_bytes` (then float32, as DeepSeek-V3.1 stores them)."""
     stored, reference = {}, {}
     for name, tensor in state.items():
         if not _linear(name, tensor) or any(re.search(pattern, name) for pattern in keep) or tensor.dim() != 2:
@@ -95,9 +117,9 @@ def _fp8(state: dict, block: int | None = BLOCK, power_of_two: bool = False, kee
             codes, inv = (tensor / scale).to(torch.float8_e4m3fn), scale.reshape(1)
             reference[name] = codes.float() * scale
         else:
-            codes, inv = fp8_blocks(tensor, block, power_of_two)
+            codes, inv = fp8_blocks(tensor, block, power_of_two, dtype)
             reference[name] = codes.float() * expand_blocks(inv, (block, block), tensor.shape)
-            if power_of_two:
+            if power_of_two and e8m0_bytes:
                 inv = inv.to(torch.float8_e8m0fnu)
         stored[name], stored[name.removesuffix("weight") + "weight_scale_inv"] = codes, inv
     return stored, reference
@@ -110,16 +132,30 @@ def _fp8_minimax(state: dict) -> tuple[dict, dict]:
 MINIMAX_NOT_CONVERTED = (r"\.gate\.weight$", r"e_score_correction_bias", r"^lm_head")
 
 
-def _fp8_channel(state: dict) -> tuple[dict, dict]:
+GROUP = 32
+"""The compressed-tensors test checkpoints' group size (and rows x columns of a block): the tiny Llama's 80 columns
+end in a partial group, as compressed-tensors allows (with a warning) when a group does not divide a row."""
+
+
+def strategy_block(strategy: str, shape: tuple[int, int]) -> tuple[int, int]:
+    """Rows x columns one compressed-tensors scale covers, by the scheme's strategy."""
+    blocks = {"tensor": tuple(shape), "channel": (1, shape[1]), "group": (1, GROUP), "block": (GROUP, GROUP)}
+    return blocks[strategy]
+
+
+def _fp8_float(state: dict, strategy: str) -> tuple[dict, dict]:
+    """llm-compressor's float-quantized FP8: e4m3 `weight` and a bf16 `weight_scale` per `strategy`."""
     stored, reference = {}, {}
     for name, tensor in state.items():
         if not _linear(name, tensor) or tensor.dim() != 2:
             stored[name] = reference[name] = tensor
             continue
-        scale = (tensor.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-8).to(torch.bfloat16)
-        codes = (tensor / scale.float()).to(torch.float8_e4m3fn)
-        stored[name], stored[name + "_scale"] = codes, scale
-        reference[name] = codes.float() * scale.float()
+        block = strategy_block(strategy, tensor.shape)
+        scale = (block_amax(tensor, block) / FP8_MAX).clamp(min=1e-8).to(torch.bfloat16)
+        each = expand_blocks(scale.float(), block, tensor.shape)
+        codes = (tensor / each).to(torch.float8_e4m3fn)
+        stored[name], stored[name + "_scale"] = codes, scale.reshape(1) if strategy == "tensor" else scale
+        reference[name] = codes.float() * each
     return stored, reference
 
 
@@ -149,30 +185,43 @@ def _mxfp4(state: dict) -> tuple[dict, dict]:
     return stored, reference
 
 
-def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """Signed int4 codes [rows, cols] as compressed-tensors packs them: +8, eight a word, low bits first."""
+def pack_ints(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Signed `bits`-bit codes [rows, cols] as compressed-tensors packs them: + 2^(bits - 1), 32 / bits a word, low
+    bits first."""
     rows, cols = codes.shape
-    unsigned = (codes.to(torch.int64) + 8).reshape(rows, cols // 8, 8)
-    words = sum(unsigned[..., i] << (4 * i) for i in range(8))
+    per_word = 32 // bits
+    unsigned = (codes.to(torch.int64) + (1 << (bits - 1))).reshape(rows, cols // per_word, per_word)
+    words = sum(unsigned[..., i] << (bits * i) for i in range(per_word))
     return ((words + 2**31) % 2**32 - 2**31).to(torch.int32)  # the same 32 bits, as a signed word
 
 
-def _int4_pack(state: dict, group: int = 32) -> tuple[dict, dict]:
+def _int_pack(state: dict, bits: int, quantized, group: int = 32) -> tuple[dict, dict]:
+    """compressed-tensors pack-quantized, symmetric, a bf16 scale per `group` of a row, of the weights `quantized`
+    (name, tensor) selects; a last group may be partial."""
     stored, reference = {}, {}
+    largest = (1 << (bits - 1)) - 1
     for name, tensor in state.items():
-        if not re.search(r"\.experts\.\d+\..*\.weight$", name):  # Kimi-K2-Thinking: routed experts only
+        if not quantized(name, tensor):
             stored[name] = reference[name] = tensor
             continue
-        rows, cols = tensor.shape
-        groups = tensor.reshape(rows, cols // group, group)
-        scale = (groups.abs().amax(dim=-1) / 7).clamp(min=1e-8).to(torch.bfloat16)
-        codes = torch.clamp(torch.round(groups / scale.float().unsqueeze(-1)), -8, 7).reshape(rows, cols)
+        scale = (block_amax(tensor, (1, group)) / largest).clamp(min=1e-8).to(torch.bfloat16)
+        each = expand_blocks(scale.float(), (1, group), tensor.shape)
+        codes = torch.clamp(torch.round(tensor / each), -largest - 1, largest)
         module = name.removesuffix(".weight")
-        stored[f"{module}.weight_packed"] = pack_int4(codes)
+        stored[f"{module}.weight_packed"] = pack_ints(codes, bits)
         stored[f"{module}.weight_scale"] = scale
-        stored[f"{module}.weight_shape"] = torch.tensor([rows, cols], dtype=torch.int32)
-        reference[name] = codes * scale.float().repeat_interleave(group, dim=1)
+        stored[f"{module}.weight_shape"] = torch.tensor(tensor.shape, dtype=torch.int32)
+        reference[name] = codes * each
     return stored, reference
+
+
+def _routed_expert(name: str, tensor: torch.Tensor) -> bool:
+    """Kimi-K2-Thinking quantizes its routed experts only."""
+    return re.search(r"\.experts\.\d+\..*\.weight$", name) is not None
+
+
+def _linear_2d(name: str, tensor: torch.Tensor) -> bool:
+    return _linear(name, tensor) and tensor.dim() == 2
 
 
 def _deepseek_v4(state: dict) -> tuple[dict, dict]:
@@ -197,11 +246,17 @@ def _deepseek_v4(state: dict) -> tuple[dict, dict]:
 FORMATS = {
     "fp8-blocks": _fp8,
     "fp8-ue8m0": lambda state: _fp8(state, power_of_two=True),
+    "fp8-ue8m0-float32": lambda state: _fp8(state, power_of_two=True, e8m0_bytes=False),
+    "fp8-e5m2": lambda state: _fp8(state, dtype=torch.float8_e5m2),
     "fp8-tensor": lambda state: _fp8(state, block=None),
     "fp8-minimax": _fp8_minimax,
-    "fp8-channel": _fp8_channel,
+    "fp8-channel": lambda state: _fp8_float(state, "channel"),
+    "fp8-float-tensor": lambda state: _fp8_float(state, "tensor"),
+    "fp8-float-group": lambda state: _fp8_float(state, "group"),
+    "fp8-float-block": lambda state: _fp8_float(state, "block"),
     "mxfp4": _mxfp4,
-    "int4-pack": _int4_pack,
+    "int4-pack": lambda state: _int_pack(state, 4, _routed_expert),
+    "int8-pack": lambda state: _int_pack(state, 8, _linear_2d, group=GROUP),
     "deepseek-v4": _deepseek_v4,
 }
 
@@ -209,13 +264,18 @@ _FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
 QUANTIZATION = {
     "fp8-blocks": lambda s: {**_FP8, "weight_block_size": [BLOCK, BLOCK]},
     "fp8-ue8m0": lambda s: {**_FP8, "weight_block_size": [BLOCK, BLOCK], "scale_fmt": "ue8m0"},
+    "fp8-ue8m0-float32": lambda s: {**_FP8, "weight_block_size": [BLOCK, BLOCK], "scale_fmt": "ue8m0"},
+    "fp8-e5m2": lambda s: {**_FP8, "fmt": "e5m2", "weight_block_size": [BLOCK, BLOCK]},
     "fp8-tensor": lambda s: {**_FP8, "weight_block_size": None},
     "fp8-minimax": lambda s: {
         **_FP8,
         "weight_block_size": [BLOCK, BLOCK],
         "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"],
     },
-    "fp8-channel": lambda s: _compressed("float-quantized", {"num_bits": 8, "type": "float", "strategy": "channel"}),
+    "fp8-channel": lambda s: _float_quantized("channel"),
+    "fp8-float-tensor": lambda s: _float_quantized("tensor"),
+    "fp8-float-group": lambda s: _float_quantized("group", group_size=GROUP),
+    "fp8-float-block": lambda s: _float_quantized("block", block_structure=[GROUP, GROUP]),
     "mxfp4": lambda s: {
         "quant_method": "mxfp4",
         "modules_to_not_convert": [
@@ -234,7 +294,14 @@ QUANTIZATION = {
     "int4-pack": lambda s: _compressed(
         "pack-quantized", {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32}
     ),
+    "int8-pack": lambda s: _compressed(
+        "pack-quantized", {"num_bits": 8, "type": "int", "strategy": "group", "group_size": GROUP}
+    ),
 }
+
+
+def _float_quantized(strategy: str, **arguments) -> dict:
+    return _compressed("float-quantized", {"num_bits": 8, "type": "float", "strategy": strategy, **arguments})
 
 
 def _compressed(form: str, weights: dict) -> dict:

@@ -16,7 +16,7 @@ from shardbook.rankd.loading import dequantize
 from shardbook.rankd.loading.dequantize import QuantizedTensor
 from shardbook.rankd.loading.quantized_formats import dequantizing_index
 from shardbook.rankd.loading.safetensors_files import MappedFiles, read_index
-from tests.quantized import BLOCK, e2m1_blocks, fp8_blocks, pack_int4, write_quantized
+from tests.quantized import BLOCK, e2m1_blocks, fp8_blocks, pack_ints, write_quantized
 from tests.tiny import make_tiny_lm, make_tiny_mla, make_tiny_tp_family
 
 CPU = torch.device("cpu")
@@ -46,9 +46,15 @@ def reference_of(twin) -> dict:
 
 CASES = [
     ("llama", "fp8-blocks"),
+    ("llama", "fp8-e5m2"),
     ("llama", "fp8-tensor"),
     ("llama", "fp8-channel"),
+    ("llama", "fp8-float-tensor"),
+    ("llama", "fp8-float-group"),
+    ("llama", "fp8-float-block"),
+    ("llama", "int8-pack"),
     ("deepseek_v3", "fp8-ue8m0"),
+    ("deepseek_v3", "fp8-ue8m0-float32"),
     ("deepseek_v3", "int4-pack"),
     ("gpt_oss", "mxfp4"),
 ]
@@ -93,10 +99,13 @@ def test_the_writer_agrees_with_transformers_decoders():
         Fp8Dequantize(None)._dequantize_one(partial_codes, partial_inv)
 
 
-def test_int4_words_hold_eight_codes_low_bits_first():
-    """compressed-tensors' pack-quantized layout: code + 8, element i of a row at bits 4 i of the row's words."""
-    codes = torch.tensor([[-8, -7, 0, 1, 2, 3, 6, 7]])
-    assert pack_int4(codes).tolist() == [[0xFE_BA_98_10 - 2**32]]  # nibbles 0, 1, 8, 9, 10, 11, 14, 15 from bit 0
+def test_packed_words_hold_their_codes_low_bits_first():
+    """compressed-tensors' pack-quantized layout: code + 2^(bits - 1), element i of a row at bits (bits x i) of the
+    row's words: eight int4 or four int8 codes a word."""
+    int4 = torch.tensor([[-8, -7, 0, 1, 2, 3, 6, 7]])
+    assert pack_ints(int4, 4).tolist() == [[0xFE_BA_98_10 - 2**32]]  # nibbles 0, 1, 8, 9, 10, 11, 14, 15 from bit 0
+    int8 = torch.tensor([[-128, -1, 0, 127]])
+    assert pack_ints(int8, 8).tolist() == [[0xFF_80_7F_00 - 2**32]]  # bytes 0, 127, 128, 255 from bit 0
 
 
 def _rewrite(source, target, edit_state=None, edit_config=None):
