@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import re
 
 import pytest
 
 from tests.driver import interrupt_when
+from tests.quantized import write_quantized
 from tests.tiny import make_broken_checkpoints, make_tiny_llama, make_tiny_moe, make_tiny_non_causal
 
 pytestmark = pytest.mark.timeout(180)
@@ -88,6 +90,28 @@ def test_shards_table(kernel, tiny):
     assert locals_.count("(32, 64)") == 2
     missing = kernel.run("%shards nothing.here")
     assert missing.status == "error" and "no parameter name starts with 'nothing.here'" in missing.stderr()
+
+
+def test_shards_of_an_fp8_checkpoint_list_dequantized_weights(kernel, tmp_path):
+    """FP8 block weights are held dequantized: `%shards` lists them in `model.dtype`, sliced by `tp` as any weight
+    (5 heads split 3 and 2, inside the checkpoint's 32 x 32 blocks), and no scale tensor among the parameters."""
+    source = make_tiny_llama(tmp_path / "float32", hidden_size=80, num_heads=5, num_kv_heads=1)
+    fp8, _ = write_quantized(source, tmp_path / "fp8", "fp8-blocks")
+    ex = load(kernel, fp8, "--parallel.decode tp", "--model.dtype bfloat16")
+    assert ex.status == "ok", ex.error_text() + ex.stderr()
+    summary = ex.of_type("execute_result")[0]["content"]["data"]["text/plain"]
+    assert "in fp8 e4m3, 32x32 blocks, dequantized to bfloat16" in summary, summary
+    table = kernel.run("%shards").of_type("execute_result")[0]["content"]["data"]["text/plain"]
+    rows = {cells[0]: cells for cells in (re.split(r"\s{2,}", line) for line in table.splitlines()[2:])}
+    assert "model.layers.0.self_attn.q_proj.weight" in rows and not [name for name in rows if "scale" in name], table
+    assert {cells[2] for cells in rows.values()} == {"bfloat16"}, table  # codes would show float8_e4m3fn
+    assert rows["model.layers.0.self_attn.q_proj.weight"][1:] == [
+        "[80, 80]",
+        "bfloat16",
+        "tp: rows (dim 0) over 2 rank(s), uneven",
+        "[48, 80]",
+        "[32, 80]",
+    ], table
 
 
 @pytest.fixture(scope="module")
