@@ -32,8 +32,8 @@ class ServeMagics(Magics):
         action="store_true",
         help="chat completions take turns through transformers' generate instead of decoding together",
     )
-    @argument("--tool-call-parser", default="auto", metavar="NAME", help=TOOL_CALL_PARSER_HELP)
-    @argument("--reasoning-parser", default="auto", metavar="NAME", help=REASONING_PARSER_HELP)
+    @argument("--tool-call-parser", metavar="NAME", help=TOOL_CALL_PARSER_HELP)
+    @argument("--reasoning-parser", metavar="NAME", help=REASONING_PARSER_HELP)
     @argument(
         "--allowed-host",
         action="append",

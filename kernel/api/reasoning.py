@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from shardbook.rankd.config.schema import REASONING_PARSERS
 from shardbook.rankd.generation.reply_text import FORMAT_TAGS
 
 THINK_OPEN, THINK_CLOSE = FORMAT_TAGS["think"]
@@ -23,8 +24,8 @@ HARMONY_ENDS = (END, RETURN, CALL)
 """The markers that end a harmony message."""
 HARMONY_REASONING_CHANNEL = "analysis"
 HARMONY_MODEL_TYPES = ("gpt_oss",)
-PARSERS = ("think", "harmony", "none")
-"""The reasoning formats a server can be told to read (``reasoning_parser``), besides ``auto``."""
+PARSERS = tuple(name for name in REASONING_PARSERS if name != "auto")
+"""The reasoning formats the config (``inference.reasoning_parser``) or a server can name, besides ``auto``."""
 
 
 @dataclass(frozen=True)

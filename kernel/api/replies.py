@@ -18,13 +18,22 @@ if TYPE_CHECKING:
     from shardbook.rankd.generation.engine import GenerationRequest
 
 
+def configured_parser(runtime: Runtime, key: str) -> str:
+    """The loaded config's ``inference.reasoning_parser`` or ``inference.tool_call_parser`` (`key`); ``auto``
+    before a config is loaded."""
+    config = runtime.ctx0.state.get("config")
+    return "auto" if config is None else getattr(config.inference, key)
+
+
 def request_format(runtime: Runtime, request: GenerationRequest) -> ReasoningFormat:
-    """How the loaded model's reply to `request` carries its reasoning (its prompt may open a think block)."""
+    """How the loaded model's reply to `request` carries its reasoning (its prompt may open a think block), read
+    by the config's ``inference.reasoning_parser``."""
     from shardbook.rankd.generation.engine import build_prompt_ids
 
     loaded = runtime.ctx0.state["loaded"]
     prompt = build_prompt_ids(loaded.tokenizer, request.messages, request.template_options)[0].tolist()
-    return reasoning_format(getattr(loaded.model, "config", None), loaded.tokenizer, prompt)
+    override = configured_parser(runtime, "reasoning_parser")
+    return reasoning_format(getattr(loaded.model, "config", None), loaded.tokenizer, prompt, override)
 
 
 class ReplyParts:

@@ -201,19 +201,29 @@ class ToolLoop:
 
 
 def tool_format(runtime: Runtime) -> ToolFormat:
-    """The loaded model's tool-call format; ValueError when it has none shardbook reads."""
+    """The loaded model's tool-call format (the config's ``inference.tool_call_parser``, or found from the
+    model); ValueError when it has none shardbook reads."""
+    from shardbook.kernel.api.replies import configured_parser
     from shardbook.kernel.api.tool_calls import FORMATS, tool_format_for
 
     loaded = runtime.ctx0.state.get("loaded")
     if loaded is None:
         raise ValueError("no model is loaded: run `%load_sharded CONFIG` first")
     model_type = getattr(getattr(loaded.model, "config", None), "model_type", None)
-    fmt = tool_format_for(model_type, loaded.tokenizer.get_vocab())
+    override = configured_parser(runtime, "tool_call_parser")
+    fmt = tool_format_for(model_type, loaded.tokenizer.get_vocab(), override)
+    if fmt is None and override == "none":
+        raise ValueError(
+            "the config's inference.tool_call_parser is none, so no reply is read for tool calls: set it to auto "
+            f"(the model's own format) or to the format its chat template writes ({', '.join(FORMATS)}), e.g. "
+            "`%load_sharded CONFIG --inference.tool_call_parser auto`"
+        )
     if fmt is None:
         raise ValueError(
             f"the loaded model ({model_type}) has no tool-call format shardbook reads ({', '.join(FORMATS)}: "
             "found by its model type or its vocabulary's call tokens), so its replies cannot be read as tool "
-            "calls; load a tool-calling model (Qwen3, GLM-4.5/5, DeepSeek-V3.1, Kimi-K2, MiniMax-M2, gpt-oss)"
+            "calls; load a tool-calling model (Qwen3, GLM-4.5/5, DeepSeek-V3.1, Kimi-K2, MiniMax-M2, gpt-oss), or "
+            "name the format its chat template writes in the config's inference.tool_call_parser"
         )
     return fmt
 

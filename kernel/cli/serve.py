@@ -55,8 +55,8 @@ def add_serve_flags(parser: argparse.ArgumentParser, default=None) -> None:
         default=default or False,
         help="chat completions take turns through transformers' generate instead of decoding together",
     )
-    parser.add_argument("--tool-call-parser", default=default or "auto", metavar="NAME", help=TOOL_CALL_PARSER_HELP)
-    parser.add_argument("--reasoning-parser", default=default or "auto", metavar="NAME", help=REASONING_PARSER_HELP)
+    parser.add_argument("--tool-call-parser", default=default, metavar="NAME", help=TOOL_CALL_PARSER_HELP)
+    parser.add_argument("--reasoning-parser", default=default, metavar="NAME", help=REASONING_PARSER_HELP)
     parser.add_argument(
         "--allowed-host",
         action="append",
@@ -138,7 +138,8 @@ def run_serve(args: argparse.Namespace) -> int:
     flags = ["--host", options.host, "--port", str(options.port)]
     flags += ["--max-waiting", str(args.max_waiting)] if args.max_waiting is not None else []
     flags += ["--no-batch"] if args.no_batch else []
-    flags += [f"--tool-call-parser={options.tool_call_parser}", f"--reasoning-parser={options.reasoning_parser}"]
+    flags += [f"--tool-call-parser={options.tool_call_parser}"] if options.tool_call_parser else []
+    flags += [f"--reasoning-parser={options.reasoning_parser}"] if options.reasoning_parser else []
     flags += [f"--allowed-host={name}" for name in options.allowed_hosts]
     flags += [f"--allowed-origin={origin}" for origin in options.allowed_origins]
     command = ["serve", *flags, *config_argv(args), *args.overrides]

@@ -56,14 +56,14 @@ class BatchedChatCompletionsHandler(BatchReplyHandler):
         parsed = parse_request(raw)
         loaded = self.server.served_model(parsed.model)
         request = chat_batch_request(parsed, extra)
-        override = self.server.options.reasoning_parser
+        override = self.server.parser("reasoning_parser")
         try:
             parser = reply_format(loaded, [], override).name
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         options = template_options(parser, loaded.tokenizer, parsed.chat_template_kwargs, parsed.reasoning_effort)
         options = with_tools(options, parsed.tools)
-        tool_fmt = request_tool_format(loaded, parsed.tools, self.server.options.tool_call_parser)
+        tool_fmt = request_tool_format(loaded, parsed.tools, self.server.parser("tool_call_parser"))
         settings = dict(parsed.settings)
         base_seed = settings.pop("seed", None)
         if base_seed is None:

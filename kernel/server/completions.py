@@ -174,12 +174,12 @@ class ChatCompletionsHandler(BodyHandler):
         request = parse_request(bytes(self.body))
         loaded = self.server.served_model(request.model)
         model = ChatModel(self.server.runtime)
-        override = self.server.options.reasoning_parser
+        override = self.server.parser("reasoning_parser")
         try:
             parser = reply_format(loaded, [], override).name
             options = template_options(parser, loaded.tokenizer, request.chat_template_kwargs, request.reasoning_effort)
             options = with_tools(options, request.tools)
-            self.tool_fmt = request_tool_format(loaded, request.tools, self.server.options.tool_call_parser)
+            self.tool_fmt = request_tool_format(loaded, request.tools, self.server.parser("tool_call_parser"))
             generation = model.build_request(
                 request.messages, stop=request.stop, template_options=options, **request.settings
             )

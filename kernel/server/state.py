@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import ipaddress
+import logging
 import re
 import socket
 import time
@@ -21,6 +22,8 @@ from shardbook.kernel.server.openai_api import ApiError
 if TYPE_CHECKING:
     from shardbook.kernel.api.batch_sizing import BatchLimits
     from shardbook.rankd.loading.load_sharded import LoadedModel
+
+log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8000
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -41,12 +44,14 @@ class ServeOptions:
     batch: bool = True
     """Chat completions decode together in the continuous batch; False (``--no-batch``) takes turns through
     transformers' ``generate`` instead. ``/v1/completions`` always batches."""
-    reasoning_parser: str = "auto"
+    reasoning_parser: str | None = None
     """How chat replies' reasoning is read apart from the answer (``reasoning_content``): ``auto`` (from the
-    model's config and vocabulary), ``think``, ``harmony`` or ``none``."""
-    tool_call_parser: str = "auto"
+    model's config and vocabulary), ``think``, ``harmony`` or ``none``; None (no ``--reasoning-parser``) follows
+    the loaded config's ``inference.reasoning_parser``."""
+    tool_call_parser: str | None = None
     """How chat replies' tool calls are read (``tool_calls``): ``auto`` (from the model's config and vocabulary),
-    ``none`` (requests with tools are refused), or a format of ``tool_calls.FORMATS`` (``hermes``, ``glm45``, ...)."""
+    ``none`` (requests with tools are refused), or a format of ``tool_calls.FORMATS`` (``hermes``, ``glm45``, ...);
+    None (no ``--tool-call-parser``) follows the loaded config's ``inference.tool_call_parser``."""
     allowed_hosts: tuple[str, ...] = ()
     """Names a request's ``Host`` may give besides localhost and the address listened on (a reverse proxy's,
     a tunnel's; ``--allowed-host``); ``*`` allows any."""
@@ -64,11 +69,11 @@ class ServeOptions:
                 "the model. Give --api-key KEY or --api-key-file FILE (clients then send 'Authorization: Bearer KEY'), "
                 "or serve on 127.0.0.1 (the default) and reach it through an SSH tunnel."
             )
-        if self.reasoning_parser not in ("auto", *PARSERS):
+        if self.reasoning_parser not in (None, "auto", *PARSERS):
             raise ValueError(
                 f"unknown reasoning parser {self.reasoning_parser!r}: use one of auto, {', '.join(PARSERS)}"
             )
-        if self.tool_call_parser not in ("auto", "none", *FORMATS):
+        if self.tool_call_parser not in (None, "auto", "none", *FORMATS):
             raise ValueError(
                 f"unknown tool-call parser {self.tool_call_parser!r}: use one of auto, none, {', '.join(FORMATS)}"
             )
@@ -129,6 +134,8 @@ class ServerState:
         self.stats = ServerStats()
         self.port = options.port
         self.started_at = int(time.time())
+        self.overridden: set[tuple[str, str]] = set()
+        """The config values a flag overrode that were warned about (once each)."""
         self.streams: set[Stoppable] = set()
         """Replies in flight or waiting (a chat stream, a batched reply): the server's stop stops each and waits
         until they are gone; touched on the server's loop only."""
@@ -146,6 +153,20 @@ class ServerState:
         if config is None or "loaded" not in self.runtime.ctx0.state:
             return None
         return Path(config.model.model_name_or_path).name
+
+    def parser(self, key: str) -> str:
+        """The ``reasoning_parser`` or ``tool_call_parser`` (`key`) for a request now: the server's flag when it was
+        given (a warning, once, when it overrides another value in the loaded config), else the loaded config's
+        ``inference`` value (asked per request, so a later load counts)."""
+        from shardbook.kernel.api.replies import configured_parser
+
+        configured, flag = configured_parser(self.runtime, key), getattr(self.options, key)
+        if flag is None:
+            return configured
+        if configured not in ("auto", flag) and (key, configured) not in self.overridden:
+            self.overridden.add((key, configured))
+            log.warning("--%s %s overrides the config's inference.%s %s", key.replace("_", "-"), flag, key, configured)
+        return flag
 
     def served_model(self, requested: str) -> LoadedModel:
         """The loaded model if ``requested`` names it; ApiError 503 (none loaded) or 404 (another name)."""

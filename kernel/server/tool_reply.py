@@ -36,7 +36,8 @@ def request_tool_format(loaded: Any, tools: ToolRequest, override: str) -> ToolF
     if fmt is None and override == "none":
         raise ApiError(
             400,
-            "this server reads no tool calls (tool_call_parser none): send the request without 'tools'",
+            "this server reads no tool calls (its tool_call_parser is none, by --tool-call-parser or the config's "
+            "inference.tool_call_parser): send the request without 'tools'",
             param="tools",
         )
     if fmt is None:
@@ -45,8 +46,8 @@ def request_tool_format(loaded: Any, tools: ToolRequest, override: str) -> ToolF
             f"this model has no tool-call format: neither its model_type ({model_type}) nor its vocabulary shows "
             "one this server reads (hermes <tool_call>, GLM <arg_key>, DeepSeek <｜tool▁calls▁begin｜>, Kimi "
             "<|tool_calls_section_begin|>, <minimax:tool_call>, harmony), so its calls could not be read. Send "
-            "the request without 'tools', or start the server with tool_call_parser set to the format the "
-            "model's chat template writes.",
+            "the request without 'tools', or start the server with --tool-call-parser (or the config's "
+            "inference.tool_call_parser) set to the format the model's chat template writes.",
             param="tools",
         )
     if "tools" not in str(getattr(tokenizer, "chat_template", None) or ""):

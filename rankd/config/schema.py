@@ -21,6 +21,11 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DECODE_LAYOUTS = ("auto", "tp", "gather", "reshard")
 FP8_WEIGHTS = ("dequantize", "keep", "keep-reference")
 INFER_BACKENDS = ("huggingface",)
+REASONING_PARSERS = ("auto", "think", "harmony", "none")
+"""How a reply's reasoning may be read (``inference.reasoning_parser``); the kernel's reasoning parsers are named so."""
+TOOL_CALL_PARSERS = ("auto", "none", "hermes", "glm45", "deepseek_v31", "kimi_k2", "minimax_m2", "harmony")
+"""How a reply's tool calls may be read (``inference.tool_call_parser``): the kernel's tool formats, ``auto`` and
+``none``. Kept here because the config (rankd) may not import the kernel's parsers; a unit test keeps them equal."""
 BOOL_WORDS = {
     "true": True,
     "yes": True,
@@ -153,6 +158,15 @@ class InferenceConfig:
     """Seed every rank samples with; null lets rank 0 pick a fresh one for each turn."""
     system_prompt: str | None = None
     """System message put before the conversation; null sends none."""
+    reasoning_parser: str = "auto"
+    """How a reply's reasoning is read apart from its answer (`%%chat`, the terminal chat, `ChatModel`, the
+    endpoint's `reasoning_content`): auto (from the model's config and vocabulary), think (`<think>` tags), harmony
+    (gpt-oss's channels) or none (all of it answer). A server's `--reasoning-parser`, when given, overrides it."""
+    tool_call_parser: str = "auto"
+    """The format a reply's tool calls are read in (`%%chat --tools`, `ChatModel.chat(tools=...)`, the endpoint's
+    `tool_calls`): auto (from the model's config and vocabulary), none (no calls read: tools are refused), hermes,
+    glm45, deepseek_v31, kimi_k2, minimax_m2 or harmony (docs/serving.md's parser tables). A server's
+    `--tool-call-parser`, when given, overrides it."""
     max_batch_sequences: int | None = None
     """Most sequences decoded together in one batch (continuous batching); more wait for a place. null: as many as
     the KV budget holds at 512 prompt tokens plus max_new_tokens, at most 32 on a CPU and 256 on a GPU or NPU."""
@@ -175,6 +189,8 @@ class InferenceConfig:
     def __post_init__(self) -> None:
         coerce_fields(self, "inference")
         check_choice("inference.infer_backend", self.infer_backend, INFER_BACKENDS)
+        check_choice("inference.reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
+        check_choice("inference.tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
         require(self.max_new_tokens >= 1, f"inference.max_new_tokens must be >= 1; got {self.max_new_tokens}")
         require(
             self.temperature > 0,

@@ -413,3 +413,20 @@ def test_prefix_cache_share_is_a_share():
     assert load_config(None, ["--inference.prefix_cache_share", "0"]).inference.prefix_cache_share == 0
     with pytest.raises(ValueError, match=r"inference.prefix_cache_share must be in \[0, 1\] \(0 turns prefix reuse"):
         load_config(None, ["--inference.prefix_cache_share", "1.5"])
+
+
+def test_parser_keys_take_the_parsers_names_and_list_them_when_wrong(tmp_path):
+    config = load_config(
+        write(tmp_path, "inference:\n  tool_call_parser: hermes\n"), ["--inference.reasoning_parser", "none"]
+    )
+    assert (config.inference.reasoning_parser, config.inference.tool_call_parser) == ("none", "hermes")
+    assert (InferenceConfig().reasoning_parser, InferenceConfig().tool_call_parser) == ("auto", "auto")
+    with pytest.raises(
+        ValueError,
+        match="reasoning_parser must be one of auto, think, harmony, none; got 'thinks'; did you mean 'think'",
+    ):
+        load_config(None, ["--inference.reasoning_parser", "thinks"])
+    with pytest.raises(
+        ValueError, match="inference.tool_call_parser must be one of auto, none, hermes, glm45, .*harmony; got 'qwen3'"
+    ):
+        InferenceConfig(tool_call_parser="qwen3")

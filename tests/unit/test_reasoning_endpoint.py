@@ -267,7 +267,7 @@ def test_the_reasoning_parser_is_chosen_by_flags_and_reaches_the_reply(serve):
     assert (options.reasoning_parser, options.tool_call_parser) == ("harmony", "glm45")
     magic = parse_line(ServeMagics.serve, "--reasoning-parser none --tool-call-parser kimi_k2")
     assert (magic.reasoning_parser, magic.tool_call_parser) == ("none", "kimi_k2")
-    assert parse_line(ServeMagics.serve, "").reasoning_parser == "auto"
+    assert parse_line(ServeMagics.serve, "").reasoning_parser is None  # not given: the config's applies
     args = build_parser().parse_args(["serve", "demo", "--reasoning-parser", "qwen3"])
     split_flags(args)
     with pytest.raises(ValueError, match="unknown reasoning parser 'qwen3': use one of auto, think, harmony, none"):

@@ -18,6 +18,7 @@ from shardbook.kernel.server.openai_api import ApiError
 from shardbook.kernel.server.state import ServeOptions
 from shardbook.kernel.server.tool_reply import request_tool_format
 from shardbook.kernel.server.tool_request import ToolRequest
+from shardbook.rankd.config.schema import InferenceConfig
 from tests.checks import run_check
 from tests.taught import FAMILY_CALLS
 from tests.taught import TOOL as WEATHER_TOOL
@@ -241,5 +242,27 @@ def test_the_tool_call_parser_is_chosen_at_the_server():
     qwen.tokenizer.chat_template = TOOLS_TEMPLATE
     assert request_tool_format(qwen, ToolRequest([WEATHER_TOOL]), "auto").name == "hermes"
     assert request_tool_format(qwen, ToolRequest([WEATHER_TOOL]), "minimax_m2").name == "minimax_m2"
-    with pytest.raises(ApiError, match=r"reads no tool calls \(tool_call_parser none\)"):
+    with pytest.raises(ApiError, match=r"reads no tool calls \(its tool_call_parser is none"):
         request_tool_format(qwen, ToolRequest([WEATHER_TOOL]), "none")
+
+
+def test_the_configs_tool_call_parser_applies_unless_a_flag_is_given(serve, monkeypatch, caplog):  # noqa: F811
+    """A Llama model (no format of its own) loaded with ``inference.tool_call_parser: hermes``: the server started
+    without --tool-call-parser reads its hermes call; one started with ``--tool-call-parser none`` refuses tools,
+    warning once that the flag overrides the config."""
+    monkeypatch.setattr(scripted, "reply_to", reply_to)
+    fake_model = scripted.FakeModel
+    monkeypatch.setattr(scripted, "FakeModel", lambda model_type: fake_model("llama"))
+    monkeypatch.setattr(scripted, "InferenceConfig", lambda: InferenceConfig(tool_call_parser="hermes"))
+    client, tokenizer = serve("think")
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    choice = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER_TOOL]).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == "get_weather"
+    client, tokenizer = serve("think", tool_call_parser="none")
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    for _ in range(2):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER_TOOL])
+        assert "its tool_call_parser is none" in refused.value.body["message"]
+    overrides = [r for r in caplog.records if "overrides the config's inference.tool_call_parser hermes" in r.message]
+    assert len(overrides) == 1 and "--tool-call-parser none" in overrides[0].message
