@@ -2,9 +2,9 @@
 
 Each checkpoint's reference is its float32 twin (every quantized weight replaced by the exact dequantization of
 its codes) loaded by transformers in one process: logits within |a - b| <= 1e-4 (1 + |b|) on every rank under
-`gather`, `reshard`, `tp` and `tp` with `ep_size 2`. The FP8 blocks are 32 x 32 on weights of 24, 80, ... rows, so
-grids are rounded up (partial last blocks) and the ranks' slices start and end inside blocks: 5 query heads split
-3 and 2 under `tp`, FSDP2 splits rows in halves, experts split 4 and 4.
+`gather`, `reshard` and `tp`, and `tp` with `ep_size 2` for those with experts. The FP8 blocks are 32 x 32 on
+weights of 24, 80, ... rows, so grids are rounded up (partial last blocks) and the ranks' slices start and end
+inside blocks: 5 query heads split 3 and 2 under `tp`, FSDP2 splits rows in halves, experts split 4 and 4.
 """
 
 from __future__ import annotations
@@ -22,13 +22,25 @@ from tests.tiny import DEEPSEEK_V4, make_tiny_lm, make_tiny_mla, make_tiny_tp_fa
 
 pytestmark = pytest.mark.timeout(600)
 
+
+def five_heads(path: Path) -> Path:
+    """A float32 Llama of 5 query heads over 1 KV head, split 3 and 2 under `tp`, on 80 columns (partial blocks)."""
+    return make_tiny_lm(path, family="llama", hidden_size=80, num_heads=5, num_kv_heads=1)
+
+
 CHECKPOINTS = {
     # name: (how the float32 model is made, its format, whether it has experts, a weight to gather whole)
     "llama-fp8-blocks": (
-        lambda p: make_tiny_lm(p, family="llama", hidden_size=80, num_heads=5, num_kv_heads=1),
+        five_heads,
         "fp8-blocks",
         False,
         "model.layers.0.self_attn.q_proj.weight",
+    ),
+    "llama-fp8-tensor": (
+        five_heads,
+        "fp8-tensor",
+        False,
+        "model.layers.0.self_attn.o_proj.weight",
     ),
     "deepseek-v3.1-fp8-ue8m0": (
         lambda p: make_tiny_mla(p, "deepseek_v3"),
@@ -61,7 +73,7 @@ CHECKPOINTS = {
         "model.layers.1.mlp.experts.gate_up_proj",
     ),
     "llama-fp8-channel": (
-        lambda p: make_tiny_lm(p, family="llama", hidden_size=80, num_heads=5, num_kv_heads=1),
+        five_heads,
         "fp8-channel",
         False,
         "model.layers.1.mlp.down_proj.weight",
