@@ -66,7 +66,7 @@ def quantized_line(summary: dict[str, Any]) -> str:
     """The quantized formats read, what they became, and the bytes on disk against the bytes each rank holds."""
     formats = "; ".join(f"{n} tensor(s) in {name}" for name, n in summary["quantized_tensors"].items())
     held = ", ".join(format_bytes(b) for b in summary["local_param_bytes"])
-    kept = summary.get("fp8_kept_modules", 0)
+    kept = _fp8_kept(summary)
     fate = f"{kept} kept in FP8 (below), the rest dequantized to" if kept else "dequantized to"
     return (
         f"{formats}, {fate} {summary['dtype']}; {format_bytes(summary['checkpoint_bytes'])} on disk, "
@@ -75,16 +75,27 @@ def quantized_line(summary: dict[str, Any]) -> str:
 
 
 def fp8_line(summary: dict[str, Any]) -> str:
-    """What `model.fp8_weights` came to: which layers hold FP8 codes, and how they compute."""
-    kept = summary["fp8_kept_modules"]
+    """What `model.fp8_weights` came to: which layers and experts hold FP8 codes, and how they compute."""
+    kept = _fp8_kept(summary)
     if not kept:
         return summary["fp8_weights"]
-    reference = kept - summary["fp8_kernel_modules"]
+    kernel = summary["fp8_kernel_modules"] + summary.get("fp8_kernel_experts", 0)
+    reference = summary["fp8_kept_modules"] + summary.get("fp8_kept_experts", 0) - kernel
     return (
-        f"{kept} linear layer(s) held as e4m3 codes with their scales ({format_bytes(summary['fp8_scale_bytes'])} "
-        f"of scales on rank 0), {summary['fp8_kernel_modules']} computed by torch's FP8 matmul, {reference} by the "
-        f"reference path; the other quantized tensors dequantized to {summary['dtype']}"
+        f"{kept} held as e4m3 codes with their scales ({format_bytes(summary['fp8_scale_bytes'])} of scales on "
+        f"rank 0), {kernel} computed by torch's FP8 matmul, {reference} by the reference path; the other quantized "
+        f"tensors dequantized to {summary['dtype']}"
     )
+
+
+def _fp8_kept(summary: dict[str, Any]) -> str:
+    """What holds FP8 codes: 'N linear layer(s)', 'M fused expert tensor(s) (...)' or both joined by 'and';
+    '' when nothing does."""
+    linears, experts = summary.get("fp8_kept_modules", 0), summary.get("fp8_kept_experts", 0)
+    words = [f"{linears} linear layer(s)"] if linears else []
+    if experts:
+        words.append(f"{experts} fused expert tensor(s) (the routed experts' gate_up_proj and down_proj)")
+    return " and ".join(words)
 
 
 def shards_table(rows: list[dict[str, Any]], world_size: int, prefix: str) -> Table:

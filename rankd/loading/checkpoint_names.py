@@ -47,20 +47,32 @@ class ExpertStack:
 
     def read(self, files: MappedFiles, selection: Selection, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The `selection` of the fused tensor, built from only the experts and rows it needs."""
-        experts = (
-            [e for piece in selection[0] for e in piece] if selection[0] is not None else range(len(self.parts[0]))
-        )
         inner = selection[1:]
-        return torch.stack([self._expert(files, e, inner, dtype, device) for e in experts])
+        return torch.stack([self._expert(files, e, inner, dtype, device) for e in self.experts(selection[0])])
+
+    def experts(self, ranges: tuple[range, ...] | None) -> list[int]:
+        """The experts (dim 0 indices) a selection's `ranges` keep, in order."""
+        return [e for piece in ranges for e in piece] if ranges is not None else list(range(len(self.parts[0])))
+
+    @property
+    def axis(self) -> int:
+        """The dim of one expert's tensor that the parts are joined on."""
+        return 0 if self.concat_dim is None else self.concat_dim - 1
+
+    def pieces(self, expert: int, inner: Selection) -> list[tuple[StoredTensor | QuantizedTensor, Selection]]:
+        """The stored tensors, each with its selection, whose joining on `axis` is `inner` of `expert`'s tensor."""
+        stored = [part[expert] for part in self.parts]
+        axis = self.axis
+        return [
+            (stored[part], tuple((rows,) if dim == axis else sel for dim, sel in enumerate(inner)))
+            for part, rows in _concat_pieces([s.shape[axis] for s in stored], inner[axis])
+        ]
 
     def _expert(self, files: MappedFiles, expert: int, inner: Selection, dtype, device) -> torch.Tensor:
-        stored = [part[expert] for part in self.parts]
-        axis = 0 if self.concat_dim is None else self.concat_dim - 1
-        pieces = []
-        for part, rows in _concat_pieces([s.shape[axis] for s in stored], inner[axis]):
-            selection = tuple((rows,) if dim == axis else sel for dim, sel in enumerate(inner))
-            pieces.append(read_part(files, stored[part], selection, dtype, device))
-        return torch.cat(pieces, dim=axis)
+        pieces = [
+            read_part(files, stored, selection, dtype, device) for stored, selection in self.pieces(expert, inner)
+        ]
+        return torch.cat(pieces, dim=self.axis)
 
 
 def read_part(

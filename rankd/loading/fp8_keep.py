@@ -2,17 +2,20 @@
 
 - `dequantize` (the default until the FP8 path is measured): every quantized weight is dequantized
   to the compute dtype, as `weight_reading` does for every format.
-- `keep`: on a device where torch's blockwise FP8 matmul runs (CUDA, compute capability 8.9 or
-  higher, checked by running it once), the `tp` layout keeps each linear weight stored as e4m3
-  blocks with a `weight_scale_inv` as FP8 codes with their scales (`parallel.fp8_linear`), at half
-  the weight bytes of bf16. Anywhere else the request is overridden: a warning says why and the
-  weights are dequantized as with `dequantize`.
+- `keep`: on a device where torch's blockwise FP8 matmul runs (CUDA; torch 2.13's kernel needs
+  compute capability 9.0, and the load checks by running it once), the `tp` layout keeps each
+  weight stored as e4m3 blocks with a `weight_scale_inv` as FP8 codes with their scales, at about
+  half the weight bytes of bf16: linear layers (`parallel.fp8_linear`) and the routed experts
+  fused from per-expert tensors (`parallel.fp8_experts`), with or without `parallel.ep_size`.
+  Anywhere else the request is overridden: a warning says why and the weights are dequantized as
+  with `dequantize`.
 - `keep-reference`: keeps them on any device and computes with the reference path (a piece of the
   weight dequantized at a time): slow, for checking the FP8 path where no kernel runs (the tests).
 
 Only the `tp` layout keeps FP8 weights (FSDP2's `gather` and `reshard` dequantize): with a keeping
 choice `auto` means `tp`, and an explicit `gather` or `reshard` is refused. Weights in other
-formats (e5m2, MXFP4, INT4, fused experts) are dequantized whatever the choice.
+formats (e5m2, MXFP4, INT4) and experts stored already fused or with biases (GPT-OSS's layout)
+are dequantized whatever the choice.
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardbook.rankd.loading.checkpoint_names import Selection, select
+from shardbook.rankd.loading.checkpoint_names import ExpertStack, Selection, select
 from shardbook.rankd.loading.dequantize import QuantizedTensor
 from shardbook.rankd.loading.quantized_formats import quantization_settings
 from shardbook.rankd.loading.safetensors_files import MappedFiles
+from shardbook.rankd.parallel.expert_parallel import ExpertParallel
+from shardbook.rankd.parallel.fp8_experts import EXPERT_WEIGHTS, keep_fp8_experts
 from shardbook.rankd.parallel.fp8_linear import KEEPABLE, keep_fp8, kernel_fits, kernel_unavailable
 
 log = logging.getLogger(__name__)
@@ -43,14 +48,56 @@ class FP8Keeping:
     files: MappedFiles = field(default_factory=MappedFiles)
 
     def module_of(self, model: nn.Module, names: list[str], stored: Any) -> nn.Module | None:
-        """The linear layer whose weight `stored` is, when it is an e4m3 block weight kept in FP8; else None."""
-        if len(names) != 1 or not names[0].endswith(".weight") or not _e4m3_blocks(stored):
+        """The module that keeps `stored` in FP8, when it is e4m3 blocks that a module here can hold; else None:
+        a linear layer for `X.weight`, an expert-parallel experts module for its fused `gate_up_proj` or `down_proj`
+        stacked from per-expert e4m3 tensors."""
+        if len(names) != 1:
             return None
-        module = model.get_submodule(names[0].removesuffix(".weight"))
+        module_name, _, leaf = names[0].rpartition(".")
+        if isinstance(stored, ExpertStack):
+            module = model.get_submodule(module_name)
+            kept = leaf in EXPERT_WEIGHTS and isinstance(module, ExpertParallel) and stored.axis == 0
+            return module if kept and all(_e4m3_blocks(p) for part in stored.parts for p in part) else None
+        if leaf != "weight" or not _e4m3_blocks(stored):
+            return None
+        module = model.get_submodule(module_name)
         return module if type(module) in KEEPABLE else None
 
-    def keep(self, module: nn.Module, name: str, stored: QuantizedTensor, selection: Selection, device) -> torch.Tensor:
-        """Make `module` an FP8 layer over `selection` of `stored`; the e4m3 codes its `weight` is to hold."""
+    def keep(
+        self, module: nn.Module, name: str, stored: QuantizedTensor | ExpertStack, selection: Selection, device
+    ) -> torch.Tensor:
+        """Make `module` hold `selection` of `stored` (from `module_of`) in FP8; the e4m3 codes it is to hold."""
+        if isinstance(stored, ExpertStack):
+            return self._keep_experts(module, name, stored, selection, device)
+        codes, scales, lead = self._held(name, stored, selection)
+        codes = codes.to(device).contiguous()
+        block = stored.block[1]
+        keep_fp8(module, scales.to(device), lead, block, self.kernel and kernel_fits(codes, lead, block))
+        return codes.view(stored.codes.dtype)
+
+    def _keep_experts(self, module: nn.Module, name: str, stack: ExpertStack, selection: Selection, device):
+        """The codes [experts, rows, columns] of the selected experts' slices, each read on its own into its place
+        (never a stack of dequantized experts), with their per-row scales given to `module`."""
+        experts = stack.experts(selection[0])
+        codes = scales = None
+        for index, expert in enumerate(experts):
+            held = [self._held(name, part, inner) for part, inner in stack.pieces(expert, selection[1:])]
+            leads = {lead for _, _, lead in held}
+            assert len(leads) == 1, f"{name}: gate and up slices start at different columns"
+            if codes is None:
+                rows = sum(c.shape[0] for c, _, _ in held)
+                codes = torch.empty((len(experts), rows, held[0][0].shape[1]), dtype=torch.uint8, device=device)
+                scales = torch.empty((len(experts), rows, held[0][1].shape[1]), device=device)
+            codes[index].copy_(torch.cat([c for c, _, _ in held]))
+            scales[index].copy_(torch.cat([s for _, s, _ in held]))
+        block, lead = stack.parts[0][0].block[1], leads.pop()
+        kernel = self.kernel and kernel_fits(codes[0], lead, block)
+        keep_fp8_experts(module, name.rpartition(".")[2], scales, lead, block, kernel)
+        return codes.view(stack.parts[0][0].codes.dtype)
+
+    def _held(self, name: str, stored: QuantizedTensor, selection: Selection) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """`selection` of `stored`'s codes (as bytes, a view of the mapped file where it can be), their per-row
+        scales, and how far into its first column block the selection starts."""
         rows, columns = selection
         if columns is not None and len(columns) != 1:
             raise ValueError(
@@ -58,11 +105,8 @@ class FP8Keeping:
                 "hold in FP8 (one range of columns per rank): set model.fp8_weights dequantize"
             )
         codes = select(self.files.view(stored.codes).view(torch.uint8), selection)
-        codes = codes.to(device).contiguous().view(stored.codes.dtype)
         scales, lead = _row_scales(stored, self.files, rows, columns[0] if columns else range(stored.values[1]))
-        block = stored.block[1]
-        keep_fp8(module, scales.to(device), lead, block, self.kernel and kernel_fits(codes, lead, block))
-        return codes
+        return codes, scales, lead
 
 
 def _e4m3_blocks(stored: Any) -> bool:

@@ -18,6 +18,7 @@ from shardbook.rankd.control.world import memory_in_use
 from shardbook.rankd.loading.checkpoint_names import ExpertStack
 from shardbook.rankd.loading.dequantize import QuantizedTensor
 from shardbook.rankd.parallel.attention_split import kv_cache_bytes_per_token
+from shardbook.rankd.parallel.fp8_experts import SCALES, FP8Experts
 from shardbook.rankd.parallel.fp8_linear import FP8Linear
 from shardbook.rankd.parallel.tensor_parallel import attention_splits
 from shardbook.rankd.parallel.tp_modules import global_numel, tp_shard_of
@@ -93,25 +94,30 @@ def checkpoint_figures(targets: dict[str, Any]) -> dict[str, Any]:
 
 
 def fp8_figures(model: nn.Module, note: str) -> dict[str, Any]:
-    """What `model.fp8_weights` came to: the linear layers holding FP8 codes (grouped by name with layer numbers as
-    `*`), how many compute with torch's kernel, and this rank's bytes of their scales. Empty for the default."""
+    """What `model.fp8_weights` came to: the linear layers and fused expert tensors holding FP8 codes (grouped by
+    name with layer numbers as `*`), how many of each compute with torch's kernel, and this rank's bytes of their
+    scales. Empty for the default."""
     if not note:
         return {}
     kept: dict[str, int] = {}
-    kernel, scale_bytes = 0, 0
+    counts = {"fp8_kept_modules": 0, "fp8_kernel_modules": 0, "fp8_kept_experts": 0, "fp8_kernel_experts": 0}
+    scale_bytes = 0
     for name, module in model.named_modules():
+        key = ".".join("*" if part.isdigit() else part for part in name.split("."))
         if isinstance(module, FP8Linear):
-            key = ".".join("*" if part.isdigit() else part for part in name.split("."))
-            kept[key] = kept.get(key, 0) + 1
-            kernel += module.fp8_kernel
-            scale_bytes += module.weight_scale_inv.numel() * module.weight_scale_inv.element_size()
-    return {
-        "fp8_weights": note,
-        "fp8_kept": kept,
-        "fp8_kept_modules": sum(kept.values()),
-        "fp8_kernel_modules": kernel,
-        "fp8_scale_bytes": scale_bytes,
-    }
+            held = {key: (module.weight_scale_inv, module.fp8_kernel)}
+            kind = "modules"
+        elif isinstance(module, FP8Experts):
+            held = {f"{key}.{w}": (getattr(module, w + SCALES), on[2]) for w, on in module.fp8_layout.items()}
+            kind = "experts"
+        else:
+            continue
+        for what, (scales, kernel) in held.items():
+            kept[what] = kept.get(what, 0) + 1
+            counts[f"fp8_kept_{kind}"] += 1
+            counts[f"fp8_kernel_{kind}"] += kernel
+            scale_bytes += scales.numel() * scales.element_size()
+    return {"fp8_weights": note, "fp8_kept": kept, **counts, "fp8_scale_bytes": scale_bytes}
 
 
 def tp_figures(model: nn.Module, parts: int) -> dict[str, Any]:

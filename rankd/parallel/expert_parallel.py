@@ -207,10 +207,15 @@ class ExpertParallel:
                 continue
             pairs, start = order[start : start + n], start + n
             token_idx, k_pos = pairs // top_k, pairs % top_k
-            gate_up = F.linear(hidden_states[token_idx], self.gate_up_proj[expert])
-            expert_out = F.linear(_gated(self, gate_up), self.down_proj[expert])
+            gate_up = self.expert_matmul(hidden_states[token_idx], "gate_up_proj", expert)
+            expert_out = self.expert_matmul(_gated(self, gate_up), "down_proj", expert)
             out.index_add_(0, token_idx, (expert_out * top_k_weights[token_idx, k_pos, None]).to(out.dtype))
         return sum_over_group(out, self.tp_group)
+
+    def expert_matmul(self, x: torch.Tensor, weight: str, expert: int) -> torch.Tensor:
+        """`x @ W.T` for local `expert`'s `weight` (gate_up_proj or down_proj); `fp8_experts` computes it from
+        FP8 codes."""
+        return F.linear(x, getattr(self, weight)[expert])
 
 
 def _gated(experts, gate_up: torch.Tensor) -> torch.Tensor:

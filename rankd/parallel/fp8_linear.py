@@ -91,7 +91,12 @@ def kernel_fits(codes: torch.Tensor, lead: int, block: int) -> bool:
 
 def dequantized(module: FP8Linear) -> torch.Tensor:
     """The float32 values of the weight `module` holds (this rank's rows and columns)."""
-    return _dequantize_rows(module.weight, module.weight_scale_inv, module.fp8_lead, module.fp8_block, 0, None)
+    return dequantize(module.weight, module.weight_scale_inv, module.fp8_lead, module.fp8_block)
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, lead: int, block: int) -> torch.Tensor:
+    """The float32 values of held `codes` [R, C] with their per-row `scales` (for showing a weight, not computing)."""
+    return _dequantize_rows(codes, scales, lead, block, 0, None)
 
 
 def _dequantize_rows(
@@ -141,8 +146,12 @@ def quantize_activations(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 def column_major(matrix: torch.Tensor) -> torch.Tensor:
     """`matrix` [R, C] stored with strides (1, R), as the kernel's scales must be (one row included: a token's
-    scales at decode, where `t().contiguous().t()` would keep strides (C, 1))."""
-    out = torch.empty_strided(matrix.shape, (1, matrix.shape[0]), dtype=matrix.dtype, device=matrix.device)
+    scales at decode, where `t().contiguous().t()` would keep strides (C, 1)); a stack [E, R, C] of them with
+    strides (R * C, 1, R), so that each `matrix[e]` is one."""
+    assert matrix.dim() in (2, 3), f"scales are a matrix or a stack of them, not {list(matrix.shape)}"
+    rows, cols = matrix.shape[-2:]
+    strides = (rows * cols, 1, rows) if matrix.dim() == 3 else (1, rows)
+    out = torch.empty_strided(matrix.shape, strides, dtype=matrix.dtype, device=matrix.device)
     return out.copy_(matrix)
 
 

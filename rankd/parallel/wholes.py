@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardbook.rankd.parallel.fp8_linear import FP8Linear, dequantized
+from shardbook.rankd.parallel.fp8_experts import kept_values
 from shardbook.rankd.parallel.tp_modules import TPShard, tp_shard_of
 
 SIBLING_SPLITS = {"act_fn": "gate_proj", "q_norm": "q_proj", "k_norm": "k_proj"}
@@ -176,9 +176,9 @@ def full_parameter_on_rank0(model: nn.Module, param: torch.Tensor) -> torch.Tens
 
 
 def _values(model: nn.Module, param: torch.Tensor) -> torch.Tensor:
-    """This rank's values of `param`: the dequantized weight (float32) where an FP8 layer holds it as codes."""
-    owner = next((m for m in model.modules() if isinstance(m, FP8Linear) and m.weight is param), None)
-    return param.detach() if owner is None else dequantized(owner)
+    """This rank's values of `param`: the dequantized weight (float32) where a layer or experts hold it as codes."""
+    values = kept_values(model, param)
+    return param.detach() if values is None else values
 
 
 def full_gradient_on_rank0(model: nn.Module, param: torch.Tensor) -> torch.Tensor | None:

@@ -1,5 +1,6 @@
 """FP8 block weights kept as FP8 (`model.fp8_weights keep`), in one process: a layer holding any rank's slice of the
-codes computes the dequantized weight's matmul, whatever the slice's boundaries inside blocks.
+codes computes the dequantized weight's matmul, whatever the slice's boundaries inside blocks, and so does each
+routed expert of a fused experts module holding some experts' slices.
 
 The multi-process tests (tests/multiproc/test_fp8_keep.py) load whole checkpoints this way on 2 ranks.
 """
@@ -12,10 +13,13 @@ import pytest
 import torch
 from torch import nn
 
+from shardbook.rankd.loading.checkpoint_names import ExpertStack
 from shardbook.rankd.loading.fp8_keep import FP8Keeping, fp8_keeping, require_keep_layout
 from shardbook.rankd.loading.quantized_formats import dequantizing_index
 from shardbook.rankd.loading.safetensors_files import read_index
 from shardbook.rankd.parallel import fp8_linear
+from shardbook.rankd.parallel.expert_parallel import ExpertParallel
+from shardbook.rankd.parallel.fp8_experts import FP8Experts, kept_values
 from shardbook.rankd.parallel.fp8_linear import FP8Linear, dequantized, kernel_matmul, reference_matmul
 from tests.quantized import BLOCK, expand_blocks, fp8_blocks
 
@@ -111,6 +115,14 @@ def test_the_kernel_call_passes_torchs_shape_and_stride_checks(tokens):
         kernel_matmul(x, codes, torch.empty(256, 4, device="meta"))  # row-major weight scales
 
 
+def test_one_experts_kernel_scales_pass_torchs_checks():
+    """Kept experts' scales [experts, N, K / 128] are stored so that each expert's own are column-major."""
+    codes = torch.empty(3, 256, 512, device="meta", dtype=torch.float8_e4m3fn)
+    scales = fp8_linear.column_major(torch.empty(3, 256, 4, device="meta"))
+    x = torch.empty(1, 512, device="meta", dtype=torch.bfloat16)
+    assert kernel_matmul(x, codes[2], scales[2]).shape == (1, 256)
+
+
 @pytest.mark.gpu
 def test_the_kernel_agrees_with_the_reference_path():
     """torch's blockwise FP8 matmul (activations quantized to e4m3 too) against the exact reference."""
@@ -125,3 +137,81 @@ def test_the_kernel_agrees_with_the_reference_path():
     want = reference_matmul(x.float(), codes, scales, 0, 128)
     got = kernel_matmul(x, codes, fp8_linear.column_major(scales)).float()
     torch.testing.assert_close(got, want, rtol=0.1, atol=0.02 * want.abs().max().item())
+
+
+@pytest.fixture(scope="module")
+def stored_experts(tmp_path_factory):
+    """Three experts' gate, up [40, 70] and down [70, 40] in 32 x 32 blocks, as fused `ExpertStack`s (gate_up_proj,
+    down_proj) over the stored per-expert tensors, and the dequantized fused tensors."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(1)
+    tensors, values = {}, {"gate": [], "up": [], "down": []}
+    for expert in range(3):
+        for part, shape in (("gate", (40, 70)), ("up", (40, 70)), ("down", (70, 40))):
+            codes, inv = fp8_blocks(torch.randn(shape) * 0.02, BLOCK)
+            tensors[f"experts.{expert}.{part}.weight"], tensors[f"experts.{expert}.{part}.weight_scale_inv"] = (
+                codes,
+                inv,
+            )
+            values[part].append(codes.float() * expand_blocks(inv, (BLOCK, BLOCK), shape))
+    path = tmp_path_factory.mktemp("fp8-experts")
+    save_file(tensors, path / "model.safetensors")
+    index = dequantizing_index(read_index(path), FP8_CONFIG)
+    parts = {part: tuple(index[f"experts.{e}.{part}.weight"] for e in range(3)) for part in values}
+    stacks = {
+        "gate_up_proj": ExpertStack(parts=(parts["gate"], parts["up"]), concat_dim=1),
+        "down_proj": ExpertStack(parts=(parts["down"],), concat_dim=None),
+    }
+    wanted = {
+        "gate_up_proj": torch.cat([torch.stack(values["gate"]), torch.stack(values["up"])], dim=1),
+        "down_proj": torch.stack(values["down"]),
+    }
+    return stacks, wanted
+
+
+class _Experts(ExpertParallel, nn.Module):
+    """An expert-parallel experts module, without the process group its forward would sum over."""
+
+
+EXPERT_SELECTIONS = {
+    # rows of gate and of up starting inside a block, as an ep_fsdp slice has them; down's columns likewise
+    "gate_up_proj": ((range(1, 3),), (range(5, 20), range(45, 60)), None),
+    "down_proj": ((range(1, 3),), None, (range(13, 40),)),
+}
+
+
+@pytest.mark.parametrize("weight", list(EXPERT_SELECTIONS))
+def test_kept_experts_compute_each_experts_dequantized_matmul(stored_experts, monkeypatch, weight):
+    monkeypatch.setattr(fp8_linear, "PIECE_ELEMENTS", 200)  # a few rows of one expert at a time
+    stacks, wanted = stored_experts
+    experts_kept, rows, columns = EXPERT_SELECTIONS[weight]
+    want = wanted[weight][1:3]
+    if rows is not None:
+        want = torch.cat([want[:, r.start : r.stop] for r in rows], dim=1)
+    if columns is not None:
+        want = want[:, :, columns[0].start : columns[0].stop]
+    module = _Experts()
+    codes = FP8Keeping(kernel=False).keep(
+        module, f"mlp.experts.{weight}", stacks[weight], EXPERT_SELECTIONS[weight], CPU
+    )
+    setattr(module, weight, nn.Parameter(codes, requires_grad=False))
+    assert isinstance(module, FP8Experts) and codes.dtype == torch.float8_e4m3fn and codes.shape == want.shape
+    scales = getattr(module, weight + "_scale_inv")  # per expert, row and column block touched: all that is held
+    assert scales.shape == (2, want.shape[1], 3 if columns is None else 2) and scales.dtype == torch.float32
+    assert torch.equal(kept_values(module, getattr(module, weight)), want)
+    x = torch.randn(4, want.shape[2])
+    for expert in range(2):
+        torch.testing.assert_close(module.expert_matmul(x, weight, expert), x @ want[expert].T, rtol=1e-5, atol=1e-6)
+
+
+def test_experts_with_one_weight_kept_compute_the_other_as_stored(stored_experts):
+    stacks, wanted = stored_experts
+    module = _Experts()
+    module.gate_up_proj = nn.Parameter(
+        FP8Keeping(kernel=False).keep(module, "gate_up_proj", stacks["gate_up_proj"], (None, None, None), CPU), False
+    )
+    module.down_proj = nn.Parameter(wanted["down_proj"], requires_grad=False)
+    x = torch.randn(4, 40)
+    torch.testing.assert_close(module.expert_matmul(x, "down_proj", 2), x @ wanted["down_proj"][2].T)
+    assert kept_values(module, module.down_proj) is None  # not kept: full_parameter shows it as held
