@@ -132,6 +132,7 @@ def _mxfp4(index: dict[str, StoredTensor], settings: dict) -> Index:
 
 def _compressed_tensors(index: dict[str, StoredTensor], settings: dict) -> Index:
     weights = _one_weight_scheme(settings)
+    _refuse_activation_order(index)
     packed = [n for n in index if n.endswith(".weight_packed")]
     if packed:
         _read_packed(index, packed, weights)
@@ -160,6 +161,20 @@ def _one_weight_scheme(settings: dict) -> dict:
             "weights): dequantize the checkpoint offline with compressed-tensors"
         )
     return weights
+
+
+def _refuse_activation_order(index: dict[str, StoredTensor]) -> None:
+    """GPTQ's `actorder: group` stores each column's group in `X.weight_g_idx`; read by position, the columns would
+    take other groups' scales."""
+    ordered = [name for name in index if name.endswith(".weight_g_idx")]
+    if ordered:
+        more = f" and {len(ordered) - 1} more" if len(ordered) > 1 else ""
+        raise ValueError(
+            f"this compressed-tensors checkpoint assigns columns to groups out of order (actorder 'group': "
+            f"{ordered[0]}{more}), which sharded loading does not read; read by position its "
+            "weights would take other groups' scales: dequantize it offline with compressed-tensors, or pick a "
+            "checkpoint quantized without activation ordering or with actorder 'weight'"
+        )
 
 
 def _read_packed(index: dict, names: list[str], weights: dict) -> None:

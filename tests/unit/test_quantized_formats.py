@@ -161,6 +161,12 @@ REFUSALS = {
         lambda c: _asymmetric(c),
         "are not read yet (sharded loading reads symmetric int and float weights)",
     ),
+    "groups in activation order": (
+        "int4-pack",
+        lambda s: _with_group_order(s),
+        None,
+        "assigns columns to groups out of order (actorder 'group': model.layers.1.mlp.experts.0.down_proj.weight_g_idx",
+    ),
     "nvfp4 through compressed-tensors": (
         "int4-pack",
         None,
@@ -169,6 +175,15 @@ REFUSALS = {
     ),
 }
 FAMILY = {"fp8-blocks": "llama", "mxfp4": "gpt_oss", "int4-pack": "deepseek_v3"}
+
+
+def _with_group_order(state: dict) -> dict:
+    """A `weight_g_idx` beside each packed weight, as GPTQ with actorder 'group' saves it: column j's group."""
+    orders = {}
+    for name in [n for n in state if n.endswith(".weight_packed")]:
+        columns = int(state[name.replace("weight_packed", "weight_shape")][1])
+        orders[name.replace("weight_packed", "weight_g_idx")] = (torch.arange(columns) // 32).flip(0).to(torch.int32)
+    return {**state, **orders}
 
 
 def _asymmetric(config: dict) -> dict:
