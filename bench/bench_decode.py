@@ -348,19 +348,28 @@ class Shape:
 
 FP8_BLOCK = 128
 FP8_WEIGHT_BYTES = 1 + 4 / FP8_BLOCK**2
-"""An e4m3 weight and its share of the float32 `weight_scale_inv` of its 128 x 128 block."""
+"""An e4m3 weight and its share of the float32 `weight_scale_inv` of its 128 x 128 block, as the files store it."""
+FP8_HELD_BYTES = 1 + 4 / FP8_BLOCK
+"""An e4m3 weight and its share of the scales `model.fp8_weights keep` holds: a float32 per row per 128 columns
+(`fp8_linear`'s layout, which lets a rank's rows start inside a block)."""
 GLM5_UNQUANTIZED = 2.04e9
 """GLM-5-FP8's weights kept in bf16: embeddings and lm_head (2 x 154,880 x 6144), 75 routers, norms."""
 GLM5 = dict(params=744e9, hidden=6144, layers=78, vocab=154_880, moe_layers=75, expert_params=725e9)
 FP8_ON_NPU = dict(file_bytes=FP8_WEIGHT_BYTES, unquantized_params=GLM5_UNQUANTIZED)
-FP8_KEPT = dict(weight_bytes=FP8_WEIGHT_BYTES, unquantized_params=GLM5_UNQUANTIZED, expert_layouts=((16, 1), (8, 2)))
+FP8_KEPT = dict(
+    weight_bytes=FP8_HELD_BYTES,
+    file_bytes=FP8_WEIGHT_BYTES,
+    unquantized_params=GLM5_UNQUANTIZED,
+    expert_layouts=((16, 1), (8, 2)),
+)
 SHAPES = [
     # Sizes assumed for the GLM-744B run of configs/glm-744b-npu.yaml: 744B parameters, hidden
     # 6144, 78 layers (the first 3 dense, then MoE: 256 routed experts of 3 x 6144 x 2048 weights
     # each and a shared expert, 725B expert weights in all), a 154,880-token vocabulary, bf16, on 32 ranks.
     Shape("GLM-744B MoE on 32 NPUs (bf16)", ranks=32, **GLM5),
-    # GLM-5-FP8 (issue 30): the same model with every linear in e4m3 128 x 128 blocks, read as FP8 and
-    # dequantized to bf16 on NPUs (configs/glm-744b-fp8-npu.yaml), or kept as FP8 on 16 GPUs (sm >= 8.9).
+    # GLM-5-FP8 (issue 30): the same model with every linear and routed expert in e4m3 128 x 128 blocks, read
+    # as FP8 and dequantized to bf16 on NPUs (configs/glm-744b-fp8-npu.yaml), or kept as FP8 (linears and
+    # routed experts, codes with per-row scales) on 16 GPUs where torch's blockwise FP8 matmul runs (sm 9.0).
     Shape("GLM-5-FP8 MoE on 32 NPUs (dequantized to bf16)", ranks=32, **GLM5, **FP8_ON_NPU),
     Shape("GLM-5-FP8 MoE on 16 GPUs (kept FP8)", ranks=16, **GLM5, **FP8_KEPT),
     Shape("70B dense on 8 devices (bf16)", 70.6e9, 8192, 80, 128_256, 8),
@@ -424,7 +433,8 @@ def glm5_per_rank(
 ) -> dict:
     """GLM-5 (GlmMoeDsaConfig defaults) under tp, from shardbook's own plan on a meta model: per rank, weights,
     the part kept whole, the bytes read from GLM-5-FP8's files, KV cache at 4k and 32k tokens, and the bytes sent
-    per generated token. With `fp8_kept`, the FP8 checkpoint's linears stay e4m3 with their block scales."""
+    per generated token. With `fp8_kept`, what `model.fp8_weights keep` keeps (`_kept_by_keep`: every linear and
+    routed expert GLM-5-FP8 stores in e4m3) stays e4m3 with its per-row scales."""
     import torch
     from transformers import AutoModelForCausalLM, GlmMoeDsaConfig
 
@@ -449,8 +459,10 @@ def glm5_per_rank(
             return numel * dtype_bytes, numel * dtype_bytes
         leading = _numel(size if r is None else sum(len(piece) for piece in r) for size, r in zip(shape, ranges[:-2]))
         blocks = leading * _numel(_blocks(size, r) for size, r in zip(shape[-2:], ranges[-2:]))
-        fp8 = numel + 4 * blocks  # e4m3 codes and the float32 scales of the blocks the slice touches
-        return (fp8 if fp8_kept else numel * dtype_bytes), fp8
+        read = numel + 4 * blocks  # e4m3 codes and the float32 scales of the blocks the slice touches
+        columns = shape[-1] if ranges[-1] is None else sum(len(piece) for piece in ranges[-1])
+        kept = numel + 4 * (numel // columns) * _blocks(shape[-1], ranges[-1])  # a scale per held row per block
+        return (kept if fp8_kept and _kept_by_keep(model, name) else numel * dtype_bytes), read
 
     whole = sum(part_bytes(name, None)[0] for name in params if name not in plan)
     local = [[part_bytes(name, r) for name in params] for r in range(ranks)]
@@ -501,8 +513,10 @@ def print_glm5() -> None:
             f"| {_bytes(f['traffic'])} |"
         )
     print(
-        f"\n(GLM-5-FP8: every linear of the layers in e4m3 with a float32 scale per {FP8_BLOCK} x {FP8_BLOCK} block, "
-        "routers, the indexer's weights_proj, norms, embeddings and lm_head in bf16; KV cache and activations bf16.)"
+        f"\n(GLM-5-FP8: every linear and routed expert of the layers in e4m3 with a float32 scale per {FP8_BLOCK} x "
+        f"{FP8_BLOCK} block, routers, the indexer's weights_proj, norms, embeddings and lm_head in bf16; kept FP8, "
+        f"all of those e4m3 weights stay codes, with a float32 scale per row per {FP8_BLOCK} columns; KV cache and "
+        "activations bf16.)"
     )
 
 
@@ -511,6 +525,22 @@ def _fp8_in_glm5(name: str, shape) -> bool:
     the indexer's `weights_proj`, norms, embeddings or lm_head."""
     kept = ("mlp.gate.weight", "weights_proj.weight")
     return name.startswith("model.layers.") and len(shape) >= 2 and not name.endswith(kept) and "norm" not in name
+
+
+def _kept_by_keep(model, name: str) -> bool:
+    """Whether `model.fp8_weights keep` holds `name`, stored in e4m3 blocks, as FP8 (`fp8_keep.FP8Keeping.module_of`
+    on the laid-out model): a linear layer's weight, or a fused routed experts tensor in transformers' layout."""
+    from torch import nn
+
+    from shardbook.rankd.parallel.biased_experts import has_expert_biases
+    from shardbook.rankd.parallel.expert_parallel import expert_weights_problem
+    from shardbook.rankd.parallel.fp8_experts import EXPERT_WEIGHTS
+
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if leaf in EXPERT_WEIGHTS:
+        return not has_expert_biases(module) and expert_weights_problem(module) is None
+    return leaf == "weight" and type(module) is nn.Linear
 
 
 def _blocks(size: int, ranges) -> int:
