@@ -19,7 +19,7 @@ from shardbook.rankd.loading.quantized_formats import dequantizing_index
 from shardbook.rankd.loading.safetensors_files import read_index
 from shardbook.rankd.parallel import fp8_linear
 from shardbook.rankd.parallel.expert_parallel import ExpertParallel
-from shardbook.rankd.parallel.fp8_experts import FP8Experts, kept_values
+from shardbook.rankd.parallel.fp8_experts import FP8Experts, keep_fp8_experts, kept_values
 from shardbook.rankd.parallel.fp8_linear import FP8Linear, dequantized, kernel_matmul, reference_matmul
 from tests.quantized import BLOCK, expand_blocks, fp8_blocks
 
@@ -215,3 +215,22 @@ def test_experts_with_one_weight_kept_compute_the_other_as_stored(stored_experts
     x = torch.randn(4, 40)
     torch.testing.assert_close(module.expert_matmul(x, "down_proj", 2), x @ wanted["down_proj"][2].T)
     assert kept_values(module, module.down_proj) is None  # not kept: full_parameter shows it as held
+
+
+@pytest.mark.gpu
+def test_kept_experts_by_the_kernel_agree_with_the_reference_path():
+    """Each expert's matmul by torch's blockwise FP8 matmul, from the stacked codes and column-major scales."""
+    if not torch.cuda.is_available() or fp8_linear.kernel_unavailable(torch.device("cuda")):
+        pytest.skip("needs a CUDA GPU where torch's blockwise FP8 matmul runs")
+    torch.manual_seed(0)
+    blocks = [fp8_blocks(torch.randn(256, 512) * 0.02, 128) for _ in range(3)]
+    codes = torch.stack([c for c, _ in blocks]).cuda()
+    scales = torch.stack([inv.repeat_interleave(128, dim=0) for _, inv in blocks]).cuda()  # per row, 1 x 128
+    module = _Experts()
+    keep_fp8_experts(module, "down_proj", scales, 0, 128, kernel=True)
+    module.down_proj = nn.Parameter(codes, requires_grad=False)
+    x = torch.randn(5, 512, device="cuda", dtype=torch.bfloat16)
+    for expert in range(3):
+        want = reference_matmul(x.float(), codes[expert], scales[expert], 0, 128)
+        got = module.expert_matmul(x, "down_proj", expert).float()
+        torch.testing.assert_close(got, want, rtol=0.1, atol=0.02 * want.abs().max().item())
