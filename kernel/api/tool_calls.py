@@ -2,7 +2,7 @@
 reasoning, its content and its calls, whole or as it streams.
 
 The public face of ``tool_parse.py`` (calls, formats, their stream) and ``tool_formats.py`` (the families:
-``hermes``, ``glm45``, ``deepseek_v31``, ``kimi_k2``, ``minimax_m2``, ``harmony``).
+``hermes``, ``glm45``, ``deepseek_v31``, ``deepseek_v32``, ``kimi_k2``, ``minimax_m2``, ``harmony``).
 """
 
 from __future__ import annotations

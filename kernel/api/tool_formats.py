@@ -5,8 +5,13 @@ docs/serving.md, "Tool calls"):
 - ``glm45`` (GLM-4.5/4.6/4.7/5): ``<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>``,
   newlines between the parts; a value is a string when the tool's schema says so, else JSON when it parses
   as JSON, else a string.
-- ``deepseek_v31`` (DeepSeek-V3.1/V3.2): ``<｜tool▁calls▁begin｜>`` then per call
+- ``deepseek_v31`` (DeepSeek-V3.1, V3.2-Exp): ``<｜tool▁calls▁begin｜>`` then per call
   ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{json}<｜tool▁call▁end｜>``, then ``<｜tool▁calls▁end｜>``.
+- ``deepseek_v32`` (DeepSeek-V3.2, its "DSML" as its ``encoding/encoding_dsv32.py`` writes it):
+  ``<｜DSML｜function_calls>`` then per call ``<｜DSML｜invoke name="NAME">`` with one
+  ``<｜DSML｜parameter name="K" string="true|false">V</｜DSML｜parameter>`` per argument, then
+  ``</｜DSML｜invoke>``; then ``</｜DSML｜function_calls>``, newlines between the parts. ``string="true"``: V is
+  the string itself, unquoted; ``"false"``: V is JSON. The tags are ordinary text, not special tokens.
 - ``kimi_k2``: ``<|tool_calls_section_begin|>`` then per call ``<|tool_call_begin|>functions.NAME:IDX
   <|tool_call_argument_begin|>{json}<|tool_call_end|>`` (``functions.NAME:IDX`` is the call's id), then
   ``<|tool_calls_section_end|>``.
@@ -93,9 +98,15 @@ def read_pairs(body: str, pattern: re.Pattern[str], what: str, schema: Any) -> d
     MalformedCall if anything but whitespace is left."""
     properties = schema.get("properties", {}) if isinstance(schema, dict) else {}
     pairs = {k.strip(): scalar_or_text(v.strip(), properties.get(k.strip())) for k, v in pattern.findall(body)}
-    if pattern.sub("", body).strip():
-        raise MalformedCall(f"{what} has text that is not a complete argument: {pattern.sub('', body).strip()[:80]!r}")
+    check_only_arguments(body, pattern, what)
     return pairs
+
+
+def check_only_arguments(body: str, pattern: re.Pattern[str], what: str) -> None:
+    """MalformedCall if `body` holds anything but whitespace besides what `pattern` matches (the arguments)."""
+    rest = pattern.sub("", body).strip()
+    if rest:
+        raise MalformedCall(f"{what} has text that is not a complete argument: {rest[:80]!r}")
 
 
 class Glm45(TaggedFormat):
@@ -174,6 +185,45 @@ class MiniMaxM2(TaggedFormat):
         return make_call(name, read_pairs(params, self.pair, f"the call of {name}", schemas.get(name)))
 
 
+DSML = "｜DSML｜"
+"""DeepSeek-V3.2's markup prefix: its tags are ``<｜DSML｜function_calls>``, ``<｜DSML｜invoke ...>``, ..."""
+
+
+class DeepSeekV32(TaggedFormat):
+    """The string attribute types each value (the schema is not needed): ``true`` keeps the text as it is,
+    ``false`` reads it as JSON (a value that is not is a malformed call)."""
+
+    name = "deepseek_v32"
+    markers = (f"<{DSML}function_calls>", f"<{DSML}invoke name=")
+    call_tags = (f"<{DSML}invoke name=", f"</{DSML}invoke>")
+    section_tags = (f"<{DSML}function_calls>", f"</{DSML}function_calls>")
+    head = re.compile(r'\s*"([^"]*)"\s*>(.*)', re.DOTALL)
+    parameter = re.compile(f'<{DSML}parameter name="([^"]*)" string="(true|false)">(.*?)</{DSML}parameter>', re.DOTALL)
+
+    def read_call(self, body: str, schemas: Schemas) -> ToolCall:
+        head = self.head.fullmatch(body)
+        if head is None:
+            raise MalformedCall(f'an <{DSML}invoke> without name="NAME">')
+        name, params = head.groups()
+        what = f"the call of {name}"
+        check_only_arguments(params, self.parameter, what)
+        arguments: dict[str, Any] = {}
+        for key, string, value in self.parameter.findall(params):
+            if key in arguments:
+                raise MalformedCall(f"{what} gives the parameter {key!r} twice")
+            arguments[key] = value if string == "true" else self.json_value(value, key, what)
+        return make_call(name, arguments)
+
+    @staticmethod
+    def json_value(value: str, key: str, what: str) -> Any:
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            raise MalformedCall(
+                f'{what} marks {key} string="false" but its value is not JSON: {value[:80]!r}'
+            ) from None
+
+
 class Harmony(ToolFormat):
     """gpt-oss's calls are messages addressed ``to=functions.NAME``; the rest of a reply (its analysis and final
     messages, markers and all) is left for the harmony reasoning parser, so this format reads the raw reply."""
@@ -225,7 +275,7 @@ class Harmony(ToolFormat):
 
 
 FORMATS: dict[str, ToolFormat] = {
-    f.name: f for f in (Hermes(), Glm45(), DeepSeekV31(), KimiK2(), MiniMaxM2(), Harmony())
+    f.name: f for f in (Hermes(), Glm45(), DeepSeekV31(), DeepSeekV32(), KimiK2(), MiniMaxM2(), Harmony())
 }
 MODEL_TYPES = {
     "qwen3": "hermes",
@@ -234,7 +284,7 @@ MODEL_TYPES = {
     "glm4_moe": "glm45",
     "glm_moe_dsa": "glm45",
     "deepseek_v3": "deepseek_v31",
-    "deepseek_v32": "deepseek_v31",
+    "deepseek_v32": "deepseek_v32",  # V3.2's DSML; V3.2-Exp (same model_type) writes deepseek_v31's calls
     "kimi_k2": "kimi_k2",
     "minimax_m2": "minimax_m2",
     "gpt_oss": "harmony",

@@ -2,7 +2,7 @@
 
 A format finds where a call starts (``hermes``'s ``<tool_call>``, DeepSeek's ``<｜tool▁calls▁begin｜>``,
 a harmony header addressed ``to=functions.NAME``, ...) and reads the calls from there to the end of the reply
-(``tool_formats.py`` has the six families, ``tool_calls.py`` the choice of one). Text before the first call
+(``tool_formats.py`` has the families' formats, ``tool_calls.py`` the choice of one). Text before the first call
 is the reply's content and streams as it comes; from the first call on the text is held until the reply ends,
 because a call that cannot be read turns the whole reply back into text (``ParsedReply.malformed``) and calls
 are only sure once they are all read.

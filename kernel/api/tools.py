@@ -222,7 +222,7 @@ def tool_format(runtime: Runtime) -> ToolFormat:
         raise ValueError(
             f"the loaded model ({model_type}) has no tool-call format shardbook reads ({', '.join(FORMATS)}: "
             "found by its model type or its vocabulary's call tokens), so its replies cannot be read as tool "
-            "calls; load a tool-calling model (Qwen3, GLM-4.5/5, DeepSeek-V3.1, Kimi-K2, MiniMax-M2, gpt-oss), or "
+            "calls; load a tool-calling model (Qwen3, GLM-4.5/5, DeepSeek-V3.1/V3.2, Kimi-K2, MiniMax-M2, gpt-oss), or "
             "name the format its chat template writes in the config's inference.tool_call_parser"
         )
     return fmt

@@ -23,7 +23,7 @@ FP8_WEIGHTS = ("dequantize", "keep", "keep-reference")
 INFER_BACKENDS = ("huggingface",)
 REASONING_PARSERS = ("auto", "think", "harmony", "none")
 """How a reply's reasoning may be read (``inference.reasoning_parser``); the kernel's reasoning parsers are named so."""
-TOOL_CALL_PARSERS = ("auto", "none", "hermes", "glm45", "deepseek_v31", "kimi_k2", "minimax_m2", "harmony")
+TOOL_CALL_PARSERS = tuple("auto none hermes glm45 deepseek_v31 deepseek_v32 kimi_k2 minimax_m2 harmony".split())
 """How a reply's tool calls may be read (``inference.tool_call_parser``): the kernel's tool formats, ``auto`` and
 ``none``. Kept here because the config (rankd) may not import the kernel's parsers; a unit test keeps them equal."""
 BOOL_WORDS = {
@@ -165,8 +165,8 @@ class InferenceConfig:
     tool_call_parser: str = "auto"
     """The format a reply's tool calls are read in (`%%chat --tools`, `ChatModel.chat(tools=...)`, the endpoint's
     `tool_calls`): auto (from the model's config and vocabulary), none (no calls read: tools are refused), hermes,
-    glm45, deepseek_v31, kimi_k2, minimax_m2 or harmony (docs/serving.md's parser tables). A server's
-    `--tool-call-parser`, when given, overrides it."""
+    glm45, deepseek_v31 (also DeepSeek-V3.2-Exp's), deepseek_v32, kimi_k2, minimax_m2 or harmony (docs/serving.md's
+    parser tables). A server's `--tool-call-parser`, when given, overrides it."""
     max_batch_sequences: int | None = None
     """Most sequences decoded together in one batch (continuous batching); more wait for a place. null: as many as
     the KV budget holds at 512 prompt tokens plus max_new_tokens, at most 32 on a CPU and 256 on a GPU or NPU."""

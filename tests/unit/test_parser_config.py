@@ -56,6 +56,11 @@ def test_tool_call_parser_in_the_config_decides_how_the_loop_reads_calls():
     assert [s.describe() for s in run_loop(told, HERMES_CALL).steps] == ['add({"a": 2, "b": 3}) -> 5']
     auto = runtime_with("glm4_moe")
     assert tool_format(auto).name == "glm45"
+    v32_exp = runtime_with("deepseek_v32", "--inference.tool_call_parser", "deepseek_v31")  # V3.2-Exp's calls
+    assert (tool_format(runtime_with("deepseek_v32")).name, tool_format(v32_exp).name) == (
+        "deepseek_v32",
+        "deepseek_v31",
+    )
     (misread,) = run_loop(auto, HERMES_CALL).steps
     assert misread.failed and misread.name == json.dumps({"name": "add", "arguments": {"a": 2, "b": 3}})
 

@@ -52,6 +52,29 @@ def harmony(name, args):
     return HARMONY_CALL.format(name, json.dumps(args))
 
 
+def dsml(*calls):
+    """DeepSeek-V3.2's calls as its encoding writes them: strings bare with string="true", others JSON."""
+
+    def parameter(key, value):
+        string = isinstance(value, str)
+        text = value if string else json.dumps(value)
+        return f'<｜DSML｜parameter name="{key}" string="{str(string).lower()}">{text}</｜DSML｜parameter>'
+
+    invokes = [
+        f'<｜DSML｜invoke name="{n}">\n' + "\n".join(parameter(k, v) for k, v in a.items()) + "\n</｜DSML｜invoke>"
+        for n, a in calls
+    ]
+    return "\n\n<｜DSML｜function_calls>\n" + "\n".join(invokes) + "\n</｜DSML｜function_calls>"
+
+
+DSML_WEATHER = (
+    '<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" {}</｜DSML｜parameter>\n</｜DSML｜invoke>'
+)
+CITY = 'string="true">Paris</｜DSML｜parameter><｜DSML｜parameter name="city" string="true">Rome'
+"""Two values of the city parameter, as DSML_WEATHER's argument."""
+NOTE = ("take_note", {"text": "a < b\n  </think> 007", "id": "007", "tags": ["x"], "due": None})
+
+
 BAD_JSON = '{"city": Paris}'
 CASES = [
     ("hermes", hermes(*WEATHER), "", [WEATHER]),
@@ -67,6 +90,17 @@ CASES = [
     ("deepseek_v31", "On it." + ds(WEATHER, TIME), "On it.", [WEATHER, TIME]),
     ("deepseek_v31", ds(("get_weather", {}))[:-20], None, []),  # cut inside the call
     ("deepseek_v31", DS_CALLS.format(DS_CALL.format("get_weather", BAD_JSON)), None, []),
+    ("deepseek_v32", "On it." + dsml(WEATHER, TIME), "On it.", [WEATHER, TIME]),
+    ("deepseek_v32", dsml(NOTE, ("get_time", {})) + "\nDone.", "Done.", [NOTE, ("get_time", {})]),
+    ("deepseek_v32", DSML_WEATHER.format('string="true">Paris'), "", [WEATHER]),  # no function_calls around it
+    ("deepseek_v32", "<｜DSML｜function_calls>\n" + DSML_WEATHER.format('string="false">Paris'), None, []),
+    ("deepseek_v32", dsml(WEATHER).replace(' string="true"', ""), None, []),  # a parameter without its type
+    ("deepseek_v32", dsml(WEATHER).replace("</｜DSML｜invoke>", "").rstrip(), None, []),  # never closed
+    ("deepseek_v32", dsml(("get_weather", {"city": "Paris", "days": 2}))[:-60], None, []),  # cut short
+    ("deepseek_v32", "<｜DSML｜function_calls>\n</｜DSML｜function_calls>", None, []),  # no call inside
+    ("deepseek_v32", "<｜DSML｜function_calls>" + DSML_WEATHER.format(CITY), None, []),  # city twice
+    ("deepseek_v32", dsml(WEATHER).replace("</｜DSML｜parameter>", "</｜DSML｜parameter>" * 2), None, []),
+    ("deepseek_v32", "A <｜DSML｜ mention, and <｜DSML｜invoke", "A <｜DSML｜ mention, and <｜DSML｜invoke", []),
     ("kimi_k2", "Let me see." + kimi(WEATHER, TIME), "Let me see.", [WEATHER, TIME]),
     ("kimi_k2", KIMI_CALLS.format("<|tool_call_begin|>get_weather<|tool_call_end|>"), None, []),
     ("minimax_m2", "Looking.\n" + minimax(("get_weather", {"city": "Paris"}), TIME), "Looking.", [WEATHER, TIME]),
@@ -149,6 +183,9 @@ def test_calls_after_reasoning():
         parts = stream.feed(text[:i]) + stream.feed(text[i:]) + stream.finish()
         assert (parts.reasoning, parts.content) == ("Maybe <tool_call>no</tool_call> here.", "Sure."), i
         assert plain("", stream.reply().calls)[1] == [WEATHER]
+    v32 = "The user wants Paris.</think>Checking." + dsml(WEATHER)  # the prompt opened the block (thinking mode)
+    reasoning, reply = split_reply(v32, ReasoningFormat("think", in_reasoning=True), FORMATS["deepseek_v32"])
+    assert (reasoning, plain(reply.content, reply.calls)) == ("The user wants Paris.", ("Checking.", [WEATHER], False))
     reasoning, reply = split_reply("<think>never closed <tool_call>", think, FORMATS["hermes"])
     assert (reasoning, reply.content, reply.calls) == ("never closed <tool_call>", "", ())
 
@@ -171,6 +208,8 @@ def test_the_format_follows_the_config_and_the_vocabulary():
     assert tool_format_for("llama", {"<tool_call>": 5, "</tool_call>": 6}).name == "hermes"
     assert tool_format_for(None, {"<tool_call>", "</tool_call>", "<arg_key>", "<arg_value>"}).name == "glm45"
     assert tool_format_for(None, {"<｜tool▁calls▁begin｜>", "<｜tool▁sep｜>"}).name == "deepseek_v31"
+    assert tool_format_for("deepseek_v32", set()).name == "deepseek_v32"  # V3.2's DSML
+    assert tool_format_for("deepseek_v32", set(), override="deepseek_v31").name == "deepseek_v31"  # V3.2-Exp
     assert tool_format_for("llama", {"a", "b"}) is None
     assert tool_format_for("llama", {"a"}, override="minimax_m2").name == "minimax_m2"
     assert tool_format_for("qwen3", set(), override="none") is None
