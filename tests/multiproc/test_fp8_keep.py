@@ -8,7 +8,7 @@ slices and down's column slices start inside blocks) and `tp` with `ep_size 2` (
 MiniMax-M2 (attention whole, experts split by rows) under `tp`. The kept linears and routed experts hold e4m3
 codes (counted in bytes: the experts hold nothing but their codes and scales), `full_parameter` of a kept linear
 or expert weight is its exact dequantization, `keep` on a CPU dequantizes with a note, and `gather` with a kept
-weight is refused.
+weight is refused. A tiny GLM-5-FP8 under `tp` (experts split by rows) equals its own dequantized load.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import torch
 from tests.multiproc.test_loading import prompt_ids
 from tests.multiproc.test_mla import close
 from tests.multiproc.test_quantized import CHECKPOINTS, make_checkpoint
+from tests.quantized import write_quantized
+from tests.tiny import make_tiny_mla
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -160,3 +162,21 @@ def reference_experts_down(quantized) -> torch.Tensor:
 
     state = load_file(quantized.with_name(quantized.name + "-reference") / "model.safetensors")
     return torch.stack([state[f"model.layers.1.mlp.experts.{e}.down_proj.weight"] for e in range(8)])
+
+
+def test_glm5_kept_experts_match_its_dequantized_load(ranks, tmp_path):
+    """GLM-5 (the FP8 flagship's shapes: MLA, the indexer, grouped routing, a shared expert) under `tp` without
+    expert parallelism: every routed expert's rows split 16 and 16, kept in FP8, against the same checkpoint
+    dequantized (whose logits tests/multiproc/test_quantized.py checks against transformers)."""
+    path, _ = write_quantized(make_tiny_mla(tmp_path / "float32", "glm_moe_dsa"), tmp_path / "glm5", "fp8-blocks")
+    weight = "model.layers.2.mlp.experts.gate_up_proj"
+    runs = {mode: (path, weight, mode, {"decode": "tp"}) for mode in ("dequantize", "keep-reference")}
+    for rank, results in enumerate(ranks(load_runs, runs, deadline=300)):
+        dequantized, kept = results["dequantize"], results["keep-reference"]
+        close(kept["logits"], dequantized["logits"], f"rank {rank}")
+        # the two MoE layers' gate_up_proj and down_proj, holding their codes and scales only
+        assert kept["summary"]["fp8_kept_experts"] == 4 and kept["expert_code_dtypes"] == {torch.float8_e4m3fn}
+        assert kept["expert_held_bytes"] == kept["expert_code_elements"] + kept["expert_scale_bytes"], kept
+        assert dequantized["summary"].get("fp8_kept_experts", 0) == 0
+        if rank == 0:  # full_parameter of the kept experts is the dequantized load's weight, exactly
+            torch.testing.assert_close(kept["whole"], dequantized["whole"], atol=0, rtol=0)
