@@ -1,6 +1,6 @@
 """Chat templates written from each family's documented prompt format, and tiny tokenizers that carry them.
 
-The real tokenizers and templates of Qwen3, GLM-4.5/4.6, GLM-4.7/5, DeepSeek-V3.1, Kimi-K2-Instruct and MiniMax-M2
+The real tokenizers and templates of Qwen3, GLM-4.5/4.6, GLM-4.7/5, DeepSeek-V3.1/V3.2, Kimi-K2-Instruct and MiniMax-M2
 are not available offline, so each is written here, minimal but with the markers, whitespace and rules its family
 really uses: the tools list, earlier assistant ``tool_calls`` in the family's own call format, ``role: "tool"``
 results, the thinking switch, and which earlier reasoning is dropped. The instructions a real template writes
@@ -14,6 +14,9 @@ around the tools are paraphrased (only their format line matters). Per family:
   newlines; ``clear_thinking=false`` keeps every earlier turn's reasoning.
 - ``deepseek_v31``: one system prompt with the tools; ``thinking`` (default off) ends the prompt with ``<think>``
   or ``</think>``; earlier reasoning is always dropped; after a tool's output there is no new assistant header.
+- ``deepseek_v32``: as its ``encoding/encoding_dsv32.py`` writes prompts (V3.2 ships no template): each user turn
+  ends ``<｜Assistant｜>`` then ``<think>`` (thinking, the last user turn) or ``</think>``; calls in DSML; results
+  as ``<function_results>`` then ``<think>`` or ``</think>``; reasoning kept after the last user message.
 - ``kimi_k2`` (Kimi-K2-Instruct): no thinking; a call's head is its id ``functions.NAME:IDX``; results as
   ``## Return of ID``.
 - ``minimax_m2``: always thinks (the prompt opens ``<think>``); reasoning kept after the last user message.
@@ -204,6 +207,55 @@ DEEPSEEK_V31 = r"""
 {%- endif %}
 """
 
+DEEPSEEK_V32 = r"""
+{%- set thinking = thinking is defined and thinking %}
+{%- set ns = namespace(last_user=-1, calls=0, results=0) %}
+{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}
+{{- '<｜begin▁of▁sentence｜>' }}
+{%- if messages and messages[0].role == 'system' %}{{- messages[0].content }}{%- endif %}
+{%- if tools %}
+    {{- '\n\n## Tools\nYou may call the functions below by writing a "<｜DSML｜function_calls>" block:\n' }}
+    {{- '<｜DSML｜function_calls>\n<｜DSML｜invoke name="$FUNCTION_NAME">\n' }}
+    {{- '<｜DSML｜parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</｜DSML｜parameter>\n' }}
+    {{- '...\n</｜DSML｜invoke>\n</｜DSML｜function_calls>\n' }}
+    {{- 'string="true" for string parameters, written as they are; "false" for the others, written as JSON.\n' }}
+    {{- '<functions>\n' }}
+    {%- for tool in tools %}{{- tool.function | tojson + '\n' }}{%- endfor %}
+    {{- '</functions>\n' }}
+{%- endif %}
+{%- for m in messages %}
+    {%- if m.role == 'user' %}
+        {{- '<｜User｜>' + m.content + '<｜Assistant｜>' }}
+        {{- '<think>' if thinking and loop.index0 == ns.last_user else '</think>' }}
+    {%- elif m.role == 'assistant' %}
+        {%- if thinking and loop.index0 > ns.last_user %}{{- (m.reasoning_content or '') + '</think>' }}{%- endif %}
+        {{- m.content }}
+        {%- if m.tool_calls %}
+            {{- '\n\n<｜DSML｜function_calls>' }}
+            {%- for call in m.tool_calls %}
+                {{- '\n<｜DSML｜invoke name="' + call.function.name + '">' }}
+                {%- for k, v in call.function.arguments.items() %}
+                    {{- '\n<｜DSML｜parameter name="' + k + '" string="' }}
+                    {{- ('true' if v is string else 'false') + '">' }}
+                    {{- (v if v is string else v | tojson) + '</｜DSML｜parameter>' }}
+                {%- endfor %}
+                {{- '\n</｜DSML｜invoke>' }}
+            {%- endfor %}
+            {{- '\n</｜DSML｜function_calls>' }}
+            {%- set ns.calls, ns.results = m.tool_calls | length, 0 %}
+        {%- endif %}
+        {{- '<｜end▁of▁sentence｜>' }}
+    {%- elif m.role == 'tool' %}
+        {%- set ns.results = ns.results + 1 %}
+        {%- if ns.results == 1 %}{{- '\n\n<function_results>' }}{%- endif %}
+        {{- '\n<result>' + m.content + '</result>' }}
+        {%- if ns.results == ns.calls %}
+            {{- '\n</function_results>\n\n' + ('<think>' if thinking and loop.index0 > ns.last_user else '</think>') }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+"""
+
 KIMI_K2 = r"""
 {%- if tools %}{{- '<|im_system|>tool_declare<|im_middle|>' + tools | tojson + '<|im_end|>' }}{%- endif %}
 {%- if not messages or messages[0].role != 'system' %}
@@ -278,6 +330,7 @@ MINIMAX_M2 = r"""
 """
 
 THINK = ("<think>", "</think>")
+DEEPSEEK_CONTROLS = ("<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>")
 GLM_CONTROLS = ("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")
 GLM_TAGS = (*THINK, "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 
@@ -295,7 +348,7 @@ class Family:
     tags: tuple[str, ...]
     """Think and call tags: added tokens of their own, special only where the family's tokenizer marks them so
     (``special_tags``)."""
-    model_type: str = ""
+    model_type: str
     """A config ``model_type`` of the family (what shardbook picks the parser by)."""
     special_tags: bool = False
     thinking: str | None = None
@@ -322,7 +375,7 @@ FAMILIES = {
             "deepseek_v31",
             DEEPSEEK_V31,
             "deepseek_v31",
-            ("<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"),
+            DEEPSEEK_CONTROLS,
             (
                 *THINK,
                 *("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"),
@@ -330,6 +383,9 @@ FAMILIES = {
             ),
             "deepseek_v3",
             thinking="thinking",
+        ),
+        Family(
+            "deepseek_v32", DEEPSEEK_V32, "deepseek_v32", DEEPSEEK_CONTROLS, THINK, "deepseek_v32", thinking="thinking"
         ),
         Family(
             "kimi_k2",

@@ -56,7 +56,10 @@ ENDINGS = {
     "hermes": {True: "<|im_start|>assistant\n", False: "<|im_start|>assistant\n<think>\n\n</think>\n\n"},
     "glm45": {True: "<|user|>\nHello<|assistant|>", False: "<|user|>\nHello/nothink<|assistant|>\n<think></think>"},
     "glm5": {True: "<|user|>Hello<|assistant|><think>", False: "<|user|>Hello<|assistant|><think></think>"},
-    "deepseek_v31": {True: "<｜User｜>Hello<｜Assistant｜><think>", False: "<｜User｜>Hello<｜Assistant｜></think>"},
+    **dict.fromkeys(
+        ("deepseek_v31", "deepseek_v32"),
+        {True: "<｜User｜>Hello<｜Assistant｜><think>", False: "<｜User｜>Hello<｜Assistant｜></think>"},
+    ),
     "kimi_k2": dict.fromkeys(
         (True, False), "<|im_user|>user<|im_middle|>Hello<|im_end|><|im_assistant|>assistant<|im_middle|>"
     ),
@@ -64,12 +67,13 @@ ENDINGS = {
 }
 """Each family's documented prompt end for "Hello", thinking on and off: Kimi-K2-Instruct has no switch and
 MiniMax-M2 always thinks."""
-OPENS_REASONING = {"glm5": {True}, "deepseek_v31": {True}, "minimax_m2": {True, False}}
+OPENS_REASONING = {"glm5": {True}, "deepseek_v31": {True}, "deepseek_v32": {True}, "minimax_m2": {True, False}}
 """Where the prompt itself opens the think block (so the reply starts inside reasoning), by thinking on/off."""
 CALL_ENDS = {
     "hermes": "</tool_call>",
     "glm45": "</tool_call>",
     "deepseek_v31": "<｜tool▁calls▁end｜>",
+    "deepseek_v32": "</｜DSML｜function_calls>",
     "kimi_k2": "<|tool_calls_section_end|>",
     "minimax_m2": "</minimax:tool_call>",
 }
@@ -87,6 +91,11 @@ CALL_TURNS = {
     "deepseek_v31": "<｜Assistant｜></think><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
     '{"city": "Paris", "days": 3}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Rome"}'
     "<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜><｜tool▁output▁begin｜>",
+    "deepseek_v32": '<｜Assistant｜></think>\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'
+    '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+    '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+    '<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="true">Rome</｜DSML｜parameter>\n'
+    "</｜DSML｜invoke>\n</｜DSML｜function_calls><｜end▁of▁sentence｜>\n\n<function_results>\n<result>",
     "kimi_k2": "<|im_assistant|>assistant<|im_middle|><|tool_calls_section_begin|><|tool_call_begin|>"
     'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris", "days": 3}<|tool_call_end|>'
     '<|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>{"city": "Rome"}<|tool_call_end|>'
@@ -103,15 +112,17 @@ RESULT_SHAPES = {
     "glm45": "<tool_response>\n{}\n</tool_response>",
     "glm5": "<tool_response>{}</tool_response>",
     "deepseek_v31": "<｜tool▁output▁begin｜>{}<｜tool▁output▁end｜>",
+    "deepseek_v32": "<result>{}</result>",
     "kimi_k2": "## Return of {id}\n{}<|im_end|>",
     "minimax_m2": "<response>{}</response>",
 }
-KEEPS_LOOP_REASONING = {"hermes", "glm45", "glm5", "minimax_m2"}
-"""Families whose template keeps the reasoning of the assistant turns after the last user message (a tool loop's
-steps); DeepSeek-V3.1 drops all earlier reasoning, Kimi-K2-Instruct has none."""
+KEEPS_LOOP_REASONING = {"hermes", "glm45", "glm5", "deepseek_v32", "minimax_m2"}
+"""Families whose template, thinking on, keeps the reasoning of the assistant turns after the last user message (a
+tool loop's steps); DeepSeek-V3.1 drops all earlier reasoning, Kimi-K2-Instruct has none."""
 TURN_ENDS = {
     "hermes": "<|im_end|>\n",
     "deepseek_v31": "<｜end▁of▁sentence｜>",
+    "deepseek_v32": "<｜end▁of▁sentence｜>",
     "kimi_k2": "<|im_end|>",
     "minimax_m2": "[e~[\n",
 }
@@ -180,9 +191,10 @@ def test_the_thinking_switch_shows_at_the_prompts_end(name):
     assert (prompts[True] != prompts[False]) == (family.thinking is not None)
 
 
-def test_deepseek_v31_thinks_only_when_asked():
-    """DeepSeek-V3.1's ``thinking`` defaults to off (GLM's and Qwen3's ``enable_thinking`` to on)."""
+def test_deepseek_thinks_only_when_asked():
+    """DeepSeek's ``thinking`` defaults to off (GLM's and Qwen3's ``enable_thinking`` to on)."""
     assert render("deepseek_v31", HELLO).endswith("<｜Assistant｜></think>")
+    assert render("deepseek_v32", HELLO).endswith("<｜Assistant｜></think>")
     assert render("glm5", HELLO).endswith("<|assistant|><think>")
 
 
@@ -240,15 +252,17 @@ def test_a_rendered_assistant_turn_read_as_a_reply_gives_its_reasoning_content_a
 
 
 def endpoint_prompt(name: str, reasoning: str | None) -> tuple[list[int], str]:
-    """The prompt shardbook's endpoint builds for a client's request carrying an assistant's calls (arguments as
-    JSON text, content null), their results and the assistant's reasoning: parsed, its template options and tools
-    added, rendered; with the text."""
+    """The prompt shardbook's endpoint builds for a client's request with thinking on, carrying an assistant's calls
+    (arguments as JSON text, content null), their results and the assistant's reasoning: parsed, its template
+    options and tools added, rendered; with the text."""
     family = FAMILIES[name]
     tokenizer = family.tokenizer()
     turn = call_turn(reasoning)
     for call in turn["tool_calls"]:
         call["function"]["arguments"] = json.dumps(call["function"]["arguments"])
     body = {"model": "m", "messages": [QUESTION, {**turn, "content": None}, *results()], "tools": [TOOL]}
+    if family.thinking:  # thinking on, where a family switches it
+        body["chat_template_kwargs"] = {family.thinking: True}
     request = parse_request(json.dumps(body).encode())
     loaded = SimpleNamespace(
         tokenizer=tokenizer, model=SimpleNamespace(config=SimpleNamespace(model_type=family.model_type))
