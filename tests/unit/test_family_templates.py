@@ -22,7 +22,9 @@ import requests
 
 from shardbook.kernel.api.conversation import Conversation, template_options_for
 from shardbook.kernel.api.reasoning import reasoning_format
+from shardbook.kernel.api.replies import assistant_message
 from shardbook.kernel.api.tool_calls import FORMATS, split_reply
+from shardbook.kernel.api.tools import template_call
 from shardbook.kernel.server.openai_api import parse_request
 from shardbook.kernel.server.reasoning_reply import prompt_ids, template_options
 from shardbook.kernel.server.tool_reply import request_tool_format, with_tools
@@ -234,7 +236,8 @@ LEADING_NEWLINE = pytest.mark.xfail(
 def test_a_rendered_assistant_turn_read_as_a_reply_gives_its_reasoning_content_and_calls(name, turn):
     """What the template writes for an earlier turn is what the model was taught to write after the generation
     prompt: the history renders as a prefix of the turn, and the rest, read by shardbook's reasoning and tool
-    parsers (the reply starting inside reasoning where the prompt opened the block), is the same turn."""
+    parsers (the reply starting inside reasoning where the prompt opened the block), is the same turn; kept as the
+    notebook's tool loop keeps it, it renders back to the very same text."""
     family = FAMILIES[name]
     tokenizer = family.tokenizer()
     thinking = name != "deepseek_v31"  # DeepSeek-V3.1 renders earlier turns (and calls tools) in non-thinking mode
@@ -249,6 +252,9 @@ def test_a_rendered_assistant_turn_read_as_a_reply_gives_its_reasoning_content_a
     reasoning, parsed = split_reply(reply, fmt, FORMATS[family.parser], schemas=SCHEMAS)
     expected = THOUGHT if name in KEEPS_LOOP_REASONING else ""
     assert (reasoning, parsed.content, read(parsed.calls)) == (expected, content, calls), reply
+    calls_kept = {"tool_calls": [template_call(c) for c in parsed.calls]} if parsed.calls else {}
+    kept = assistant_message(parsed.content, reasoning, **calls_kept)  # as the loop keeps a step or its answer
+    assert render(name, [QUESTION, kept], generation=False, **options) == rendered
 
 
 def endpoint_prompt(name: str, reasoning: str | None) -> tuple[list[int], str]:
