@@ -13,7 +13,8 @@ Formats (`FORMATS`):
 - `fp8-ue8m0`: DeepSeek-V3.1 and later (`scale_fmt: ue8m0`: power-of-two scales, stored as e8m0 bytes);
 - `fp8-ue8m0-float32`: the same scales stored as float32 powers of two;
 - `fp8-e5m2`: FP8 blocks with e5m2 codes;
-- `fp8-tensor`: `quant_method: fp8` without `weight_block_size`, one scale per tensor;
+- `fp8-tensor`: `quant_method: fp8` without `weight_block_size`, one scalar `weight_scale_inv` per tensor (shape [],
+  as transformers' per-tensor `FP8Linear` holds it);
 - `fp8-minimax`: MiniMax-M2 (`modules_to_not_convert`: router gate, score bias and lm_head unquantized);
 - `mxfp4`: gpt-oss (experts as `_blocks` / `_scales`, stored out x in);
 - `int4-pack`: Kimi-K2-Thinking (compressed-tensors pack-quantized int4, group 32, routed experts only);
@@ -114,7 +115,7 @@ def _fp8(
             continue
         if block is None:
             scale = tensor.abs().amax().clamp(min=1e-8) / FP8_MAX
-            codes, inv = (tensor / scale).to(torch.float8_e4m3fn), scale.reshape(1)
+            codes, inv = (tensor / scale).to(torch.float8_e4m3fn), scale.reshape(())
             reference[name] = codes.float() * scale
         else:
             codes, inv = fp8_blocks(tensor, block, power_of_two, dtype)
