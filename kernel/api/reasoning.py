@@ -59,12 +59,17 @@ class NoReasoning(StreamParser):
 
 
 class ThinkParser(StreamParser):
-    """``<think>reasoning</think>answer``; blocks may repeat (interleaved thinking). Whitespace that opens a
-    part after a tag, and that ends a reasoning block, is dropped."""
+    """``<think>reasoning</think>answer``; blocks may repeat (interleaved thinking). Whitespace is the format's,
+    not the text's, where the families' templates write it around the tags: before a reply's first ``<think>``
+    (GLM-4.5 writes ``\n<think>...</think>\nHi!``), where a part opens after a tag, and where a reasoning block
+    ends. So that reply's answer is ``Hi!``, as the template renders it back (``'\n' + content.strip()``);
+    vLLM's think parsers keep the ``\n`` after ``</think>`` in the answer."""
 
     def __init__(self, in_reasoning: bool = False):
         self.in_reasoning = in_reasoning
         self.buffer = ""
+        self.leading = not in_reasoning
+        """Nothing but whitespace has come yet: held until it shows whether a ``<think>`` follows."""
         self.strip_start = in_reasoning
         self.held_space = ""
         """Whitespace at the end of the reasoning so far: shown only if more reasoning follows."""
@@ -72,6 +77,8 @@ class ThinkParser(StreamParser):
     def feed(self, delta: str) -> Split:
         self.buffer += delta
         out = Split()
+        if self.leading and not self.maybe_drop_leading_space():
+            return out
         while True:
             tag = THINK_CLOSE if self.in_reasoning else THINK_OPEN
             at = self.buffer.find(tag)
@@ -82,6 +89,17 @@ class ThinkParser(StreamParser):
             out += self.emit(self.buffer[:at])
             self.buffer = self.buffer[at + len(tag) :]
             self.in_reasoning, self.strip_start, self.held_space = not self.in_reasoning, True, ""
+
+    def maybe_drop_leading_space(self) -> bool:
+        """At a reply's start, drop the whitespace before a first ``<think>``; False while the reply so far is
+        whitespace, or whitespace and the start of ``<think>`` (it must wait)."""
+        rest = self.buffer.lstrip()
+        if THINK_OPEN.startswith(rest):
+            return False
+        if rest.startswith(THINK_OPEN):
+            self.buffer = rest
+        self.leading = False
+        return True
 
     def emit(self, text: str) -> Split:
         if self.strip_start:
@@ -95,7 +113,7 @@ class ThinkParser(StreamParser):
         return Split(reasoning=body)
 
     def finish(self) -> Split:
-        text, self.buffer = self.buffer, ""
+        text, self.buffer, self.leading = self.buffer, "", False
         out = self.emit(text)
         self.held_space = ""
         return out

@@ -7,9 +7,8 @@ renders it, read as a reply, splits into the same reasoning and calls; and the p
 endpoint's request with ``tool_calls``, ``role: "tool"`` and ``reasoning_content``, the notebook's conversation)
 render through the template, keeping or dropping earlier reasoning as the family does.
 
-Two strict xfails hold kernel bugs found on the way (each names it): GLM-4.5's newline before ``<think>`` reaches
-an answer's content, and a template that cannot render a request (DeepSeek-V3.1's own joins arguments as text) is
-a bare 500.
+A strict xfail holds a kernel bug found on the way: a template that cannot render a request (DeepSeek-V3.1's own
+joins arguments as text) is a bare 500.
 """
 
 from __future__ import annotations
@@ -219,20 +218,10 @@ def test_earlier_calls_render_in_the_family_format_and_read_back_whole_and_strea
 
 
 ANSWER = {"role": "assistant", "content": "Hi!", "reasoning_content": THOUGHT}
-LEADING_NEWLINE = pytest.mark.xfail(
-    strict=True,
-    reason="kernel/api/reasoning.ThinkParser gives the newline GLM-4.5 writes before <think> as content: "
-    "'\\n<think>R</think>\\nHi!' reads as content '\\nHi!'",
-)
 
 
-@pytest.mark.parametrize(
-    ("name", "turn"),
-    [
-        *((n, "calls") for n in NAMES),
-        *((pytest.param(n, "answer", marks=LEADING_NEWLINE) if n == "glm45" else (n, "answer")) for n in NAMES),
-    ],
-)
+@pytest.mark.parametrize("turn", ["calls", "answer"])
+@pytest.mark.parametrize("name", NAMES)
 def test_a_rendered_assistant_turn_read_as_a_reply_gives_its_reasoning_content_and_calls(name, turn):
     """What the template writes for an earlier turn is what the model was taught to write after the generation
     prompt: the history renders as a prefix of the turn, and the rest, read by shardbook's reasoning and tool

@@ -26,6 +26,10 @@ CASES = [
     (THINK, "Plain answer, no tags.", Split("", "Plain answer, no tags.")),
     (THINK, "<think>one</think>A <think>two</think>B", Split("onetwo", "A B")),  # interleaved (MiniMax-M2)
     (THINK, "<think>never closed, cut at max_tokens </th", Split("never closed, cut at max_tokens </th", "")),
+    (THINK, "\n<think>Greet.</think>\nHi!", Split("Greet.", "Hi!")),  # GLM-4.5's newlines are the format's
+    (THINK, " \n\nHi, no block.", Split("", " \n\nHi, no block.")),  # leading space kept when no block follows
+    (THINK, "\n<thinking aloud", Split("", "\n<thinking aloud")),
+    (THINK, "\n<thi", Split("", "\n<thi")),  # cut short: a tag's start is text after all
     (THINK_OPENED, "Hmm, 2+2.\n</think>\n\n4", Split("Hmm, 2+2.", "4")),
     (THINK_OPENED, "all reasoning, no close", Split("all reasoning, no close", "")),
     (THINK_OPENED, "", Split("", "")),
