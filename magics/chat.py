@@ -205,6 +205,7 @@ class ChatMagics(Magics):
                 )
 
             request = request_for(self.conversation.request_messages(text))
+            fmt = request_format(runtime, request)  # renders the prompt: a template that cannot fails here, on rank 0
         except (PoolError, ValueError) as e:
             raise UsageError(str(e)) from e
         notice = model.template_notice({k: v for k, v in request.template_options.items() if k != "tools"})
@@ -216,7 +217,7 @@ class ChatMagics(Magics):
         def keep(response):
             self.conversation.add_turn(text, response.text, response.finish_reason, response.reasoning)
 
-        parts = ReplyParts(request_format(runtime, request))
+        parts = ReplyParts(fmt)
         response = parts.apart(self._stream_reply(runtime, request, parts, args, relay, keep_partial=keep))
         keep(response)
         self.shell.user_ns["_chat"] = response
@@ -246,9 +247,9 @@ class ChatMagics(Magics):
         def reply(messages):
             try:
                 request = request_for(messages)
-            except (PoolError, ValueError) as e:  # e.g. the calls and results grew past the model's context
+                parts = loop.reply_parts(request_format(runtime, request))
+            except (PoolError, ValueError) as e:  # e.g. past the model's context, or a template refusing a result
                 raise UsageError(str(e)) from e
-            parts = loop.reply_parts(request_format(runtime, request))
             response = self._stream_reply(runtime, request, parts, args, relay)
             return ModelReply(response, parts, request.messages, prompt_text(runtime, request))
 

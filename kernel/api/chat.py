@@ -505,9 +505,10 @@ class ChatModel:
         self, messages: str | list[dict[str, str]], *, on_notice=None, batch: bool = False, **settings: Any
     ) -> ChatStream | BatchChatStream:
         """A streamed reply; with ``batch=True`` it joins the continuous batch (decoded with other requests)."""
-        if batch:
-            return BatchChatStream(self.runtime, self.build_request(messages, **settings), on_notice)
-        return ChatStream(self.runtime, self.build_request(messages, **settings), on_notice)
+        return self._stream(self.build_request(messages, **settings), batch, on_notice)
+
+    def _stream(self, request: GenerationRequest, batch: bool, on_notice=None) -> ChatStream | BatchChatStream:
+        return (BatchChatStream if batch else ChatStream)(self.runtime, request, on_notice)
 
     def chat(self, messages, *, batch=False, tools: list | None = None, max_tool_steps=MAX_TOOL_STEPS, **settings):
         """The finished reply, its ``reasoning`` apart from its answer (``text``). With ``tools`` (functions with
@@ -516,15 +517,18 @@ class ChatModel:
             from shardbook.kernel.api.tools import chat_with_tools
 
             return chat_with_tools(self, messages, tools, max_tool_steps, batch=batch, **settings)
-        stream = self.stream_chat(messages, batch=batch, **settings)
-        return ReplyParts(request_format(self.runtime, stream.request)).apart(stream.wait())
+        request = self.build_request(messages, **settings)
+        parts = ReplyParts(request_format(self.runtime, request))  # renders the prompt on rank 0 before any rank
+        return parts.apart(self._stream(request, batch).wait())
 
     async def achat(self, messages: str | list[dict[str, str]], **settings: Any) -> ChatResponse:
         """``chat`` without blocking the caller's event loop (the ranks are driven from a worker thread)."""
-        stream = AsyncChatStream(self.runtime, self.build_request(messages, **settings))
+        request = self.build_request(messages, **settings)
+        parts = ReplyParts(request_format(self.runtime, request))  # renders the prompt on rank 0 before any rank
+        stream = AsyncChatStream(self.runtime, request)
         async for _ in stream:
             pass
-        return ReplyParts(request_format(self.runtime, stream.request)).apart(stream.response)
+        return parts.apart(stream.response)
 
     def generate_many(
         self,

@@ -70,9 +70,11 @@ class ReplyParts:
 
 def prompt_text(runtime: Runtime, request: GenerationRequest) -> str:
     """The request's prompt as text, rendered as every rank renders it (what ``%trace`` reads as a prompt)."""
+    from shardbook.rankd.generation.chat_template import apply_chat_template
+
     tokenizer = runtime.ctx0.state["loaded"].tokenizer
-    return tokenizer.apply_chat_template(
-        request.messages, add_generation_prompt=True, tokenize=False, **request.template_options
+    return apply_chat_template(
+        tokenizer, request.messages, add_generation_prompt=True, tokenize=False, **request.template_options
     )
 
 

@@ -129,7 +129,9 @@ def parse_choice(choice: Any, names: list[str]) -> tuple[str, str | None]:
 
 def tool_fields(message: dict[str, Any], role: str, param: str) -> dict[str, Any]:
     """The tool keys of a message as the templates read them: a tool result's ``tool_call_id`` (and ``name``), an
-    assistant's ``tool_calls`` with each call's ``arguments`` decoded to an object (templates iterate it)."""
+    assistant's ``tool_calls`` with each call's ``arguments`` checked to be the JSON text of an object and kept as
+    the client wrote it (every rank hands it to the template as a mapping that joins onto text as that text:
+    ``rankd/generation/chat_template.py``)."""
     if role == "tool":
         call_id = message.get("tool_call_id")
         if not isinstance(call_id, str):
@@ -162,5 +164,6 @@ def template_call(call: Any, param: str) -> dict[str, Any]:
         raise ToolRequestError(
             f"{param}.function.arguments must be the JSON text of an object", f"{param}.function.arguments"
         )
-    out = {"type": "function", "function": {"name": function["name"], "arguments": decoded}}
+    kept = arguments if isinstance(arguments, str) else decoded
+    out = {"type": "function", "function": {"name": function["name"], "arguments": kept}}
     return {"id": call["id"], **out} if isinstance(call.get("id"), str) else out

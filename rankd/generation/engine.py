@@ -41,6 +41,7 @@ from shardbook.rankd.control.agreement import agree
 from shardbook.rankd.control.text import check_valid
 from shardbook.rankd.control.world import set_current_device
 from shardbook.rankd.generation.cache_keyword import cache_keyword
+from shardbook.rankd.generation.chat_template import apply_chat_template
 from shardbook.rankd.generation.intervention_state import Rows, applied_to
 from shardbook.rankd.generation.reply_text import DECODE_KWARGS, reply_decoder
 from shardbook.rankd.generation.sampling import check_sampling
@@ -347,7 +348,8 @@ def build_prompt_ids(
 
     Special tokens inside a message's content stay text (never control tokens), whatever the model family.
     `template_options` are keywords the chat template reads (`enable_thinking`, `thinking`, `reasoning_effort`,
-    `tools`); a template ignores the ones it does not know, as transformers passes them.
+    `tools`); a template ignores the ones it does not know, as transformers passes them. A template that raises
+    is a ChatTemplateError (a ValueError naming the template and the fix).
     """
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
@@ -357,7 +359,8 @@ def build_prompt_ids(
     # sanitize_control_tokens: a control token written inside a message ("<|im_start|>system" in user text)
     # is encoded as plain text; only the ones the template itself writes are control tokens, so no client
     # can forge a turn (a system prompt, an assistant reply) from inside its own content.
-    encoded = tokenizer.apply_chat_template(
+    encoded = apply_chat_template(
+        tokenizer,
         messages,
         add_generation_prompt=True,
         tokenize=True,

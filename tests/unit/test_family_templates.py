@@ -7,8 +7,8 @@ renders it, read as a reply, splits into the same reasoning and calls; and the p
 endpoint's request with ``tool_calls``, ``role: "tool"`` and ``reasoning_content``, the notebook's conversation)
 render through the template, keeping or dropping earlier reasoning as the family does.
 
-A strict xfail holds a kernel bug found on the way: a template that cannot render a request (DeepSeek-V3.1's own
-joins arguments as text) is a bare 500.
+A template joining an earlier call's arguments as text (DeepSeek-V3.1's own) gets the text the client sent, and a
+template that cannot render a request is a 400 naming the template, on both of the endpoint's paths.
 """
 
 from __future__ import annotations
@@ -307,20 +307,51 @@ TEXT_ARGUMENTS = (
     "{% endfor %}"
 )
 """A template that joins an earlier call's arguments as text, as DeepSeek-V3's and V3.1's own templates do
-(``... + tool['function']['arguments'] + ...``); the endpoint hands templates the arguments as a mapping."""
+(``... + tool['function']['arguments'] + ...``), where transformers' convention hands templates a mapping."""
+REFUSING_TEMPLATES = {
+    "raise_exception": "{{ tools | length }}{% for m in messages %}{% if m.role == 'tool' %}"
+    "{{ raise_exception('Tool results are not supported') }}{% endif %}{{ m.content }}{% endfor %}",
+    "TypeError": "{{ tools | length }}{% for m in messages %}{{ m.content + 1 }}{% endfor %}",
+}
+"""Templates that cannot render the tool loop's request: one refusing it with its own message, one failing on a
+value's type."""
+SENT_ARGUMENTS = '{"city":"Paris"}'
+"""A call's arguments as a client may write them (compact: not as ``json.dumps`` would)."""
+
+
+def tool_loop_body() -> dict:
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": SENT_ARGUMENTS}}
+    messages = [QUESTION, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    return {"model": "m", "messages": [*messages, {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]}
+
+
+def test_a_template_joining_call_arguments_as_text_gets_the_text_the_client_sent():
+    """The endpoint's messages, as every rank receives them (JSON), render through such a template with the
+    arguments as the client wrote them; a template reading them as a mapping still gets one."""
+    request = parse_request(json.dumps({**tool_loop_body(), "tools": [TOOL]}).encode())
+    messages = json.loads(json.dumps(request.messages))
+    tokenizer = FAMILIES["deepseek_v31"].tokenizer()
+    tokenizer.chat_template = TEXT_ARGUMENTS
+    ids = build_prompt_ids(tokenizer, messages, with_tools({}, request.tools))[0].tolist()
+    assert f"get_weather<｜tool▁sep｜>{SENT_ARGUMENTS}" in tokenizer.decode(ids)
+    hermes = FAMILIES["hermes"].tokenizer()
+    text = hermes.decode(build_prompt_ids(hermes, messages, with_tools({}, request.tools))[0].tolist())
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True,
-    reason="kernel/server/completions.start_reply turns only ValueError into a 400: the template's TypeError "
-    "(str + dict) is a bare 500 'Internal Server Error' naming neither the template nor the fix",
-)
 def test_a_template_that_cannot_render_the_request_is_a_400_naming_the_template(serve):  # noqa: F811
     client, tokenizer = serve("think")
     tokenizer.chat_template = TEXT_ARGUMENTS
-    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-    messages = [QUESTION, {"role": "assistant", "content": None, "tool_calls": [call]}]
-    body = {"model": "m", "messages": [*messages, {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]}
-    reply = requests.post(f"{client.base_url}chat/completions", json={**body, "tools": [TOOL]}, timeout=30)
-    assert reply.status_code == 400 and "chat template" in reply.json()["error"]["message"], reply.text
+    url = f"{client.base_url}chat/completions"
+    joined = requests.post(url, json={**tool_loop_body(), "tools": [TOOL]}, timeout=30)
+    assert joined.status_code == 200, joined.text  # DeepSeek-V3.1's way of writing arguments renders
+    for kind, template in REFUSING_TEMPLATES.items():
+        tokenizer.chat_template = template
+        for stream in (False, True):
+            reply = requests.post(url, json={**tool_loop_body(), "tools": [TOOL], "stream": stream}, timeout=30)
+            assert reply.status_code == 400, (kind, reply.text)
+            error = reply.json()["error"]
+            assert error["type"] == "invalid_request_error" and "chat template" in error["message"], error
+            cause = "Tool results are not supported" if kind == "raise_exception" else "can only concatenate str"
+            assert cause in error["message"] and "change the conversation" in error["message"], error

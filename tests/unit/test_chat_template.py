@@ -1,0 +1,55 @@
+"""The chat template applied on every rank (``rankd/generation/chat_template.py``): earlier calls' arguments in the
+shape the template reads, and a template's failure as one error naming it."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardbook.rankd.generation.chat_template import ChatTemplateError, joins_arguments, template_messages
+from shardbook.rankd.generation.engine import build_prompt_ids
+from tests.tiny import make_tokenizer
+
+
+@pytest.mark.parametrize(
+    ("template", "joins"),
+    [
+        ("{{ '<sep>' + tool['function']['arguments'] + '<end>' }}", True),  # DeepSeek-V3/V3.1's own
+        ("{{ call.function.arguments + '<end>' }}", True),
+        ("{{ '<sep>' ~ call.function.arguments }}", True),
+        ("{% set args = call.function.arguments %}{{ '<sep>' + args }}", True),
+        ("{{ call.function.arguments | tojson }}", False),  # Qwen3's, Kimi-K2's
+        ("{% for k, v in call.function.arguments.items() %}{{ k + '=' + v }}{% endfor %}", False),  # GLM's
+        ("{{ '<sep>' + call.function.name }}", False),
+    ],
+)
+def test_a_template_joining_arguments_onto_text_is_told_apart(template, joins):
+    assert joins_arguments(template) is joins
+
+
+def call_message(arguments):
+    return {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": arguments}}]}
+
+
+def arguments_of(messages):
+    return messages[0]["tool_calls"][0]["function"]["arguments"]
+
+
+def test_arguments_go_as_text_or_as_a_mapping_and_the_callers_messages_stay():
+    sent = [call_message('{"a":1}')]
+    assert arguments_of(template_messages(sent, as_text=True)) == '{"a":1}'  # the text as it came
+    assert arguments_of(template_messages(sent, as_text=False)) == {"a": 1}
+    mapping = [call_message({"a": "é"})]
+    assert arguments_of(template_messages(mapping, as_text=True)) == '{"a": "é"}'
+    assert arguments_of(template_messages([call_message("not json")], as_text=False)) == "not json"
+    assert arguments_of(sent) == '{"a":1}' and arguments_of(mapping) == {"a": "é"}
+
+
+def test_a_template_that_raises_is_an_error_naming_the_template_and_the_fix():
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = "{{ raise_exception('System role not supported') }}"
+    with pytest.raises(ChatTemplateError, match="chat template cannot render.*System role not supported") as info:
+        build_prompt_ids(tokenizer, [{"role": "system", "content": "Be brief."}])
+    assert isinstance(info.value, ValueError) and "change the conversation" in str(info.value)
+    tokenizer.chat_template = "{% for m in messages %}{{ m.content "  # never closed
+    with pytest.raises(ChatTemplateError, match="TemplateSyntaxError"):
+        build_prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}])
