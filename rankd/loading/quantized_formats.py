@@ -22,7 +22,6 @@ does not fit its weight, is refused here, on every rank, before a weight is read
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -259,14 +258,23 @@ def _quantized(
         order=order or tuple(range(len(values))),
         format=label,
     )
-    if len(tensor.block) != len(tensor.values) or math.prod(scales.shape) != math.prod(tensor.grid()):
+    if len(tensor.block) != len(tensor.values) or not _fits(scales.shape, tensor.grid()):
         raise ValueError(
             f"{codes.file.name} holds {name} of {list(values)} values with scales of shape {list(scales.shape)}, "
-            f"but {label} needs a scale grid of {list(tensor.grid())} (ceil(shape / block)): the scales do not "
+            f"but {label} needs a scale grid of {list(tensor.grid())} (ceil(shape / block)) in that shape (as "
+            "many scales laid out otherwise would land on the wrong blocks): the scales do not "
             "belong to this weight, or config.json's quantization_config does not describe these files; restore "
             "the checkpoint's own config.json, or copy or download the checkpoint again"
         )
     return tensor
+
+
+def _fits(shape: tuple[int, ...], grid: tuple[int, ...]) -> bool:
+    """Whether scales of `shape` are the `grid` a weight calls for: the grid's own shape (as every format stores
+    them: blocks, channels as [rows, 1], groups, MXFP4's [experts, rows, blocks]), or one scale for a grid of one
+    block as per-tensor scales are stored (transformers' scalar [], compressed-tensors' [1])."""
+    one_block = all(size == 1 for size in grid)
+    return tuple(shape) == tuple(grid) or (one_block and tuple(shape) in ((), (1,)))
 
 
 def _require_unquantized(name: str, weight: StoredTensor, scale_name: str) -> None:

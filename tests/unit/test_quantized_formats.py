@@ -147,6 +147,21 @@ REFUSALS = {
         _quantization(weight_block_size=[16, 16]),
         "needs a scale grid of",
     ),
+    "fp8 block scales transposed": (
+        "fp8-blocks",
+        lambda s: _transposed(s, "model.layers.0.mlp.down_proj.weight_scale_inv"),
+        None,
+        (
+            "model.layers.0.mlp.down_proj.weight of [80, 160] values with scales of shape [5, 3], but fp8 e4m3, "
+            "32x32 blocks needs a scale grid of [3, 5]"
+        ),
+    ),
+    "mxfp4 scales transposed": (
+        "mxfp4",
+        lambda s: _transposed(s, "model.layers.0.mlp.experts.gate_up_proj_scales"),
+        None,
+        "model.layers.0.mlp.experts.gate_up_proj_blocks of [4, 256, 64] values with scales of shape [4, 2, 256]",
+    ),
     "scales without a quantization_config": (
         "fp8-blocks",
         None,
@@ -175,6 +190,11 @@ REFUSALS = {
     ),
 }
 FAMILY = {"fp8-blocks": "llama", "mxfp4": "gpt_oss", "int4-pack": "deepseek_v3"}
+
+
+def _transposed(state: dict, name: str) -> dict:
+    """`name`'s last two dims swapped: as many scales as the grid has, in another shape."""
+    return {**state, name: state[name].transpose(-2, -1).contiguous()}
 
 
 def _with_group_order(state: dict) -> dict:
