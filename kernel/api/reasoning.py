@@ -63,10 +63,14 @@ class ThinkParser(StreamParser):
     not the text's, where the families' templates write it around the tags: before a reply's first ``<think>``
     (GLM-4.5 writes ``\n<think>...</think>\nHi!``), where a part opens after a tag, and where a reasoning block
     ends. So that reply's answer is ``Hi!``, as the template renders it back (``'\n' + content.strip()``);
-    vLLM's think parsers keep the ``\n`` after ``</think>`` in the answer."""
+    vLLM's think parsers keep the ``\n`` after ``</think>`` in the answer.
 
-    def __init__(self, in_reasoning: bool = False):
+    `ends` are texts that end a reasoning block without ``</think>`` and stay in the answer: Kimi-K2-Thinking may
+    open its tool-call section inside the block (vLLM's ``kimi_k2`` reasoning parser ends the reasoning there)."""
+
+    def __init__(self, in_reasoning: bool = False, ends: tuple[str, ...] = ()):
         self.in_reasoning = in_reasoning
+        self.ends = ends
         self.buffer = ""
         self.leading = not in_reasoning
         """Nothing but whitespace has come yet: held until it shows whether a ``<think>`` follows."""
@@ -80,14 +84,15 @@ class ThinkParser(StreamParser):
         if self.leading and not self.maybe_drop_leading_space():
             return out
         while True:
-            tag = THINK_CLOSE if self.in_reasoning else THINK_OPEN
-            at = self.buffer.find(tag)
-            if at < 0:
-                keep = partial_suffix(self.buffer, (tag,))
+            tags = (THINK_CLOSE, *self.ends) if self.in_reasoning else (THINK_OPEN,)
+            found = [(at, tag) for at, tag in ((self.buffer.find(t), t) for t in tags) if at >= 0]
+            if not found:
+                keep = partial_suffix(self.buffer, tags)
                 text, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep :]
                 return out + self.emit(text)
+            at, tag = min(found)
             out += self.emit(self.buffer[:at])
-            self.buffer = self.buffer[at + len(tag) :]
+            self.buffer = self.buffer[at + (len(tag) if tag in (THINK_OPEN, THINK_CLOSE) else 0) :]
             self.in_reasoning, self.strip_start, self.held_space = not self.in_reasoning, True, ""
 
     def maybe_drop_leading_space(self) -> bool:
@@ -190,9 +195,10 @@ class ReasoningFormat:
     name: str
     in_reasoning: bool = False
 
-    def stream(self) -> StreamParser:
+    def stream(self, ends: tuple[str, ...] = ()) -> StreamParser:
+        """A stream parser; `ends` also end a think block, and stay in the answer (see ThinkParser)."""
         if self.name == "think":
-            return ThinkParser(self.in_reasoning)
+            return ThinkParser(self.in_reasoning, ends)
         if self.name == "harmony":
             return HarmonyParser()
         return NoReasoning()

@@ -43,11 +43,12 @@ __all__ = [
 
 class ReplyStream:
     """A reply split into reasoning, content and calls as it streams, in the order its formats need: the
-    reasoning split first (a ``<tool_call>`` inside a think block is thought, not called), except for formats
-    read from the raw text (harmony), whose calls are taken out before the reasoning is split."""
+    reasoning split first (a ``<tool_call>`` inside a think block is thought, not called; a format's
+    ``ends_reasoning``, Kimi-K2's call section, ends the block), except for formats read from the raw text
+    (harmony), whose calls are taken out before the reasoning is split."""
 
     def __init__(self, reasoning: ReasoningFormat, tools: ToolFormat | None, schemas: Schemas | None = None):
-        self.reasoning = reasoning.stream()
+        self.reasoning = reasoning.stream(tools.ends_reasoning if tools else ())
         self.tools = tools.stream(schemas) if tools else None
         self.first = tools is not None and tools.before_reasoning
         self.accept: Accept | None = None

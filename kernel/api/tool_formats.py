@@ -157,11 +157,13 @@ class DeepSeekV31(SectionFormat):
 
 
 class KimiK2(SectionFormat):
-    """The head is the call's id, ``functions.NAME:INDEX``."""
+    """The head is the call's id, ``functions.NAME:INDEX``. Kimi-K2-Thinking may start its calls inside a think
+    block it never closes: their start (special tokens, never thought) ends the reasoning, as vLLM reads it."""
 
     name = "kimi_k2"
     tags = FORMAT_TAGS["kimi_k2"]
     head = "id (functions.NAME:INDEX)"
+    ends_reasoning = tags[:2]
 
     def call(self, head: str, arguments: str) -> ToolCall:
         if ":" not in head:

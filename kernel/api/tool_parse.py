@@ -82,6 +82,9 @@ class ToolFormat:
     """The texts that start a call (a stream holds back an end of text that could begin one)."""
     before_reasoning = False
     """Read from the raw reply, before the reasoning is split off (harmony: a call's header names the tool)."""
+    ends_reasoning: tuple[str, ...] = ()
+    """Texts that end a think block left open and start the calls (Kimi-K2-Thinking's section); elsewhere a call
+    written inside a think block is thought, not called."""
 
     def call_start(self, text: str) -> int | None:
         """Where the first call in `text` starts, None if no call starts in it (yet)."""

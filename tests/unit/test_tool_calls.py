@@ -190,6 +190,28 @@ def test_calls_after_reasoning():
     assert (reasoning, reply.content, reply.calls) == ("never closed <tool_call>", "", ())
 
 
+@pytest.mark.parametrize("in_reasoning", [False, True])
+def test_kimi_k2_thinkings_call_section_ends_a_think_block_left_open(in_reasoning):
+    """Kimi-K2-Thinking may start its call section inside the think block without closing it: the reasoning ends
+    where the section begins, whole and at every boundary; a hermes call in an open block stays thought."""
+    think = ReasoningFormat("think", in_reasoning=in_reasoning)
+    text = ("" if in_reasoning else "<think>") + "Need the weather and the time.\n" + kimi(WEATHER, TIME)
+    reasoning, reply = split_reply(text, think, FORMATS["kimi_k2"])
+    assert (reasoning, plain(reply.content, reply.calls)) == (
+        "Need the weather and the time.",
+        ("", [WEATHER, TIME], False),
+    )
+    for i in range(len(text) + 1):
+        stream = ReplyStream(think, FORMATS["kimi_k2"])
+        parts = stream.feed(text[:i]) + stream.feed(text[i:]) + stream.finish()
+        assert (parts.reasoning, parts.content) == ("Need the weather and the time.", ""), i
+        assert plain("", stream.reply().calls)[1] == [WEATHER, TIME], i
+    closed = "<think>Done thinking.</think>Checking." + kimi(WEATHER)
+    assert split_reply(closed, ReasoningFormat("think"), FORMATS["kimi_k2"])[0] == "Done thinking."
+    open_hermes = "<think>maybe " + hermes(*WEATHER)
+    assert split_reply(open_hermes, ReasoningFormat("think"), FORMATS["hermes"])[1].calls == ()
+
+
 def test_calls_in_openai_shape():
     call = FORMATS["kimi_k2"].parse(kimi(WEATHER)).calls[0]
     assert call.as_openai() == {
