@@ -15,6 +15,8 @@ Formats (`FORMATS`):
 - `fp8-e5m2`: FP8 blocks with e5m2 codes;
 - `fp8-tensor`: `quant_method: fp8` without `weight_block_size`, one scalar `weight_scale_inv` per tensor (shape [],
   as transformers' per-tensor `FP8Linear` holds it);
+- `fp8-embedding`: FP8 blocks, and the embedding table in e4m3 with one `weight_scale` (shape [1], a multiplier), as
+  transformers' `FP8Embedding` stores a `modules_to_convert` table;
 - `fp8-minimax`: MiniMax-M2 (`modules_to_not_convert`: router gate, score bias and lm_head unquantized);
 - `mxfp4`: gpt-oss (experts as `_blocks` / `_scales`, stored out x in);
 - `int4-pack`: Kimi-K2-Thinking (compressed-tensors pack-quantized int4, group 32, routed experts only);
@@ -114,15 +116,32 @@ def _fp8(
             stored[name] = reference[name] = tensor
             continue
         if block is None:
-            scale = tensor.abs().amax().clamp(min=1e-8) / FP8_MAX
-            codes, inv = (tensor / scale).to(torch.float8_e4m3fn), scale.reshape(())
-            reference[name] = codes.float() * scale
+            codes, inv = fp8_per_tensor(tensor)
+            inv = inv.reshape(())
+            reference[name] = codes.float() * inv
         else:
             codes, inv = fp8_blocks(tensor, block, power_of_two, dtype)
             reference[name] = codes.float() * expand_blocks(inv, (block, block), tensor.shape)
             if power_of_two and e8m0_bytes:
                 inv = inv.to(torch.float8_e8m0fnu)
         stored[name], stored[name.removesuffix("weight") + "weight_scale_inv"] = codes, inv
+    return stored, reference
+
+
+def fp8_per_tensor(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 codes of `tensor` and its one float32 scale, shape [1] (value = code x scale)."""
+    scale = (tensor.abs().amax().clamp(min=1e-8) / FP8_MAX).reshape(1)
+    return (tensor / scale).to(torch.float8_e4m3fn), scale
+
+
+def _fp8_embedding(state: dict) -> tuple[dict, dict]:
+    """FP8 blocks, and the embedding table in e4m3 with one `weight_scale` (a multiplier, shape [1]), as
+    transformers' `FP8Embedding` stores a table named in `modules_to_convert`."""
+    stored, reference = _fp8(state)
+    name = next(n for n in state if n.endswith("embed_tokens.weight"))
+    codes, scale = fp8_per_tensor(state[name])
+    stored[name], stored[name.removesuffix("weight") + "weight_scale"] = codes, scale
+    reference[name] = codes.float() * scale
     return stored, reference
 
 
@@ -251,6 +270,7 @@ FORMATS = {
     "fp8-e5m2": lambda state: _fp8(state, dtype=torch.float8_e5m2),
     "fp8-tensor": lambda state: _fp8(state, block=None),
     "fp8-minimax": _fp8_minimax,
+    "fp8-embedding": _fp8_embedding,
     "fp8-channel": lambda state: _fp8_float(state, "channel"),
     "fp8-float-tensor": lambda state: _fp8_float(state, "tensor"),
     "fp8-float-group": lambda state: _fp8_float(state, "group"),
@@ -268,6 +288,7 @@ QUANTIZATION = {
     "fp8-ue8m0-float32": lambda s: {**_FP8, "weight_block_size": [BLOCK, BLOCK], "scale_fmt": "ue8m0"},
     "fp8-e5m2": lambda s: {**_FP8, "fmt": "e5m2", "weight_block_size": [BLOCK, BLOCK]},
     "fp8-tensor": lambda s: {**_FP8, "weight_block_size": None},
+    "fp8-embedding": lambda s: {**_FP8, "weight_block_size": [BLOCK, BLOCK], "modules_to_convert": ["embed_tokens"]},
     "fp8-minimax": lambda s: {
         **_FP8,
         "weight_block_size": [BLOCK, BLOCK],

@@ -33,7 +33,10 @@ Index = dict[str, StoredTensor | QuantizedTensor]
 
 SUPPORTED = "fp8 (fine-grained FP8 blocks), mxfp4, compressed-tensors (pack-quantized int4/int8, float-quantized FP8)"
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-FP8_SCALE_SUFFIXES = (".weight_scale_inv", ".scale", ".qscale_weight")
+PER_TENSOR_SCALE = ".weight_scale"
+"""One multiplier for a whole FP8 tensor, whatever `weight_block_size` says: transformers' `FP8Embedding` stores an
+embedding table of `modules_to_convert` so (shape [1]; value = code x scale), beside linears in blocks."""
+FP8_SCALE_SUFFIXES = (".weight_scale_inv", ".scale", ".qscale_weight", PER_TENSOR_SCALE)
 ACTIVATION_SUFFIXES = (".input_scale", ".activation_scale", ".input_zero_point")
 """Static activation quantization: an inference-time matter that dequantized weights do not need."""
 
@@ -82,9 +85,11 @@ def _fp8(index: dict[str, StoredTensor], settings: dict) -> Index:
             continue
         scales = index.pop(scale_name)
         if weight.dtype in FP8_DTYPES:
+            per_tensor = not block or scale_name.endswith(PER_TENSOR_SCALE)
             values, code = weight.shape, "float"
-            blocks = _leading_ones(values, block) if block else values
-            label = f"fp8 {_fp8_name(weight.dtype)}, " + (f"{block[0]}x{block[1]} blocks" if block else "per tensor")
+            blocks = values if per_tensor else _leading_ones(values, block)
+            layout = "per tensor" if per_tensor else f"{block[0]}x{block[1]} blocks"
+            label = f"fp8 {_fp8_name(weight.dtype)}, {layout}"
         else:  # int8 beside a scale: two e2m1 values a byte, a scale per 32 values of a row (DeepSeek-V4's experts)
             values, code = (*weight.shape[:-1], 2 * weight.shape[-1]), "e2m1"
             blocks, label = (*(1,) * (len(values) - 1), 32), "fp4 e2m1 experts, 1x32 blocks"
@@ -94,11 +99,13 @@ def _fp8(index: dict[str, StoredTensor], settings: dict) -> Index:
 
 
 def _scale_of(index: dict, module: str, weight: StoredTensor) -> str | None:
-    """The name of `weight`'s scale tensor; `.scale` counts only beside a weight stored as codes (not a norm's)."""
+    """The name of `weight`'s scale tensor; `.scale` counts only beside a weight stored as codes (not a norm's),
+    `.weight_scale` only beside FP8 codes."""
+    coded = weight.dtype in FP8_DTYPES or weight.dtype in (torch.int8, torch.uint8)
+    allowed = {".scale": coded, PER_TENSOR_SCALE: weight.dtype in FP8_DTYPES}
     for suffix in FP8_SCALE_SUFFIXES:
         name = module + suffix
-        coded = weight.dtype in FP8_DTYPES or weight.dtype in (torch.int8, torch.uint8)
-        if name in index and (suffix != ".scale" or coded):
+        if name in index and allowed.get(suffix, True):
             return name
     return None
 

@@ -99,6 +99,16 @@ def test_the_writer_agrees_with_transformers_decoders():
         Fp8Dequantize(None)._dequantize_one(partial_codes, partial_inv)
 
 
+def test_an_fp8_table_with_a_weight_scale_is_read_with_that_one_multiplier(tiny_models, tmp_path):
+    """transformers' `FP8Embedding` stores a `modules_to_convert` table as e4m3 with one `X.weight_scale` (value =
+    code x scale) beside linears in blocks with `weight_scale_inv`: read so, not refused as a missing scale."""
+    path, twin = write_quantized(tiny_models["llama"], tmp_path / "model", "fp8-embedding")
+    table = index_of(path)["model.embed_tokens.weight"]
+    assert isinstance(table, QuantizedTensor) and table.format == "fp8 e4m3, per tensor"
+    whole = table.read(MappedFiles(), (None, None), torch.float32, CPU)
+    assert torch.equal(whole, reference_of(twin)["model.embed_tokens.weight"])
+
+
 def test_packed_words_hold_their_codes_low_bits_first():
     """compressed-tensors' pack-quantized layout: code + 2^(bits - 1), element i of a row at bits (bits x i) of the
     row's words: eight int4 or four int8 codes a word."""
