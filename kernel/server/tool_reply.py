@@ -53,8 +53,9 @@ def request_tool_format(loaded: Any, tools: ToolRequest, override: str) -> ToolF
     if "tools" not in str(getattr(tokenizer, "chat_template", None) or ""):
         raise ApiError(
             400,
-            "this model's chat template does not read 'tools', so the model would never see them: load a "
-            "chat template that renders tools, or send the request without 'tools'",
+            "this model's chat template does not read 'tools', so the model would never see them: load the "
+            "model with a chat template that renders tools (the config's model.chat_template, a Jinja file), or "
+            "send the request without 'tools'",
             param="tools",
         )
     return fmt

@@ -61,9 +61,17 @@ class ModelConfig:
     fp8_weights: str = "dequantize"
     """FP8 block weights: dequantize, keep (FP8 under tp where torch's FP8 matmul runs, else dequantized with a
     warning) or keep-reference (FP8 on any device, computed by the slow reference path; for checking)."""
+    chat_template: str | None = None
+    """A Jinja chat template file used instead of the tokenizer's own on every rank (e.g. one that renders tools),
+    read at load on each node; null keeps the tokenizer's."""
 
     def __post_init__(self) -> None:
         coerce_fields(self, "model")
+        require(
+            self.chat_template is None or bool(self.chat_template.strip()),
+            "model.chat_template is empty: give the path of a Jinja chat template file, or null to keep the "
+            "tokenizer's own",
+        )
         require(
             bool(self.model_name_or_path),
             "model.model_name_or_path is empty: set it to a checkpoint directory "

@@ -312,7 +312,9 @@ def read_checkpoint(config: Any, model_path: str | Path | None, device: torch.de
         path=path,
         hf_config=hf_config,
         dtype=_resolve_dtype(config.model.dtype, hf_config, device),
-        tokenizer=AutoTokenizer.from_pretrained(path, trust_remote_code=trust),
+        tokenizer=_with_chat_template(
+            AutoTokenizer.from_pretrained(path, trust_remote_code=trust), getattr(config.model, "chat_template", None)
+        ),
         generation_config=_generation_config(path, hf_config),
         mesh_shape=mesh_shape,
         mesh_axes=mesh_axes,
@@ -320,6 +322,27 @@ def read_checkpoint(config: Any, model_path: str | Path | None, device: torch.de
         fp8=fp8,
         fp8_note=fp8_note,
     )
+
+
+def _with_chat_template(tokenizer: Any, template_file: str | None) -> Any:
+    """The tokenizer with ``model.chat_template``'s file as its chat template (None: its own), read on this rank's
+    file system (each node has its own), so every rank renders prompts alike."""
+    if template_file is None:
+        return tokenizer
+    path = Path(template_file).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+        raise ValueError(
+            f"model.chat_template: cannot read {path} on {socket.gethostname()} ({reason}): give the path of a "
+            "Jinja chat template file that every node can read (absolute, or relative to where the ranks run), "
+            "or null to keep the tokenizer's own"
+        ) from None
+    if not text.strip():
+        raise ValueError(f"model.chat_template: {path} is empty: write a Jinja chat template in it, or set null")
+    tokenizer.chat_template = text
+    return tokenizer
 
 
 def _checkpoint_dir(name_or_path: str | Path) -> Path:

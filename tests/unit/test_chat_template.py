@@ -1,12 +1,15 @@
 """The chat template applied on every rank (``rankd/generation/chat_template.py``): earlier calls' arguments in the
-shape the template reads, and a template's failure as one error naming it."""
+shape the template reads, a template's failure as one error naming it, and ``model.chat_template``'s file in place
+of the tokenizer's own."""
 
 from __future__ import annotations
 
 import pytest
 
+from shardbook.rankd.config.schema import ModelConfig
 from shardbook.rankd.generation.chat_template import ChatTemplateError, joins_arguments, template_messages
 from shardbook.rankd.generation.engine import build_prompt_ids
+from shardbook.rankd.loading.load_sharded import _with_chat_template
 from tests.tiny import make_tokenizer
 
 
@@ -53,3 +56,23 @@ def test_a_template_that_raises_is_an_error_naming_the_template_and_the_fix():
     tokenizer.chat_template = "{% for m in messages %}{{ m.content "  # never closed
     with pytest.raises(ChatTemplateError, match="TemplateSyntaxError"):
         build_prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}])
+
+
+def test_model_chat_template_replaces_the_tokenizers_and_a_file_it_cannot_read_names_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="model.chat_template is empty: give the path of a Jinja chat template"):
+        ModelConfig(chat_template=" ")
+    assert ModelConfig().chat_template is None
+    tokenizer = make_tokenizer()
+    own = tokenizer.chat_template
+    assert _with_chat_template(tokenizer, None).chat_template == own
+    missing = tmp_path / "missing.jinja"
+    with pytest.raises(ValueError, match=f"model.chat_template: cannot read {missing} on .*No such file.*or null"):
+        _with_chat_template(tokenizer, str(missing))
+    (tmp_path / "empty.jinja").write_text("\n")
+    with pytest.raises(ValueError, match="empty.jinja is empty"):
+        _with_chat_template(tokenizer, str(tmp_path / "empty.jinja"))
+    template = tmp_path / "mine.jinja"
+    template.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]")
+    tokenizer = _with_chat_template(tokenizer, str(template))
+    ids = build_prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}])[0].tolist()
+    assert tokenizer.decode(ids) == "[user] Hi\n[assistant]"
