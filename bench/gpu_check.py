@@ -20,9 +20,11 @@ library only; every stage that touches torch runs in a process of its own:
   completions sent at once (greedy, ``ignore_eos``, ``--tokens`` each): aggregate tok/s (all tokens / (last
   token - first send)), TTFT p50 and max, served and refused;
 * ``capture``: ``gpu_capture.py`` (eager step, ``torch.cuda.graph``, ``torch.compile``, reduce-overhead);
-* ``fp8 kept``: ``gpu_fp8.py``, an FP8-block checkpoint (bench/load_fp8.py's) loaded with ``model.fp8_weights
+* ``fp8 kept``, ``fp8 kept experts``: ``gpu_fp8.py``, an FP8-block checkpoint loaded with ``model.fp8_weights
   keep`` and ``dequantize`` on one rank under ``tp``: weight bytes, device memory and decode tok/s side by side
-  (dry: ``keep-reference``, a CPU having no FP8 matmul); "dequantized" where ``keep`` found no FP8 matmul;
+  (dry: ``keep-reference``, a CPU having no FP8 matmul); "dequantized" where ``keep`` found no FP8 matmul. The
+  first row is bench/load_fp8.py's dense Llama, the second ``gpu_fp8.py --moe``'s Qwen3-MoE, whose routed
+  experts are kept too; the dense run gets at most half of the stage's time, the MoE run the rest;
 * ``vllm``: the same rows against ``python -m vllm.entrypoints.openai.api_server`` with its defaults (model,
   port and dtype given), after shardbook's server is gone; "vllm not installed" where it does not import.
 """
@@ -63,12 +65,15 @@ PLANS = {
         total_s=300,
     ),
 }
-STAGE_LIMITS = {"gpu": {"env": 40, "model": 60, "shardbook": 180, "capture": 120, "fp8": 90, "vllm": 240}}
-STAGE_LIMITS["dry"] = {"env": 30, "model": 90, "shardbook": 150, "capture": 120, "fp8": 90, "vllm": 30}
+STAGE_LIMITS = {"gpu": {"env": 40, "model": 60, "shardbook": 180, "capture": 120, "fp8": 150, "vllm": 240}}
+STAGE_LIMITS["dry"] = {"env": 30, "model": 90, "shardbook": 150, "capture": 120, "fp8": 120, "vllm": 30}
 """Dry: limits for a loaded 2-core CI machine; a quiet one needs a fraction of them."""
-STAGE_FLOORS = {"env": 10, "model": 15, "shardbook": 40, "capture": 30, "fp8": 45, "vllm": 60}
+STAGE_FLOORS = {"env": 10, "model": 15, "shardbook": 40, "capture": 30, "fp8": 60, "vllm": 60}
 """What a stage is kept of the total however long the stages before it run (dry: a third of it)."""
 CAPTURE_CHECKS = ("eager", "cuda graph", "compile", "compile + cuda graphs")
+FP8_RUNS = {"fp8 kept": ((), "fp8_kept_modules"), "fp8 kept experts": (("--moe",), "fp8_kept_experts")}
+"""The ``fp8`` stage's rows, each a ``gpu_fp8.py`` run (its flags, and the count that says it kept FP8 weights):
+the dense Llama's linear layers, then the Qwen3-MoE's fused routed experts."""
 LOADED = re.compile(r"in ([\d.]+) s, decode layout")
 
 
@@ -79,7 +84,7 @@ class Table:
         serving = ["load", "chat", *(f"clients {n}" for n in clients)]
         keys = [("env", "-"), ("model", "-")]
         keys += [(stage, system) for system in ("shardbook", "vllm") for stage in serving]
-        keys += [(check, "shardbook") for check in CAPTURE_CHECKS] + [("fp8 kept", "shardbook")]
+        keys += [(check, "shardbook") for check in (*CAPTURE_CHECKS, *FP8_RUNS)]
         self.rows = {key: {"status": "not run", "result": ""} for key in keys}
 
     def set(self, stage: str, system: str, status: str, result: str) -> None:
@@ -258,21 +263,34 @@ def capture(table: Table, plan: dict, env: dict, model: Path, limit: float) -> N
 
 
 def fp8_kept(table: Table, plan: dict, env: dict, limit: float) -> None:
-    """``gpu_fp8.py``: an FP8-block checkpoint loaded kept in FP8 and dequantized, side by side."""
+    """The ``fp8`` stage: each of `FP8_RUNS` within `limit` in all, a run getting an even share of what is left (the
+    dense one at most half, the MoE one the rest). A run that fails or runs out says so in its row; the next goes on."""
+    deadline = time.monotonic() + limit
+    for done, row in enumerate(FP8_RUNS):
+        share = (deadline - time.monotonic()) / (len(FP8_RUNS) - done)
+        run_stage(table, "shardbook", [row], _fp8_run, table, row, plan, env, max(1.0, share))
+
+
+def _fp8_run(table: Table, row: str, plan: dict, env: dict, limit: float) -> None:
+    """``gpu_fp8.py`` with `row`'s flags: its checkpoint loaded kept in FP8 and dequantized, side by side."""
+    flags, count = FP8_RUNS[row]
     argv = [sys.executable, str(BENCH / "gpu_fp8.py"), "--device", plan["device"], "--tokens", str(plan["tokens"])]
-    modes = [json.loads(line) for line in _python(argv, env, limit).splitlines() if line.startswith("{")]
-    kept = modes[-1]
-    status = "ok" if kept["fp8_kept_modules"] else "dequantized"
-    table.set("fp8 kept", "shardbook", status, "; ".join(_fp8_mode(m) for m in modes))
+    modes = [json.loads(line) for line in _python([*argv, *flags], env, limit).splitlines() if line.startswith("{")]
+    status = "ok" if modes[-1][count] else "dequantized"
+    table.set(row, "shardbook", status, "; ".join(_fp8_mode(m) for m in modes))
 
 
 def _fp8_mode(m: dict) -> str:
     device = f", device {m['device_bytes'] / 2**30:.2f} GiB" if m["device_bytes"] is not None else ""
-    layers = f" ({m['fp8_kept_modules']} layers FP8, {m['fp8_kernel_modules']} by torch's FP8 matmul)"
+    kept = [f"{m['fp8_kept_modules']} layers FP8, {m['fp8_kernel_modules']} by torch's FP8 matmul"]
+    if m["fp8_kept_experts"]:
+        kept.append(f"{m['fp8_kept_experts']} expert tensors FP8, {m['fp8_kernel_experts']} by torch's FP8 matmul")
+    held = m["fp8_kept_modules"] or m["fp8_kept_experts"]
+    what = f" ({'; '.join(kept)})" if held else ""
     return (
-        f"{m['mode']}{layers if m['fp8_kept_modules'] else ''}: weights {m['held_weight_bytes'] / 2**20:.1f} MiB"
-        f"{device}, {m['decode_tok_s']:.1f} tok/s, logits max diff {m['logits_max_diff']:.3g} of "
-        f"{m['logits_max']:.3g}" + (f" [{m['note']}]" if m["note"] and not m["fp8_kept_modules"] else "")
+        f"{m['mode']}{what}: weights {m['held_weight_bytes'] / 2**20:.1f} MiB{device}, {m['decode_tok_s']:.1f} "
+        f"tok/s, logits max diff {m['logits_max_diff']:.3g} of {m['logits_max']:.3g}"
+        + (f" [{m['note']}]" if m["note"] and not held else "")
     )
 
 
@@ -318,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             run_stage(
                 table, "shardbook", list(CAPTURE_CHECKS), capture, table, plan, env, model, budget.stage("capture")
             )
-            run_stage(table, "shardbook", ["fp8 kept"], fp8_kept, table, plan, env, budget.stage("fp8"))
+            fp8_kept(table, plan, env, budget.stage("fp8"))
         else:
             why = "no model" if not ready else f"shardbook does not import: {found.get('shardbook')}"
             table.fill("shardbook", [s for s, system in table.rows if system == "shardbook"], "skipped", why)

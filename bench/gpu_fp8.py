@@ -1,6 +1,7 @@
-"""The GPU check's ``fp8 kept`` stage: an FP8-block checkpoint loaded with ``model.fp8_weights keep`` and with
-``dequantize``, side by side: the weight bytes held, the device memory in use after the load, greedy decode tok/s
-and how far the kept model's logits are from the dequantized one's.
+"""The GPU check's ``fp8 kept`` and ``fp8 kept experts`` rows (without and with ``--moe``): an FP8-block checkpoint
+loaded with ``model.fp8_weights keep`` and with ``dequantize``, side by side: the weight bytes held, the device
+memory in use after the load, greedy decode tok/s and how far the kept model's logits are from the dequantized
+one's.
 
     python3 bench/gpu_fp8.py --device cuda           # the 100M FP8 Llama of bench/load_fp8.py, in bf16
     python3 bench/gpu_fp8.py --device cuda --moe     # a 110M FP8 Qwen3-MoE: routed experts kept too

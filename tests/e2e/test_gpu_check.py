@@ -13,6 +13,7 @@ pytestmark = pytest.mark.timeout(330)
 ROOT = Path(__file__).resolve().parents[2]
 SERVING = ["load", "chat", "clients 1", "clients 2"]
 CAPTURE = ["eager", "cuda graph", "compile", "compile + cuda graphs"]
+FP8 = ["fp8 kept", "fp8 kept experts"]
 
 
 def test_dry_run_prints_every_row_and_measures_shardbook(tmp_path):
@@ -27,7 +28,7 @@ def test_dry_run_prints_every_row_and_measures_shardbook(tmp_path):
     rows = json.loads(rows_file.read_text())
     expected = [("env", "-"), ("model", "-")]
     expected += [(stage, system) for system in ("shardbook", "vllm") for stage in SERVING]
-    expected += [(check, "shardbook") for check in CAPTURE] + [("fp8 kept", "shardbook")]
+    expected += [(check, "shardbook") for check in CAPTURE + FP8]
     assert [(r["stage"], r["system"]) for r in rows] == expected
     table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
     assert len(table) == 1 + len(expected)  # the header and one line per row: the same shape as the GPU run's
@@ -39,6 +40,10 @@ def test_dry_run_prints_every_row_and_measures_shardbook(tmp_path):
     fp8 = status[("fp8 kept", "shardbook")]  # the reference path on a CPU, beside the dequantized load
     assert fp8["status"] == "ok" and fp8["result"].startswith("dequantize: weights"), fp8
     assert "; keep-reference (14 layers FP8, 0 by torch's FP8 matmul): weights" in fp8["result"], fp8
+    experts = status[("fp8 kept experts", "shardbook")]  # gpu_fp8.py --moe: the routed experts kept as well
+    assert experts["status"] == "ok" and experts["result"].startswith("dequantize: weights"), experts
+    kept = "; keep-reference (8 layers FP8, 0 by torch's FP8 matmul; 4 expert tensors FP8, 0 by torch's FP8 matmul)"
+    assert kept in experts["result"], experts
     assert status[("cuda graph", "shardbook")]["result"].startswith("no CUDA device")
     for stage in SERVING:  # vLLM is not installed beside CI's torch; a dry run never starts it
         assert status[(stage, "vllm")]["status"] == "skipped"
