@@ -458,6 +458,7 @@ class TerminalChat:
                 thinking=self.conversation.thinking,
                 template_options=self.conversation.template_options,
             )
+            parts = ReplyParts(request_format(self.model.runtime, request))  # renders the prompt: the template's errors
         except ValueError as e:
             self.terminal.error(str(e))
             return
@@ -465,7 +466,6 @@ class TerminalChat:
         if notice:
             self.terminal.notice(notice)
         stream = ChatStream(self.model.runtime, request, on_notice=self.terminal.notice, start=False)
-        parts = ReplyParts(request_format(self.model.runtime, request))
         with sigint_calls(stream.stop):
             stream.start()
             try:

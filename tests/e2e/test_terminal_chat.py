@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from tests.e2e.conftest import gone, wait_until
-from tests.tiny import make_tiny_llama, make_tiny_moe, make_tiny_non_causal
+from tests.tiny import CHATML_TEMPLATE, make_tiny_llama, make_tiny_moe, make_tiny_non_causal
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -191,6 +191,22 @@ def test_a_model_that_fails_to_load_ends_every_rank(tiny_config, tmp_path):
     assert result.stderr.count("loading failed") == 1, result.stderr  # said once,
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr  # no torchrun traceback
     assert result.stdout == ""
+    assert_all_gone(pids)
+
+
+def test_a_template_that_refuses_a_question_is_an_error_and_the_chat_goes_on(tiny_config, tmp_path):
+    """``model.chat_template`` names a template that raises on one question: that turn is one error line naming
+    the template, nothing is generated for it, and the next question is answered."""
+    template = tmp_path / "refusing.jinja"
+    refuse = "{% for m in messages %}{% if m['content'] == 'refuse me' %}{{ raise_exception('I refuse') }}{% endif %}"
+    template.write_text(refuse + "{% endfor %}" + CHATML_TEMPLATE)
+    argv = chat_argv(tiny_config, "--model.chat_template", str(template))
+    result, pids = piped_chat(argv, ["refuse me", "hi", "exit"], 3)
+    assert result.returncode == 0, result.stderr
+    assert "chat template cannot render this conversation" in result.stderr and "I refuse" in result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    generated = [count for _, count, _ in STATUS.findall(result.stderr)]
+    assert generated == ["8"], f"the refused question was answered, or the next one was not: {generated}"
     assert_all_gone(pids)
 
 
