@@ -505,9 +505,10 @@ class ChatModel:
         self, messages: str | list[dict[str, str]], *, on_notice=None, batch: bool = False, **settings: Any
     ) -> ChatStream | BatchChatStream:
         """A streamed reply; with ``batch=True`` it joins the continuous batch (decoded with other requests)."""
-        return self._stream(self.build_request(messages, **settings), batch, on_notice)
+        return self.stream_request(self.build_request(messages, **settings), batch, on_notice)
 
-    def _stream(self, request: GenerationRequest, batch: bool, on_notice=None) -> ChatStream | BatchChatStream:
+    def stream_request(self, request: GenerationRequest, batch: bool, on_notice=None) -> ChatStream | BatchChatStream:
+        """The streamed reply to a request already built (``build_request``), in the batch or on its own."""
         return (BatchChatStream if batch else ChatStream)(self.runtime, request, on_notice)
 
     def chat(self, messages, *, batch=False, tools: list | None = None, max_tool_steps=MAX_TOOL_STEPS, **settings):
@@ -519,7 +520,7 @@ class ChatModel:
             return chat_with_tools(self, messages, tools, max_tool_steps, batch=batch, **settings)
         request = self.build_request(messages, **settings)
         parts = ReplyParts(request_format(self.runtime, request))  # renders the prompt on rank 0 before any rank
-        return parts.apart(self._stream(request, batch).wait())
+        return parts.apart(self.stream_request(request, batch).wait())
 
     async def achat(self, messages: str | list[dict[str, str]], **settings: Any) -> ChatResponse:
         """``chat`` without blocking the caller's event loop (the ranks are driven from a worker thread)."""

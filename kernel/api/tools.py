@@ -234,7 +234,9 @@ class Chats(Protocol):
 
     runtime: Runtime
 
-    def stream_chat(self, messages: list[dict[str, Any]], **settings: Any) -> Any: ...
+    def build_request(self, messages: list[dict[str, Any]], **settings: Any) -> Any: ...
+
+    def stream_request(self, request: Any, batch: bool) -> Any: ...
 
 
 def chat_with_tools(
@@ -246,11 +248,12 @@ def chat_with_tools(
 
     loop = ToolLoop(tools, tool_format(model.runtime), max_steps=max_steps)
     options = dict(settings.pop("template_options", None) or {})
+    batch = settings.pop("batch", False)
 
     def reply(asked: list[dict[str, Any]]) -> ModelReply:
-        stream = model.stream_chat(asked, template_options={**options, "tools": loop.schemas}, **settings)
-        request = stream.request
-        parts = loop.reply_parts(request_format(model.runtime, request))
+        request = model.build_request(asked, template_options={**options, "tools": loop.schemas}, **settings)
+        parts = loop.reply_parts(request_format(model.runtime, request))  # the template's errors before any rank runs
+        stream = model.stream_request(request, batch)
         return ModelReply(stream.wait(), parts, request.messages, prompt_text(model.runtime, request))
 
     if isinstance(messages, str):
