@@ -8,7 +8,6 @@ streamed, the OpenAI Agents SDK's agent and LangChain's ``bind_tools`` to their 
 from __future__ import annotations
 
 import json
-import signal
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from tool_serve_check import MODEL, agents_sdk, langchain, read, round_trip
 
 from tests.e2e.http_helpers import server_url
-from tests.e2e.test_terminal_serve import Served
+from tests.e2e.test_terminal_serve import serving_float32
 from tests.taught import FAMILY_CALLS, family_question, get_weather, save_taught, tool_model
 from tests.tiny import TOOLS_TEMPLATE
 from tests.unit.test_lm_eval import GENERATE_TASK
@@ -46,12 +45,9 @@ def checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def served(checkpoint):
-    config = checkpoint.parent / "tools.yaml"
-    config.write_text(f"model:\n  model_name_or_path: {checkpoint}\n  dtype: float32\n")
     # hermes named: with every family's tool tokens in the taught vocabulary, auto would choose deepseek_v31's
-    server = Served(config, "--tool-call-parser", "hermes")
-    yield server
-    server.stop(signal.SIGTERM)
+    with serving_float32(checkpoint, "--tool-call-parser", "hermes") as server:
+        yield server
 
 
 def test_the_openai_client_calls_the_tool_whole_and_streamed(served):

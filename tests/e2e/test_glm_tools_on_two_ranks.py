@@ -7,7 +7,6 @@ then the call's result sent back (with the reasoning the template keeps inside a
 from __future__ import annotations
 
 import json
-import signal
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from openai import OpenAI
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from tool_serve_check import MODEL, read
 
-from tests.e2e.test_terminal_serve import Served
+from tests.e2e.test_terminal_serve import serving_float32
 from tests.family_templates import FAMILIES
 from tests.taught import ANSWER, QUESTION, RESULT, TOOL, get_weather, rendered, save_taught, teach
 
@@ -45,11 +44,8 @@ def served(tmp_path_factory):
     tokenizer = FAMILIES["glm5"].tokenizer()
     model = teach(tokenizer, rendered(tokenizer, EXAMPLES), max_steps=600)
     checkpoint = save_taught(tmp_path_factory.mktemp("glm-tools") / MODEL, model, tokenizer)
-    config = checkpoint.parent / "glm.yaml"
-    config.write_text(f"model:\n  model_name_or_path: {checkpoint}\n  dtype: float32\n")
-    server = Served(config, "--tool-call-parser", "glm45")
-    yield server
-    server.stop(signal.SIGTERM)
+    with serving_float32(checkpoint, "--tool-call-parser", "glm45") as server:
+        yield server
 
 
 def test_glm5_reasoning_and_call_read_back_then_the_answer(served):

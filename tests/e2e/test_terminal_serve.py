@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -62,6 +64,16 @@ class Served:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(30)
+
+
+@contextmanager
+def serving_float32(checkpoint: Path, *extra: str) -> Iterator[Served]:
+    """``shardbook serve`` of ``checkpoint`` in float32 with ``extra`` flags, ended by SIGTERM afterwards."""
+    config = checkpoint.parent / f"{checkpoint.name}.yaml"
+    config.write_text(f"model:\n  model_name_or_path: {checkpoint}\n  dtype: float32\n")
+    server = Served(config, *extra)
+    yield server
+    server.stop(signal.SIGTERM)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
