@@ -17,7 +17,8 @@ from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
 
-from jinja2 import nodes
+from jinja2 import Environment, nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
 class ChatTemplateError(ValueError):
@@ -44,10 +45,12 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], **kwargs
 @lru_cache(maxsize=8)
 def joins_arguments(template: str) -> bool:
     """Whether `template` joins a call's ``arguments`` onto text: an operand of ``+`` or ``~`` that is
-    ``X.arguments``, ``X['arguments']``, or a name set to one of them."""
-    from transformers.utils.chat_template_utils import _compile_jinja_template
-
-    tree = _compile_jinja_template(template).environment.parse(template)
+    ``X.arguments``, ``X['arguments']``, or a name set to one of them. A template this cannot parse gets
+    mappings, transformers' convention (rendering it then names its error)."""
+    try:
+        tree = template_environment(template).parse(template)
+    except Exception:  # the template's own render reports what is wrong with it
+        return False
     names = {
         a.target.name for a in tree.find_all(nodes.Assign) if isinstance(a.target, nodes.Name) and is_arguments(a.node)
     }
@@ -56,6 +59,17 @@ def joins_arguments(template: str) -> bool:
         if any(is_arguments(o) or (isinstance(o, nodes.Name) and o.name in names) for o in operands):
             return True
     return False
+
+
+def template_environment(template: str) -> Environment:
+    """The Jinja environment transformers renders chat templates in (its extensions, such as ``{% generation %}``,
+    parse only there); a sandboxed one with loop controls where this transformers has no such helper (it is
+    private to transformers, so it may move)."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:
+        return ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+    return _compile_jinja_template(template).environment
 
 
 def is_arguments(node: nodes.Node) -> bool:

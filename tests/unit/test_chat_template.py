@@ -29,6 +29,21 @@ def test_a_template_joining_arguments_onto_text_is_told_apart(template, joins):
     assert joins_arguments(template) is joins
 
 
+def test_without_transformers_helper_a_sandbox_parses_and_an_unparsable_template_gets_mappings(monkeypatch):
+    """transformers' environment helper is private: where it is missing a sandboxed environment tells templates
+    apart the same way, and a template that does not parse is left to its own render to report."""
+    import transformers.utils.chat_template_utils as utils
+
+    monkeypatch.delattr(utils, "_compile_jinja_template")
+    joins_arguments.cache_clear()
+    try:
+        assert joins_arguments("{{ '<sep>' + tool['function']['arguments'] + '<end>' }}") is True
+        assert joins_arguments("{{ call.function.arguments | tojson }}") is False
+        assert joins_arguments("{{ call.function.arguments + ") is False
+    finally:
+        joins_arguments.cache_clear()
+
+
 def call_message(arguments):
     return {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": arguments}}]}
 
