@@ -4,6 +4,7 @@ think block, its reasoning in the widget's own part and marked in plain text, `_
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ from tests.taught import THINK_TAGS, save_taught, tag_tokenizer, teach
 pytestmark = pytest.mark.timeout(240)
 
 REASONING, ANSWER = "Greet back.", "Hello!"
+REASONING_PART = re.compile(r"<div class='shardbook-reasoning'[^>]*>(.*?)</div>", re.S)
+"""The text of the widget's reasoning part in a comm message's value."""
 KEEPING_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
     "{% if keep_reasoning is defined and keep_reasoning and m.reasoning_content %}"
@@ -49,12 +52,12 @@ def test_reasoning_apart_in_the_widget_chat_history_and_next_prompt(kernel, thin
 
     ex = kernel.run("%%chat --max-new-tokens 24\nHello", timeout=60)
     assert ex.status == "ok", ex.error_text() + ex.stderr()
-    live = [
-        m["content"]["data"]["state"]["value"]
-        for m in ex.of_type("comm_open", "comm_msg")
-        if "shardbook-reasoning" in str(m["content"].get("data", {}).get("state", {}).get("value", ""))
-    ]
-    assert any("Greet" in v for v in live), f"the reasoning never streamed into its own part: {live}"
+    values = [str(m["content"].get("data", {}).get("state", {}).get("value", "")) for m in ex.of_type("comm_msg")]
+    live = [found.group(1) for value in values if (found := REASONING_PART.search(value))]
+    # The widget is refreshed at a bounded rate, so how much of the reasoning a refresh shows depends on the
+    # machine's speed: any of it, and nothing of the answer, in the reasoning's own part.
+    assert any(shown and REASONING.startswith(shown) for shown in live), f"no reasoning streamed into its part: {live}"
+    assert all(REASONING.startswith(shown) for shown in live), f"the reasoning part showed more than reasoning: {live}"
     [reply] = [o["data"] for o in final_outputs(ex) if "text/markdown" in o["data"]]
     assert reply["text/markdown"].startswith("<details><summary>Reasoning</summary>\n\n> Greet back.\n")
     assert reply["text/markdown"].endswith(f"</details>\n\n{ANSWER}")
