@@ -14,10 +14,13 @@ from shardbook.kernel.ranks.foreground import stop_foreground_reply
 
 @pytest.fixture
 def usr1_interrupts():
-    """SIGUSR1 raising KeyboardInterrupt, as the terminal chat sets it (its Ctrl-C under `chat --slurm`)."""
-    previous = signal.signal(signal.SIGUSR1, signal.default_int_handler)
+    """SIGINT and SIGUSR1 raising KeyboardInterrupt, as the terminal chat sets them (SIGUSR1 is its Ctrl-C under
+    `chat --slurm`). SIGINT is set too: a pytest started in the background by a shell without job control
+    (`nohup pytest &`, some CI runners) inherits SIGINT ignored, and Python then leaves it so."""
+    previous = {signum: signal.signal(signum, signal.default_int_handler) for signum in (signal.SIGINT, signal.SIGUSR1)}
     yield
-    signal.signal(signal.SIGUSR1, previous)
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGUSR1])
