@@ -1,16 +1,17 @@
 """Where a continuous-batch step's time goes (issue 32, item 7): the demo model under `tp` on 2 ranks, 8 rows.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m torch.distributed.run --standalone --nproc_per_node 2 \\
-        bench/profile_step.py [--rows 8] [--tokens 48]
+        bench/profile_step.py [--rows 8] [--tokens 48] [--sample]
 
 Every rank loads the model with `load_sharded` (decode tp, gloo, shared-memory sums, one thread per rank); rank 0
-submits `--rows` greedy requests to a `BatchScheduler` and runs its loop while the followers run
+submits `--rows` greedy requests (sampled ones with `--sample`) to a `BatchScheduler` and runs its loop while the followers run
 `follow_batch`, as the `batch` command does. Timers wrap the pieces of a step by name: the decode
 forward (`batch_steps._decode`), the collectives inside it and outside (all-reduce, all-gather, broadcast,
 shared-memory sums), the plan and its broadcast and the step's agreement (scheduling), sampling
-(`greedy_tokens`, `next_token`), and the text after it (detokenizing, stop strings, streaming: the rest of
+(`pick_tokens`, `next_token`), and the text after it (detokenizing, stop strings, streaming: the rest of
 `_advance`). Only steps where every row decodes and none joins count. Rank 0 prints the ms per step of every
-rank (the table in docs/architecture.md), then greedy picks for the rows one by one against all at once.
+rank (the table in docs/architecture.md), then greedy picks for the rows one by one against all at once
+(`bench/bench_sampling.py` compares sampled ones).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def instrument(clock: Clock) -> None:
     clock.wrap(batching, "broadcast_plan", "plan broadcast")
     clock.wrap(batching.BatchScheduler, "_plan", "planning")
     clock.wrap(batching, "next_token", "sampling")
-    clock.wrap(batching, "greedy_tokens", "sampling")
+    clock.wrap(batching, "pick_tokens", "sampling")
     clock.wrap(batching.BatchScheduler, "_advance", "text (the rest of _advance)")
 
 
@@ -79,6 +80,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
+    parser.add_argument("--sample", action="store_true", help="sampled rows (temperature 0.7, top-p 0.9), not greedy")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -114,7 +116,10 @@ def main() -> None:
         scheduler = batching.BatchScheduler(loaded.tokenizer, max_sequences=args.rows)
         texts = collections.defaultdict(str)
         for row in range(args.rows):
-            request = batching.SequenceRequest(prompt_ids=list(ids), max_new_tokens=args.tokens, ignore_eos=True)
+            sampling = {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "seed": row} if args.sample else {}
+            request = batching.SequenceRequest(
+                prompt_ids=list(ids), max_new_tokens=args.tokens, ignore_eos=True, **sampling
+            )
             scheduler.submit(request, on_text=lambda text, row=row: texts.__setitem__(row, texts[row] + text))
         start = time.perf_counter()
         scheduler.run(loaded.model, "cpu")

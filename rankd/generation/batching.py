@@ -60,7 +60,7 @@ from shardbook.rankd.generation.batch_steps import (
 )
 from shardbook.rankd.generation.prefix_store import BLOCK_TOKENS, block_keys, reuse_refusal
 from shardbook.rankd.generation.reply_text import reply_decoder
-from shardbook.rankd.generation.sampling import greedy_tokens, next_token
+from shardbook.rankd.generation.sampling import NonFiniteScores, next_token, pick_tokens
 from shardbook.rankd.generation.sequences import (
     BatchLimitError,
     RunningSequence,
@@ -255,8 +255,10 @@ class BatchScheduler:
                 if seq.handle.request.intervene:
                     self._fail(seq, outcome.intervention_error)
         if decoding:
-            requests, counts = [seq.handle.request for seq in decoding], [len(seq.tokens) for seq in decoding]
-            picked = greedy_tokens(outcome.decoded, requests, counts)
+            requests = [seq.handle.request for seq in decoding]
+            picked = pick_tokens(
+                outcome.decoded, requests, [seq.tokens for seq in decoding], [seq.generator for seq in decoding]
+            )
             for i, (seq, token) in enumerate(zip(decoding, picked)):
                 self._take(lambda s, logits, token=token: self._advance(s, logits, token), seq, outcome.decoded[i])
         if outcome.failure == JOIN_FAILED:  # the batch is as it was before the prefill, the chunked prompt dropped
@@ -492,11 +494,13 @@ class BatchScheduler:
                 SequenceResult(list(seq.tokens), "", "error", len(request.prompt_ids), error=why, failed_alone=True)
             )
 
-    def _advance(self, seq: RunningSequence, logits: torch.Tensor, token: int | None = None) -> None:
-        """Take `seq`'s next token (`token` when the batch's greedy pick gave it, else picked from its logits);
-        finish it if it is done."""
+    def _advance(self, seq: RunningSequence, logits: torch.Tensor, token: int | NonFiniteScores | None = None) -> None:
+        """Take `seq`'s next token (`token` when the step's picks gave it, else picked from its logits); finish it
+        if it is done. A pick that is an error fails `seq` (through `_take`)."""
         request = seq.handle.request
         seq.first_token_at = seq.first_token_at or time.perf_counter()
+        if isinstance(token, NonFiniteScores):
+            raise token
         token = next_token(logits, request, seq.tokens, seq.generator) if token is None else token
         if request.logprobs is not None:
             logp = torch.log_softmax(logits, dim=-1)
