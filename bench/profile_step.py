@@ -4,8 +4,8 @@
         bench/profile_step.py [--rows 8] [--tokens 48] [--sample]
 
 Every rank loads the model with `load_sharded` (decode tp, gloo, shared-memory sums, one thread per rank); rank 0
-submits `--rows` greedy requests (sampled ones with `--sample`) to a `BatchScheduler` and runs its loop while the followers run
-`follow_batch`, as the `batch` command does. Timers wrap the pieces of a step by name: the decode
+submits `--rows` greedy requests (sampled ones with `--sample`) to a `BatchScheduler` and runs its loop while the
+followers run `follow_batch`, as the `batch` command does. Timers wrap the pieces of a step by name: the decode
 forward (`batch_steps._decode`), the collectives inside it and outside (all-reduce, all-gather, broadcast,
 shared-memory sums), the plan and its broadcast and the step's agreement (scheduling), sampling
 (`pick_tokens`, `next_token`), and the text after it (detokenizing, stop strings, streaming: the rest of
