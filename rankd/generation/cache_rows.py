@@ -71,7 +71,7 @@ def select_rows(cache: Any, index: torch.Tensor, columns: int) -> None:
     row)."""
     for layer in cache.layers:
         kept = _kept(layer, columns)
-        for name, row_dim, seq_dim in _fields(layer):
+        for name, row_dim, seq_dim in position_fields(layer):
             rows = getattr(layer, name).index_select(row_dim, index)
             setattr(layer, name, rows.narrow(seq_dim, rows.shape[seq_dim] - kept, kept))
         for states, _ in _states(layer, layer):
@@ -84,7 +84,7 @@ def append_rows(cache: Any, other: Any, columns: int) -> None:
     """Append the rows of `other` (a prefill of the same model) to `cache`, both left-padded to `columns`."""
     for mine, theirs in zip(cache.layers, other.layers):
         kept = _kept(mine, columns)
-        for name, row_dim, seq_dim in _fields(mine):
+        for name, row_dim, seq_dim in position_fields(mine):
             ours, new = (_pad_left(getattr(layer, name), kept, seq_dim) for layer in (mine, theirs))
             setattr(mine, name, torch.cat([ours, new], row_dim))
         for states, joining in _states(mine, theirs):
@@ -112,9 +112,15 @@ def _set_length(layer: Any, columns: int) -> None:
         layer.cumulative_length_linear.fill_(columns)
 
 
-def _fields(layer: Any) -> list[tuple[str, int, int]]:
-    """The layer's grown tensors that it holds (an indexer layer that shares another's top-k keeps no keys)."""
-    return [field for field in _FIELDS.get(type(layer).__name__, ()) if getattr(layer, field[0], None) is not None]
+def position_fields(layer: Any) -> list[tuple[str, int, int]]:
+    """The layer's grown tensors that it holds, as (attribute, row dim, sequence dim) (an indexer layer that shares
+    another's top-k keeps no keys)."""
+    return [field for field in grown_fields(layer) if getattr(layer, field[0], None) is not None]
+
+
+def grown_fields(layer: Any) -> tuple[tuple[str, int, int], ...]:
+    """Every tensor a layer of `layer`'s kind may grow per position, held yet or not."""
+    return _FIELDS.get(type(layer).__name__, ())
 
 
 def _pad_left(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:

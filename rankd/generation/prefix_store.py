@@ -3,8 +3,12 @@ prompt that starts with them (a conversation's next turn, a shared system prompt
 
 A prompt is cut into blocks of `BLOCK_TOKENS` tokens; block i's key hashes block i's tokens with block i-1's key
 (a chain, as vLLM's prefix caching keys its blocks), so one key names a whole prefix. Each rank's
-:class:`PrefixStore` (one per model) maps a key to every layer's keys and values for that block, one row and no
-padding (under `tp`, this rank's own heads: nothing crosses ranks).
+:class:`PrefixStore` (one per model) maps a key to every layer's per-position tensors for that block (keys and
+values; a sparse-attention indexer's keys too), one row and no padding (under `tp`, this rank's own heads: nothing
+crosses ranks). Only layers that hold every position of a prompt can be kept: full attention, MLA's latents and
+GLM-5's and DeepSeek-V3.2's indexed layers. Each position's entries there depend on it and the tokens before it
+alone, so kept blocks equal what a cold prefill computes. A sliding window or a recurrent state cannot be rebuilt
+from blocks (`reuse_refusal`).
 
 The ranks never decide anything on their own: rank 0 looks a joining prompt up in its own store when it plans a
 step and the plan carries what every rank does (the blocks a chunk's one-row cache is seeded from, the leaving
@@ -24,6 +28,8 @@ from typing import Any
 
 import torch
 
+from shardbook.rankd.generation.cache_rows import grown_fields, position_fields
+
 logger = logging.getLogger(__name__)
 
 BLOCK_TOKENS = 16
@@ -41,10 +47,11 @@ def block_keys(tokens: list[int]) -> list[int]:
 
 
 class PrefixStore:
-    """One rank's kept blocks: key -> per layer (keys, values), each (heads, BLOCK_TOKENS, head_dim)."""
+    """One rank's kept blocks: key -> per layer {attribute: that block's tensor of one row} (keys and values are
+    (heads, BLOCK_TOKENS, head_dim), an indexer's keys (BLOCK_TOKENS, index_head_dim))."""
 
     def __init__(self) -> None:
-        self.blocks: OrderedDict[int, list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
+        self.blocks: OrderedDict[int, list[dict[str, torch.Tensor]]] = OrderedDict()
         self.stats = {"stored_blocks": 0, "evictions": 0}
 
     def cached_blocks(self, keys: list[int]) -> int:
@@ -55,13 +62,20 @@ class PrefixStore:
         return count
 
     def seed(self, cache: Any, keys: list[int]) -> None:
-        """Fill the empty one-row `cache` (a full-attention DynamicCache) with the blocks of `keys`, in order."""
+        """Fill the empty one-row `cache` with the blocks of `keys`, in order, through the layers' own updates."""
         self._touch(keys)
         for i, layer in enumerate(cache.layers):
-            layer.update(
-                torch.cat([self.blocks[key][i][0] for key in keys], dim=1).unsqueeze(0),
-                torch.cat([self.blocks[key][i][1] for key in keys], dim=1).unsqueeze(0),
-            )
+            parts = {
+                name: torch.cat(
+                    [self.blocks[key][i][name] for key in keys], dim=_row_seq_dim(row_dim, seq_dim)
+                ).unsqueeze(row_dim)
+                for name, row_dim, seq_dim in _stored_fields(layer, self.blocks[keys[0]][i])
+            }
+            layer.update(parts.pop("keys"), parts.pop("values"))
+            if "indexer_keys" in parts:
+                layer.update_indexer(parts.pop("indexer_keys"))
+            for name, tensor in parts.items():
+                setattr(layer, name, tensor)
 
     def keep(self, cache: Any, row: int, start: int, keys: list[int]) -> None:
         """Keep the blocks of `keys` of the batch's `row`, whose first block starts at column `start`: a copy of
@@ -69,9 +83,16 @@ class PrefixStore:
         for i, key in enumerate(keys):
             if key in self.blocks:
                 continue
-            columns = slice(start + i * BLOCK_TOKENS, start + (i + 1) * BLOCK_TOKENS)
+            first = start + i * BLOCK_TOKENS
             self.blocks[key] = [
-                (layer.keys[row, :, columns].clone(), layer.values[row, :, columns].clone()) for layer in cache.layers
+                {
+                    name: getattr(layer, name)
+                    .select(row_dim, row)
+                    .narrow(_row_seq_dim(row_dim, seq_dim), first, BLOCK_TOKENS)
+                    .clone()
+                    for name, row_dim, seq_dim in position_fields(layer)
+                }
+                for layer in cache.layers
             ]
             self.stats["stored_blocks"] += 1
         self._touch(keys)
@@ -98,17 +119,34 @@ _STORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def reuse_refusal(model: Any) -> str | None:
-    """Why `model`'s prompts cannot reuse kept blocks (only a plain full-attention cache on every layer holds a
-    position's keys and values alone, independent of what follows), or None; logged once per model."""
+    """Why `model`'s prompts cannot reuse kept blocks (a layer kind that does not hold every position: a sliding
+    window, a recurrent state), or None; logged once per model."""
     from transformers import DynamicCache
 
     if model not in _REFUSALS:
         layers = DynamicCache(config=model.config).layers
-        kinds = sorted({type(layer).__name__ for layer in layers} - {"DynamicLayer"})
+        kinds = sorted({type(layer).__name__ for layer in layers} - set(_KEPT_KINDS))
         _REFUSALS[model] = f"its cache has {', '.join(kinds)} layers" if kinds else None
         if kinds:
-            logger.warning("prefix reuse is off for this model: %s (only full attention is kept)", _REFUSALS[model])
+            logger.warning(
+                "prefix reuse is off for this model: %s (only layers that hold every position are kept)",
+                _REFUSALS[model],
+            )
     return _REFUSALS[model]
+
+
+_KEPT_KINDS = ("DynamicLayer", "DynamicIndexedLayer")
+"""Cache layer kinds whose every position's tensors the store keeps (full attention, with or without an indexer)."""
+
+
+def _row_seq_dim(row_dim: int, seq_dim: int) -> int:
+    """The sequence dim of a field once its row dim is taken out."""
+    return seq_dim - 1 if seq_dim > row_dim else seq_dim
+
+
+def _stored_fields(layer: Any, stored: dict[str, torch.Tensor]) -> list[tuple[str, int, int]]:
+    """The (attribute, row dim, sequence dim) of each tensor a kept block holds for a layer of `layer`'s kind."""
+    return [field for field in grown_fields(layer) if field[0] in stored]
 
 
 _REFUSALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

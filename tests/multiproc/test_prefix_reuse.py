@@ -22,7 +22,7 @@ BLOCK = 16
 REPLY = 12
 
 
-def _scenarios(rank: int, path: Path, layout: str) -> dict[str, Any]:
+def _scenarios(rank: int, path: Path, layout: str, turns_only: bool = False) -> dict[str, Any]:
     import torch
 
     from shardbook.rankd.config.schema import ModelConfig, ParallelConfig, ShardbookConfig
@@ -76,6 +76,8 @@ def _scenarios(rank: int, path: Path, layout: str) -> dict[str, Any]:
         out["turn2"] = batch([second], 4096)
         store.trim(0)
         out["cold"] = batch([second], 0)
+        if turns_only:
+            return out
         system = ids[100:148]  # three whole blocks
         out["shared_a"] = batch([system + ids[150:160]], 4096)
         out["shared_b"] = batch([system + ids[160:175]], 4096)
@@ -97,9 +99,12 @@ def _shared(value: Any, rank: int) -> Any:
     return box[0]
 
 
-def _blocks(store: Any) -> list[tuple[int, tuple[int, ...]]]:
-    """The store's keys in least-recently-used order, with one block's key shape."""
-    return [(key, tuple(layers[0][0].shape)) for key, layers in store.blocks.items()]
+def _blocks(store: Any) -> list[tuple[int, tuple[int, ...], list[list[str]]]]:
+    """The store's keys in least-recently-used order, with one block's key shape and what it holds per layer."""
+    return [
+        (key, tuple(layers[0]["keys"].shape), [sorted(layer) for layer in layers])
+        for key, layers in store.blocks.items()
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -109,19 +114,44 @@ def llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module", params=["gather", "tp"])
 def answer(request: pytest.FixtureRequest, llama_path: Path) -> dict:
+    return _answer(llama_path, request.param)
+
+
+@pytest.fixture(scope="module")
+def glm5_answer(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """GLM-5's architecture (MLA, a sparse-attention indexer choosing 4 positions, a layer sharing another's
+    choice) under tp: its cache layers keep the indexer's keys beside the attention's. 8 indexer heads, not the
+    tiny models' 2: with 2, a position's score is often exactly 0 (both heads' ReLU at 0), and `topk` orders such
+    ties by the forward's shape, so even transformers' own prefill in two chunks differs from one (by up to 1.3 in
+    the logits here); with 8 a chunked prefill equals a whole one within 2e-6."""
+    from tests.tiny import make_tiny_mla
+
+    path = make_tiny_mla(tmp_path_factory.mktemp("glm5") / "model", "glm_moe_dsa", index_n_heads=8)
+    return _answer(path, "tp", turns_only=True)
+
+
+def _answer(path: Path, layout: str, turns_only: bool = False) -> dict:
     from tests.ranks import run_ranks
 
-    leader, follower = run_ranks(_scenarios, llama_path, request.param, deadline=240)
+    leader, follower = run_ranks(_scenarios, path, layout, turns_only, deadline=240)
     for name, got in leader.items():
         if isinstance(got, dict):  # every rank ran the same forwards and keeps the same blocks, in the same order
             assert follower[name]["forwards"] == got["forwards"], name
-            assert [key for key, _ in follower[name]["blocks"]] == [key for key, _ in got["blocks"]], name
-    leader["layout"] = request.param
+            assert [block[0] for block in follower[name]["blocks"]] == [block[0] for block in got["blocks"]], name
+    leader["layout"] = layout
     leader["follower"] = follower
     return leader
 
 
 def test_a_next_turn_prefills_only_its_new_tokens_and_its_logits_equal_a_cold_prefill(answer: dict) -> None:
+    _assert_next_turn_reuses_its_history(answer)
+
+
+def test_glm5_next_turn_reuses_its_history_indexer_included(glm5_answer: dict) -> None:
+    _assert_next_turn_reuses_its_history(glm5_answer)
+
+
+def _assert_next_turn_reuses_its_history(answer: dict) -> None:
     n = answer["second_len"]
     kept = (40 + REPLY - 1) // BLOCK * BLOCK  # turn 1's cache: its prompt and its reply but the last token
     warm, cold = answer["turn2"], answer["cold"]
@@ -139,9 +169,9 @@ def test_requests_that_share_a_prefix_share_its_blocks(answer: dict) -> None:
     assert b["forwards"][0] == (1, 48 + 15 - 48, 48)
     blocks_b = (48 + 15 + REPLY - 1) // BLOCK
     assert b["store"]["stored_blocks"] - a["store"]["stored_blocks"] == blocks_b - 3  # the system prompt's: once
-    keys_a, keys_b = [k for k, _ in a["blocks"]], [k for k, _ in b["blocks"]]
+    keys_a, keys_b = [block[0] for block in a["blocks"]], [block[0] for block in b["blocks"]]
     assert len(set(keys_a) & set(keys_b)) == len(keys_a)
-    heads = {shape for _, shape in b["blocks"]} | {shape for _, shape in answer["follower"]["shared_b"]["blocks"]}
+    heads = {block[1] for block in b["blocks"]} | {block[1] for block in answer["follower"]["shared_b"]["blocks"]}
     if answer["layout"] == "gather":
         assert heads == {(3, BLOCK, 8)}
     else:  # under tp each rank keeps its own heads' keys and values only
@@ -162,10 +192,19 @@ def test_blocks_are_evicted_least_recently_used_within_a_tiny_budget(answer: dic
     evicted = a["store"]["evictions"] - answer["evictions_before_tiny"]
     assert evicted == (60 + REPLY - 1) // BLOCK - 2
     ids = torch.randint(10, 200, (200,), generator=torch.Generator().manual_seed(1)).tolist()
-    assert {k for k, _ in a["blocks"]} == set(block_keys(ids[: 2 * BLOCK]))  # its last blocks went first
+    assert {block[0] for block in a["blocks"]} == set(block_keys(ids[: 2 * BLOCK]))  # its last blocks went first
     assert b["results"][0][1] == 0
     # b kept its three blocks, then the least recently used three went: a's two and b's last
     assert b["store"]["evictions"] - a["store"]["evictions"] == (40 + REPLY - 1) // BLOCK
-    assert {k for k, _ in b["blocks"]} == set(block_keys(ids[100 : 100 + 2 * BLOCK]))
+    assert {block[0] for block in b["blocks"]} == set(block_keys(ids[100 : 100 + 2 * BLOCK]))
     assert again["results"][0][1] == 0  # a's blocks were evicted: prefilled whole
     assert again["forwards"][0] == (1, 60, 0)
+
+
+def test_glm5_blocks_keep_the_indexer_keys_of_the_layers_that_choose(glm5_answer: dict) -> None:
+    """Layers 0 and 1 run their own indexer (their blocks hold its keys); layer 2 reuses layer 1's choice and holds
+    keys and values only, on both ranks."""
+    for blocks in (glm5_answer["turn2"]["blocks"], glm5_answer["follower"]["turn2"]["blocks"]):
+        assert blocks and all(
+            held == [["indexer_keys", "keys", "values"]] * 2 + [["keys", "values"]] for _, _, held in blocks
+        )
