@@ -50,7 +50,13 @@ from typing import TYPE_CHECKING, Any
 
 from shardbook.kernel.api.load import PreparedLoad, prepare_load
 from shardbook.kernel.api.progress import step_text
-from shardbook.kernel.cli.launcher import config_argv, launch, launch_on_slurm, maybe_write_pid_file
+from shardbook.kernel.cli.launcher import (
+    config_argv,
+    launch,
+    launch_on_slurm,
+    maybe_write_pid_file,
+    split_launch_flags,
+)
 from shardbook.kernel.ranks.failures import describe_failures
 from shardbook.kernel.slurm.launch import REMOTE_TTY_ENV
 from shardbook.kernel.slurm.options import add_slurm_flags
@@ -108,7 +114,10 @@ def add_chat_parser(sub) -> None:
     add_slurm_flags(p)
     p.add_argument("config", nargs="?", help=CONFIG_HELP)
     p.add_argument(
-        "overrides", nargs=argparse.REMAINDER, help="--section.key value pairs, e.g. --inference.max_new_tokens 64"
+        "overrides",
+        nargs=argparse.REMAINDER,
+        help="--section.key value pairs, e.g. --inference.max_new_tokens 64 (--nproc and Slurm's flags may come "
+        "here too)",
     )
     p.set_defaults(run=run_chat)
 
@@ -137,6 +146,7 @@ def split_template_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_chat(args: argparse.Namespace) -> int:
     """``--nproc N`` starts torchrun, ``--slurm`` an allocation; without either this process is one rank."""
+    split_launch_flags(args)
     template_options = split_template_args(args)  # a bad one fails here, before any rank starts
     shape = JobShape.from_env()
     command = ["chat", *(f"--template-arg={text}" for text in args.template_arg), *config_argv(args), *args.overrides]

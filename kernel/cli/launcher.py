@@ -26,7 +26,7 @@ from pathlib import Path
 from shardbook.kernel.api.load import prepare_load
 from shardbook.kernel.cli.kernelspec import Layout
 from shardbook.kernel.slurm.launch import run_in_allocation
-from shardbook.kernel.slurm.options import options_from_args
+from shardbook.kernel.slurm.options import add_slurm_flags, options_from_args
 from shardbook.rankd.control import protocol
 from shardbook.rankd.control.lifetime import die_with_parent
 
@@ -66,6 +66,22 @@ def launch_on_slurm(args: argparse.Namespace, command: list[str], job_name: str,
     slurm = options_from_args(args, {})
     prepare_load(args.config, args.overrides, slurm.nodes * slurm.ntasks_per_node)  # a bad config fails here
     return run_in_allocation(slurm, ["-m", "shardbook", *command], job_name, interactive)
+
+
+def split_launch_flags(args: argparse.Namespace) -> None:
+    """``--nproc`` and the Slurm flags given after CONFIG (``shardbook serve DIR --nproc 2``) out of the config
+    overrides, as if given before it (the overrides only take ``--section.key``, and would refuse them)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, argument_default=argparse.SUPPRESS)
+    parser.add_argument("--nproc", type=int)
+    add_slurm_flags(parser)
+    unset = vars(parser.parse_args([]))  # the flags with a default of their own
+    flags, args.overrides = parser.parse_known_args(args.overrides)
+    for name, value in vars(flags).items():
+        if name in unset and value == unset[name]:
+            continue
+        if isinstance(value, list):  # repeatable: those before CONFIG count too
+            value = (getattr(args, name, None) or []) + value
+        setattr(args, name, value)
 
 
 def config_argv(args: argparse.Namespace) -> list[str]:

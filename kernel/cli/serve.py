@@ -22,7 +22,7 @@ import threading
 from functools import partial
 
 from shardbook.kernel.cli.chat import CONFIG_HELP, Terminal, run_rank
-from shardbook.kernel.cli.launcher import config_argv, launch, launch_on_slurm
+from shardbook.kernel.cli.launcher import config_argv, launch, launch_on_slurm, split_launch_flags
 from shardbook.kernel.ranks.runtime import Runtime
 from shardbook.kernel.server.parser_help import REASONING_PARSER_HELP, TOOL_CALL_PARSER_HELP
 from shardbook.kernel.server.state import DEFAULT_PORT, ServeOptions, read_api_key
@@ -87,13 +87,17 @@ def add_serve_parser(sub) -> None:
     add_slurm_flags(p)
     p.add_argument("config", nargs="?", help=CONFIG_HELP)
     p.add_argument(
-        "overrides", nargs=argparse.REMAINDER, help="--section.key value pairs; serve flags may come here too"
+        "overrides",
+        nargs=argparse.REMAINDER,
+        help="--section.key value pairs; serve flags, --nproc and Slurm's may come here too",
     )
     p.set_defaults(run=run_serve)
 
 
 def split_flags(args: argparse.Namespace) -> None:
-    """Serve flags given after CONFIG (``shardbook serve CONFIG --port 8001``) out of the config overrides."""
+    """Serve flags given after CONFIG (``shardbook serve CONFIG --port 8001``) out of the config overrides, and the
+    launch flags (``--nproc``, Slurm's)."""
+    split_launch_flags(args)
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     add_serve_flags(parser, default=argparse.SUPPRESS)
     flags, args.overrides = parser.parse_known_args(args.overrides)
