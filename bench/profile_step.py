@@ -56,7 +56,7 @@ def instrument(clock: Clock) -> None:
     from shardbook.rankd.parallel.host_sum import HostSum
 
     clock.wrap(batch_steps, "_decode", "forward")
-    for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast"):
+    for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "gather", "broadcast"):
         clock.wrap(dist, name, "collectives")
     clock.wrap(HostSum, "sum_", "collectives")
     clock.wrap(batch_steps, "broadcast_plan", "plan broadcast")

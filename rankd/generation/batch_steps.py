@@ -26,6 +26,7 @@ the others in that collective; no agreement after the forward can reach them.
 from __future__ import annotations
 
 import weakref
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,7 @@ from shardbook.rankd.generation.cache_rows import (
 )
 from shardbook.rankd.generation.intervention_state import Rows, applied_to, take_failure
 from shardbook.rankd.generation.prefix_store import BLOCK_TOKENS, prefix_store
+from shardbook.rankd.parallel.tp_modules import logits_on_first_rank_only
 
 STEP_OK, JOIN_FAILED, STEP_FAILED = 0, 1, 2
 """How a step ended on a rank; the worst over the ranks is the step's outcome."""
@@ -179,30 +181,31 @@ def execute_step(state: BatchState, plan: StepPlan, *, keep_logits: bool = True,
     copy of them.
     """
     code, error, outcome, appended = STEP_OK, None, StepOutcome(), 0
-    try:
-        if plan.abandon:
-            state.drop_chunked()
-        keep_blocks(state, plan)
-        state.drop(plan.leave)
-        if plan.decode:
-            outcome.decoded = _decode(state, plan.decode, plan.intervened, keep_logits)
-    except Exception as exc:
-        code, error = STEP_FAILED, exc
-    for prefill in (_chunk_step, _join_step):  # each runs even after a failure, so the forwards line up
+    with _logits_where_sampled(plan):
         try:
-            new_rows = prefill(state, plan, outcome, keep_logits)
+            if plan.abandon:
+                state.drop_chunked()
+            keep_blocks(state, plan)
+            state.drop(plan.leave)
+            if plan.decode:
+                outcome.decoded = _decode(state, plan.decode, plan.intervened, keep_logits)
         except Exception as exc:
-            code, error = max(code, JOIN_FAILED), error or exc
-            continue
-        if new_rows is not None and code == STEP_OK:
+            code, error = STEP_FAILED, exc
+        for prefill in (_chunk_step, _join_step):  # each runs even after a failure, so the forwards line up
             try:
-                state.append(*new_rows)
-                appended += new_rows[1].shape[0]
+                new_rows = prefill(state, plan, outcome, keep_logits)
             except Exception as exc:
-                code, error = STEP_FAILED, exc
+                code, error = max(code, JOIN_FAILED), error or exc
+                continue
+            if new_rows is not None and code == STEP_OK:
+                try:
+                    state.append(*new_rows)
+                    appended += new_rows[1].shape[0]
+                except Exception as exc:
+                    code, error = STEP_FAILED, exc
     failed = take_failure(state.model)
     outcome.failure, outcome.errors, outcome.intervention_error = _agree(code, error, failed, state.device, group)
-    if not (plan.intervened or plan.join_intervened or (plan.chunk is not None and plan.chunk.intervened)):
+    if not _intervenes(plan):
         user_calls.begin_command()  # no row calls the functions now: a stop pressed for earlier rows no longer holds
     if outcome.failure == JOIN_FAILED:
         if appended:  # this rank's prefill worked, another's did not: back to the batch before it
@@ -217,6 +220,18 @@ def execute_step(state: BatchState, plan: StepPlan, *, keep_logits: bool = True,
         outcome.decoded, outcome.joined, outcome.chunked = None, [], None
     state.prefixes.trim(plan.prefix_blocks)
     return outcome
+
+
+def _intervenes(plan: StepPlan) -> bool:
+    """Whether an intervention's functions run in this step (on some row's tokens)."""
+    return bool(plan.intervened or plan.join_intervened or (plan.chunk is not None and plan.chunk.intervened))
+
+
+def _logits_where_sampled(plan: StepPlan) -> AbstractContextManager:
+    """Only rank 0 samples, so under `tp` a step gathers the logits there alone (`logits_on_first_rank_only`);
+    a step that runs an intervention's functions gathers them on every rank, as outside the batch, since a
+    function may read the output layer's output on any rank."""
+    return nullcontext() if _intervenes(plan) else logits_on_first_rank_only()
 
 
 def keep_blocks(state: BatchState, plan: StepPlan) -> None:
