@@ -42,6 +42,7 @@ from shardbook.rankd.generation.cache_rows import (
     layer_refusal,
     select_rows,
 )
+from shardbook.rankd.generation.growing_layers import grow_in_place
 from shardbook.rankd.generation.intervention_state import Rows, applied_to, take_failure
 from shardbook.rankd.generation.prefix_store import BLOCK_TOKENS, prefix_store
 from shardbook.rankd.parallel.tp_modules import logits_on_first_rank_only
@@ -163,6 +164,7 @@ class BatchState:
     def append(self, cache: Any, mask: torch.Tensor) -> None:
         """Add the rows of `cache` (a left-padded prefill; `mask` (rows, columns) is 1 on its real tokens)."""
         if self.cache is None:
+            grow_in_place(cache)  # decode steps write into room after each layer's positions, not copy them
             self.cache, self.mask, self.next_pos = cache, mask, mask.sum(1)
             return
         columns = max(self.mask.shape[1], mask.shape[1])

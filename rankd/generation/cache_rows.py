@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from shardbook.rankd.generation.growing_layers import layer_kind
+
 _FULL = (("keys", 0, 2), ("values", 0, 2))
 _FIELDS: dict[str, tuple[tuple[str, int, int], ...]] = {
     "DynamicLayer": _FULL,
@@ -40,7 +42,7 @@ _STATES: dict[str, tuple[str, ...]] = {"LinearAttentionLayer": ("conv_states", "
 
 def layer_refusal(cache: Any) -> str | None:
     """Why `cache` cannot be the batch's (a layer kind with no row operations here), or None when it can."""
-    kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer).__name__ not in _FIELDS | _STATES})
+    kinds = sorted({layer_kind(layer) for layer in cache.layers if layer_kind(layer) not in _FIELDS | _STATES})
     if not kinds:
         return None
     return (
@@ -95,7 +97,7 @@ def append_rows(cache: Any, other: Any, columns: int) -> None:
 
 def _states(mine: Any, theirs: Any) -> list[tuple[dict, dict]]:
     """Each positionless state dict of `mine` with the same dict of `theirs` (entries not set yet are None)."""
-    return [(getattr(mine, name), getattr(theirs, name)) for name in _STATES.get(type(mine).__name__, ())]
+    return [(getattr(mine, name), getattr(theirs, name)) for name in _STATES.get(layer_kind(mine), ())]
 
 
 def _kept(layer: Any, columns: int) -> int:
@@ -120,7 +122,7 @@ def position_fields(layer: Any) -> list[tuple[str, int, int]]:
 
 def grown_fields(layer: Any) -> tuple[tuple[str, int, int], ...]:
     """Every tensor a layer of `layer`'s kind may grow per position, held yet or not."""
-    return _FIELDS.get(type(layer).__name__, ())
+    return _FIELDS.get(layer_kind(layer), ())
 
 
 def _pad_left(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
