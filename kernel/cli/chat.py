@@ -56,6 +56,7 @@ from shardbook.kernel.cli.launcher import (
     launch_on_slurm,
     maybe_write_pid_file,
     split_launch_flags,
+    take_flags,
 )
 from shardbook.kernel.ranks.failures import describe_failures
 from shardbook.kernel.slurm.launch import REMOTE_TTY_ENV
@@ -137,10 +138,8 @@ def split_template_args(args: argparse.Namespace) -> dict[str, Any]:
     """``--template-arg`` given after CONFIG out of the config overrides; every one of them parsed (ValueError)."""
     from shardbook.kernel.api.conversation import parse_template_args
 
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    add_template_flag(parser, default=[])
-    after, args.overrides = parser.parse_known_args(args.overrides)
-    args.template_arg = (args.template_arg or []) + after.template_arg
+    take_flags(args, add_template_flag)
+    args.template_arg = args.template_arg or []
     return parse_template_args(args.template_arg)
 
 

@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -71,9 +71,20 @@ def launch_on_slurm(args: argparse.Namespace, command: list[str], job_name: str,
 def split_launch_flags(args: argparse.Namespace) -> None:
     """``--nproc`` and the Slurm flags given after CONFIG (``shardbook serve DIR --nproc 2``) out of the config
     overrides, as if given before it (the overrides only take ``--section.key``, and would refuse them)."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, argument_default=argparse.SUPPRESS)
+    take_flags(args, _add_launch_flags)
+
+
+def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int)
     add_slurm_flags(parser)
+
+
+def take_flags(args: argparse.Namespace, add_flags: Callable[[argparse.ArgumentParser], None]) -> None:
+    """The flags `add_flags` declares, given after CONFIG, out of the config overrides (`args.overrides`) and into
+    `args`, as if given before it: a repeatable flag's values add to those given before CONFIG, and a flag not
+    given after it keeps its value."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, argument_default=argparse.SUPPRESS)
+    add_flags(parser)
     unset = vars(parser.parse_args([]))  # the flags with a default of their own
     flags, args.overrides = parser.parse_known_args(args.overrides)
     for name, value in vars(flags).items():

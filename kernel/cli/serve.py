@@ -22,7 +22,7 @@ import threading
 from functools import partial
 
 from shardbook.kernel.cli.chat import CONFIG_HELP, Terminal, run_rank
-from shardbook.kernel.cli.launcher import config_argv, launch, launch_on_slurm, split_launch_flags
+from shardbook.kernel.cli.launcher import config_argv, launch, launch_on_slurm, split_launch_flags, take_flags
 from shardbook.kernel.ranks.runtime import Runtime
 from shardbook.kernel.server.parser_help import REASONING_PARSER_HELP, TOOL_CALL_PARSER_HELP
 from shardbook.kernel.server.state import DEFAULT_PORT, ServeOptions, read_api_key
@@ -98,13 +98,7 @@ def split_flags(args: argparse.Namespace) -> None:
     """Serve flags given after CONFIG (``shardbook serve CONFIG --port 8001``) out of the config overrides, and the
     launch flags (``--nproc``, Slurm's)."""
     split_launch_flags(args)
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    add_serve_flags(parser, default=argparse.SUPPRESS)
-    flags, args.overrides = parser.parse_known_args(args.overrides)
-    for name in ("allowed_host", "allowed_origin"):  # repeatable: those before CONFIG count too
-        if name in vars(flags):
-            vars(flags)[name] = (getattr(args, name, None) or []) + vars(flags)[name]
-    vars(args).update(vars(flags))
+    take_flags(args, partial(add_serve_flags, default=argparse.SUPPRESS))
 
 
 def serve_options(args: argparse.Namespace) -> ServeOptions:
