@@ -62,6 +62,7 @@ def main() -> int:
 
     import torch
     from bench_dsa_batch import GLM5_SHAPE
+    from bench_prefix_reuse import print_turns
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from shardbook.rankd.generation.prefix_store import reuse_refusal
@@ -85,12 +86,7 @@ def main() -> int:
         f"glm_moe_dsa {params:.1f}M parameters, float32, 1 thread; {args.turns} turns of {args.question} new tokens "
         f"and {args.tokens} replied; replies equal on and off: {same}"
     )
-    print("| turn | prompt tokens | cached (on) | TTFT on ms | TTFT off ms |")
-    print("|---|---|---|---|---|")
-    for i, (on, off) in enumerate(zip(runs["on"], runs["off"]), 1):
-        print(f"| {i} | {on['prompt']} | {on['cached']} | {on['ttft_ms']:.0f} | {off['ttft_ms']:.0f} |")
-    for name, rows in runs.items():
-        print(f"reuse {name}: TTFT of turn {args.turns} / turn 1 = {rows[-1]['ttft_ms'] / rows[0]['ttft_ms']:.2f}")
+    print_turns(runs)
     return 0 if same else 1
 
 

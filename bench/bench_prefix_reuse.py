@@ -76,12 +76,18 @@ def main(argv: list[str] | None = None) -> int:
             kernel.stop()
     same = all(a["text"] == b["text"] for a, b in zip(runs["on"], runs["off"]))
     print(f"{args.turns} turns of {args.tokens} tokens, {MODEL} on 2 ranks, %%chat; replies equal on and off: {same}")
+    print_turns(runs)
+    return 0 if same else 1
+
+
+def print_turns(runs: dict[str, list[dict]]) -> None:
+    """The turns of the conversation with reuse "on" and "off" side by side (each turn's "prompt" and "cached"
+    tokens and "ttft_ms"), then each run's last turn's TTFT over its first's."""
     print(f"{'turn':>4}{'prompt':>8}{'cached':>8}{'TTFT on ms':>12}{'TTFT off ms':>13}")
     for i, (on, off) in enumerate(zip(runs["on"], runs["off"]), 1):
         print(f"{i:>4}{on['prompt']:>8}{on['cached']:>8}{on['ttft_ms']:>12.0f}{off['ttft_ms']:>13.0f}")
     for name, rows in runs.items():
-        print(f"reuse {name}: TTFT of turn {args.turns} / turn 1 = {rows[-1]['ttft_ms'] / rows[0]['ttft_ms']:.2f}")
-    return 0 if same else 1
+        print(f"reuse {name}: TTFT of turn {len(rows)} / turn 1 = {rows[-1]['ttft_ms'] / rows[0]['ttft_ms']:.2f}")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from shardbook.rankd.generation.cache_rows import grown_fields, position_fields
+from shardbook.rankd.generation.growing_layers import layer_kind
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ def reuse_refusal(model: Any) -> str | None:
 
     if model not in _REFUSALS:
         layers = DynamicCache(config=model.config).layers
-        kinds = sorted({type(layer).__name__ for layer in layers} - set(_KEPT_KINDS))
+        kinds = sorted({layer_kind(layer) for layer in layers} - set(_KEPT_KINDS))
         _REFUSALS[model] = f"its cache has {', '.join(kinds)} layers" if kinds else None
         if kinds:
             logger.warning(

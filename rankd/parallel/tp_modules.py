@@ -283,7 +283,7 @@ def logits_on_first_rank_only() -> Iterator[None]:
 
 def gather_vocab(local: torch.Tensor, group: dist.ProcessGroup, sizes: list[int]) -> torch.Tensor:
     """Every rank's columns (`sizes[r]` of them, in rank order) joined along the last dim."""
-    padded = F.pad(local, (0, max(sizes) - local.shape[-1])).contiguous()
+    padded = _padded(local, sizes)
     parts = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(parts, padded, group=group)
     return _joined(parts, sizes)
@@ -291,11 +291,16 @@ def gather_vocab(local: torch.Tensor, group: dist.ProcessGroup, sizes: list[int]
 
 def gather_vocab_on_first(local: torch.Tensor, group: dist.ProcessGroup, sizes: list[int]) -> torch.Tensor:
     """`gather_vocab` on the group's first rank; every other rank sends its columns and gets them back."""
-    padded = F.pad(local, (0, max(sizes) - local.shape[-1])).contiguous()
+    padded = _padded(local, sizes)
     first = dist.get_rank(group) == 0
     parts = [torch.empty_like(padded) for _ in sizes] if first else None
     dist.gather(padded, parts, group_dst=0, group=group)
     return _joined(parts, sizes) if first else local
+
+
+def _padded(local: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """This rank's columns padded to the widest rank's (collectives move tensors of one shape)."""
+    return F.pad(local, (0, max(sizes) - local.shape[-1])).contiguous()
 
 
 def _joined(parts: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
