@@ -41,6 +41,7 @@ import secrets
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -182,10 +183,25 @@ def run_rank(args: argparse.Namespace, shape: JobShape, then=None, name: str = "
             raise
         if not shape.single_node:  # rank 0 reports the error of its own node
             raise ValueError(f"rank {shape.rank}: {e}") from e
-        return 2
+        return leave_the_report_to_rank0()
     if shape.rank > 0:
         return run_follower_rank(world)
     return run_rank0(world, prepared, then or chat_in_terminal, name)
+
+
+FOLLOWER_REPORT_WAIT_S = 30.0
+
+
+def leave_the_report_to_rank0() -> int:
+    """Exit status 2 for a follower that found the config bad, once rank 0 has had the time to say why.
+
+    Every rank of one node checks the same config, so rank 0 finds the same error and prints it. torchrun stops
+    every rank as soon as one exits; a follower that left at once could have rank 0 stopped before it printed, and
+    the run would end with no word of the cause. So the follower waits to be stopped (torchrun does that when rank
+    0 exits), at most FOLLOWER_REPORT_WAIT_S.
+    """
+    time.sleep(FOLLOWER_REPORT_WAIT_S)
+    return 2
 
 
 def check_key_source(shape: JobShape) -> None:

@@ -182,6 +182,27 @@ def test_unknown_config_key_exits_nonzero_on_every_rank_naming_it(tiny_config, l
     assert time.monotonic() - start < 40, "a rank waited instead of failing at once"
 
 
+SLOW_RANK0 = """
+import os, runpy, sys, time
+if os.environ["RANK"] == "0":
+    time.sleep(3)  # rank 0 reaches the bad key after the follower has
+sys.argv = ["shardbook", "chat", *sys.argv[1:]]
+runpy.run_module("shardbook", run_name="__main__")
+"""
+
+
+def test_a_follower_that_finds_a_bad_key_first_leaves_rank_0_the_time_to_name_it(tiny_config, tmp_path):
+    """Under a bare torchrun, torchrun stops every rank as soon as one exits: a follower that failed first used to
+    exit at once and rank 0 was stopped before it printed the cause (the message was lost, nothing said why)."""
+    script = tmp_path / "slow_rank0.py"
+    script.write_text(SLOW_RANK0)
+    argv = [*torchrun_argv(tiny_config, "--inference.max_new_tokenz", "3")]
+    argv[argv.index("-m", 2) : argv.index("chat") + 1] = [str(script)]
+    result = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=90)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.count("shardbook chat: error: unknown key 'inference.max_new_tokenz'") == 1, result.stderr
+
+
 def test_a_model_that_fails_to_load_ends_every_rank(tiny_config, tmp_path):
     encoder = make_tiny_non_causal(tmp_path / "bert")
     result, pids = piped_chat(chat_argv(tiny_config, "--model.model_name_or_path", str(encoder)), ["never answered"], 3)
