@@ -54,7 +54,9 @@ class Metrics:
             "shardbook_prefix_cache_cached_tokens", "Prompt tokens taken from kept blocks, not prefilled", registry=r
         )
         self.stored_blocks = Gauge(
-            "shardbook_prefix_cache_blocks", "Blocks the prefix store keeps now (16 tokens each)", registry=r
+            "shardbook_prefix_cache_blocks",
+            "Blocks the prefix store keeps now (16 tokens each; an end state counts the blocks its bytes fill)",
+            registry=r,
         )
         self.evictions = Gauge(
             "shardbook_prefix_cache_evictions", "Blocks evicted from the prefix store since the load", registry=r
@@ -89,6 +91,6 @@ class Metrics:
             self.batch_size.observe(max(scheduler.stats.get("rows", 0), 1))
             store = scheduler.prefix_store
             if store is not None:
-                self.stored_blocks.set(len(store.blocks))
+                self.stored_blocks.set(store.size)
                 self.evictions.set(store.stats["evictions"])
         return generate_latest(self.registry)

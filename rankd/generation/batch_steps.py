@@ -65,6 +65,8 @@ class Chunk:
     """Keep the logits of every position (the prompt is scored), not only the last piece's last one."""
     prefix: list[int] = field(default_factory=list)
     """The kept blocks (prefix_store keys) a new prompt's cache starts from; `start` is where they end."""
+    end: int | None = None
+    """The kept end state (prefix_store key) a new prompt's cache starts from instead; it holds `start` tokens."""
     intervened: bool = False
     """The model's interventions apply to this prompt (a notebook cell's)."""
 
@@ -88,6 +90,8 @@ class StepPlan:
     """The batch is empty and nothing waits: every rank leaves its loop."""
     keep: list[tuple[int, list[int]]] = field(default_factory=list)
     """Leaving rows whose blocks the prefix store keeps, first: (row, the keys of its whole blocks from its start)."""
+    keep_ends: list[tuple[int, int, int]] = field(default_factory=list)
+    """Leaving rows the prefix store keeps whole as end states, first: (row, its key, the blocks it counts for)."""
     prefix_blocks: int = 0
     """Blocks the prefix store holds after this step (0: prefix reuse is off, the store empties)."""
     intervened: list[int] = field(default_factory=list)
@@ -237,13 +241,15 @@ def _logits_where_sampled(plan: StepPlan) -> AbstractContextManager:
 
 
 def keep_blocks(state: BatchState, plan: StepPlan) -> None:
-    """Keep the plan's leaving rows' blocks in the prefix store (before they are dropped); a row's real tokens are
-    the last columns of its cache."""
+    """Keep the plan's leaving rows' blocks or end states in the prefix store (before they are dropped); a row's
+    real tokens are the last columns of its cache."""
     columns = 0 if state.mask is None else state.mask.shape[1]
     for row, keys in plan.keep:
         tokens = int(state.next_pos[row])
         assert len(keys) * BLOCK_TOKENS <= tokens, "the plan keeps more blocks than the row holds"
         state.prefixes.keep(state.cache, row, columns - tokens, keys)
+    for row, key, cost in plan.keep_ends:
+        state.prefixes.keep_end(state.cache, row, int(state.next_pos[row]), key, cost)
 
 
 def _chunk_step(state: BatchState, plan: StepPlan, outcome: StepOutcome, keep_logits: bool) -> Any:
@@ -272,13 +278,17 @@ def _feed_chunk(state: BatchState, chunk: Chunk, keep_logits: bool) -> torch.Ten
     positions; the logits it keeps (float32, one row per position kept) when `keep_logits` and they are wanted."""
     from transformers import DynamicCache
 
-    assert chunk.prefix or chunk.start == state.chunked_tokens, "the plan's chunk does not continue this rank's prompt"
-    if chunk.start == 0 or chunk.prefix:
+    seeded = bool(chunk.prefix) or chunk.end is not None
+    assert seeded or chunk.start == state.chunked_tokens, "the plan's chunk does not continue this rank's prompt"
+    if chunk.start == 0 or seeded:
         state.chunked_cache = DynamicCache(config=state.model.config)
         if chunk.prefix:
             assert chunk.start == len(chunk.prefix) * BLOCK_TOKENS, "the chunk does not start after its prefix"
             state.prefixes.seed(state.chunked_cache, chunk.prefix)
-            state.chunked_tokens = chunk.start
+        if chunk.end is not None:
+            held = state.prefixes.seed_end(state.chunked_cache, chunk.end)
+            assert chunk.start == held, "the chunk does not start after its end state"
+        state.chunked_tokens = chunk.start
     device, end = state.device, chunk.start + len(chunk.tokens)
     rows = Rows((0,) if chunk.intervened else (), 1, len(chunk.tokens))
     with applied_to(state.model, rows):

@@ -58,7 +58,7 @@ from shardbook.rankd.generation.batch_steps import (
     execute_step,
     follow_batch,
 )
-from shardbook.rankd.generation.prefix_store import BLOCK_TOKENS, block_keys, reuse_refusal
+from shardbook.rankd.generation.prefix_store import BLOCK_TOKENS, block_keys, end_cost, end_key, reuse_kind
 from shardbook.rankd.generation.reply_text import reply_decoder
 from shardbook.rankd.generation.sampling import NonFiniteScores, next_token, pick_tokens
 from shardbook.rankd.generation.sequences import (
@@ -108,12 +108,16 @@ class BatchScheduler:
         self.cache_tokens = cache_tokens
         """(most tokens the batch's KV cache may hold, where that limit comes from), or None for no limit."""
         self.join_window = join_window
+        """Seconds without a new arrival that an empty batch waits for before its first prefill (see `_settle`)."""
         self.prefix_tokens = prefix_tokens
         """Most tokens the prefix store keeps for reuse (`prefix_store.py`); 0 turns prefix reuse off."""
         self.prefix_store: Any = None
         """The model's prefix store on rank 0, the one `run` plans from (None before the first run)."""
         self._prefix_blocks = 0
-        """Seconds without a new arrival that an empty batch waits for before its first prefill (see `_settle`)."""
+        self._reuse: str | None = None
+        """How the running model reuses kept caches (`prefix_store.reuse_kind`), None when it does not."""
+        self._state: BatchState | None = None
+        """Rank 0's batch, which an end state's cost is measured on."""
         self.lock = threading.Lock()
         self.arrived = threading.Condition(self.lock)
         """Notified by `submit` (under `lock`), for `_settle`."""
@@ -203,9 +207,9 @@ class BatchScheduler:
         device = torch.device(device)
         state, rows, steps = BatchState(model, device), [], 0
         self.prefilling = None
-        self.prefix_store = state.prefixes
-        reuse = self.prefix_tokens >= 1 and reuse_refusal(model) is None
-        self._prefix_blocks = self.prefix_tokens // BLOCK_TOKENS if reuse else 0
+        self.prefix_store, self._state = state.prefixes, state
+        self._reuse = reuse_kind(model) if self.prefix_tokens >= BLOCK_TOKENS else None
+        self._prefix_blocks = self.prefix_tokens // BLOCK_TOKENS if self._reuse else 0
         with torch.no_grad():
             while True:
                 if stop_event is not None and stop_event.is_set():
@@ -380,7 +384,8 @@ class BatchScheduler:
             chunk=chunk,
             abandon=abandon,
             end=end,
-            keep=[(i, self._kept_keys(rows[i])) for i in leave] if self._prefix_blocks else [],
+            keep=[(i, self._kept_keys(rows[i])) for i in leave] if self._reuse == "blocks" else [],
+            keep_ends=self._kept_ends(rows) if self._reuse == "ends" else [],
             prefix_blocks=self._prefix_blocks,
             intervened=[i for i, seq in enumerate(kept) if seq.handle.request.intervene],
             join_intervened=[i for i, seq in enumerate(joining) if seq.handle.request.intervene],
@@ -392,18 +397,34 @@ class BatchScheduler:
         its first logits; none when its prompt is scored, whose every position needs logits)."""
         if not self._prefix_blocks or request.prompt_logprobs:
             return 0
-        hit = self.prefix_store.cached_blocks(block_keys(request.prompt_ids[:-1])) * BLOCK_TOKENS
+        if self._reuse == "ends":
+            hit = self.prefix_store.end_hit(list(request.prompt_ids[:-1]))[0]
+        else:
+            hit = self.prefix_store.cached_blocks(block_keys(request.prompt_ids[:-1])) * BLOCK_TOKENS
         if hit:
             self.stats["prefix_hits"] += 1
             self.stats["cached_tokens"] += hit
         return hit
 
     def _kept_keys(self, seq: RunningSequence) -> list[int]:
-        """The block keys of what a leaving row's cache holds (its prompt, and its reply but the token sampled
-        last, never fed); none for a row that failed (its cache may hold what made it fail)."""
+        """The block keys of what a leaving row's cache holds (`_held_tokens`)."""
+        return block_keys(self._held_tokens(seq))
+
+    def _kept_ends(self, rows: list[RunningSequence]) -> list[tuple[int, int, int]]:
+        """The end states to keep, as the plan names them (row, key, cost): each leaving row's, and each row's that
+        joined at the last step (its cache holds its prompt alone: a conversation's next prompt starts with it
+        even where the history is not rendered as the reply was generated, such as a reasoning model's dropped
+        thinking); none of a row that failed."""
+        held = [(row, self._held_tokens(seq)) for row, seq in enumerate(rows) if seq.finished or len(seq.tokens) == 1]
+        return [(row, end_key(tokens), end_cost(self._state.cache, row, len(tokens))) for row, tokens in held if tokens]
+
+    @staticmethod
+    def _held_tokens(seq: RunningSequence) -> list[int]:
+        """The tokens a leaving row's cache holds (its prompt, and its reply but the token sampled last, never fed);
+        none for a row that failed (its cache may hold what made it fail)."""
         if seq.handle.result is not None and seq.handle.result.finish_reason == "error":
             return []
-        return block_keys(list(seq.handle.request.prompt_ids) + seq.tokens[:-1])
+        return list(seq.handle.request.prompt_ids) + seq.tokens[:-1]
 
     def _next_chunk(self, seq: RunningSequence, budget: int) -> Chunk | None:
         """The next piece of `seq`'s prompt, of at most `budget` tokens (none when the step has no room)."""
@@ -411,14 +432,16 @@ class BatchScheduler:
             return None
         prompt, start = seq.handle.request.prompt_ids, seq.prefilled
         seq.prefilled = min(len(prompt), start + budget)
-        prefix = block_keys(list(prompt[:start])) if start and start == seq.cached else []  # its first piece
+        seeded = bool(start) and start == seq.cached  # its first piece, after what kept caches hold
+        ends = seeded and self._reuse == "ends"
         return Chunk(
             list(prompt[start : seq.prefilled]),
             start,
             seq.prefilled == len(prompt),
             seq.handle.request.prompt_logprobs,
-            prefix,
-            seq.handle.request.intervene,
+            prefix=block_keys(list(prompt[:start])) if seeded and not ends else [],
+            end=end_key(list(prompt[:start])) if ends else None,
+            intervened=seq.handle.request.intervene,
         )
 
     def _cache_holds(self, rows: list[RunningSequence], request: SequenceRequest) -> bool:

@@ -79,7 +79,7 @@ def select_rows(cache: Any, index: torch.Tensor, columns: int) -> None:
         for states, _ in _states(layer, layer):
             for i, state in states.items():
                 states[i] = None if state is None else state.index_select(0, index)
-        _set_length(layer, columns)
+        set_length(layer, columns)
 
 
 def append_rows(cache: Any, other: Any, columns: int) -> None:
@@ -92,12 +92,34 @@ def append_rows(cache: Any, other: Any, columns: int) -> None:
         for states, joining in _states(mine, theirs):
             for i, state in states.items():
                 states[i] = None if state is None else torch.cat([state, joining[i]])
-        _set_length(mine, columns)
+        set_length(mine, columns)
 
 
 def _states(mine: Any, theirs: Any) -> list[tuple[dict, dict]]:
     """Each positionless state dict of `mine` with the same dict of `theirs` (entries not set yet are None)."""
     return [(getattr(mine, name), getattr(theirs, name)) for name in _STATES.get(layer_kind(mine), ())]
+
+
+def row_states(layer: Any, row: int, copy: bool = True) -> dict[str, dict[int, torch.Tensor]]:
+    """The positionless states of the batch's `row` in `layer`, those set (each one row; copies unless `copy` is
+    False)."""
+    held = {}
+    for name in _STATES.get(layer_kind(layer), ()):
+        rows = {i: state[row : row + 1] for i, state in getattr(layer, name).items() if state is not None}
+        held[name] = {i: state.clone() for i, state in rows.items()} if copy else rows
+    return held
+
+
+def set_states(layer: Any, states: dict[str, dict[int, torch.Tensor]]) -> None:
+    """Give an empty linear-attention `layer` the one-row `states` (`row_states`' copies), as a prefill of the row's
+    tokens leaves them: the next forward continues from them. They are copied in: forwards update them in place."""
+    for i, conv in states.get("conv_states", {}).items():
+        layer.lazy_initialization(conv_states=conv, state_idx=i, conv_kernel_size=conv.shape[-1])
+        layer.conv_states[i].copy_(conv)
+        layer.has_previous_state[i] = True
+    for i, recurrent in states.get("recurrent_states", {}).items():
+        layer.lazy_initialization(recurrent_states=recurrent, state_idx=i)
+        layer.recurrent_states[i].copy_(recurrent)
 
 
 def _kept(layer: Any, columns: int) -> int:
@@ -106,8 +128,9 @@ def _kept(layer: Any, columns: int) -> int:
     return columns if window is None else min(columns, window - 1)
 
 
-def _set_length(layer: Any, columns: int) -> None:
-    """Sliding-window and linear-attention layers count the positions seen, padding included: the mask's width."""
+def set_length(layer: Any, columns: int) -> None:
+    """Sliding-window and linear-attention layers count the positions seen, padding included: the mask's width
+    (a plain layer counts the positions it holds)."""
     if hasattr(layer, "cumulative_length"):
         layer.cumulative_length = columns
     if hasattr(layer, "cumulative_length_linear"):

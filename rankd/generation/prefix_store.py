@@ -7,8 +7,14 @@ A prompt is cut into blocks of `BLOCK_TOKENS` tokens; block i's key hashes block
 values; a sparse-attention indexer's keys too), one row and no padding (under `tp`, this rank's own heads: nothing
 crosses ranks). Only layers that hold every position of a prompt can be kept: full attention, MLA's latents and
 GLM-5's and DeepSeek-V3.2's indexed layers. Each position's entries there depend on it and the tokens before it
-alone, so kept blocks equal what a cold prefill computes. A sliding window or a recurrent state cannot be rebuilt
-from blocks (`reuse_refusal`).
+alone, so kept blocks equal what a cold prefill computes.
+
+A sliding window (gpt-oss) or a linear-attention state (Qwen3-Next) cannot be cut into blocks: the window holds only
+a sequence's last positions and the state none, so neither can be rebuilt at an earlier length. A model with such
+layers keeps *end states* instead (`reuse_kind`): when a sequence leaves, a copy of its whole cache row as it is
+(every layer's positions it holds, its states), named by its exact tokens. A prompt that continues those tokens (a
+conversation's next turn: the history the row holds, then the new message) starts from that copy; prompts that
+share only a beginning (a system prompt) share nothing. An end state costs the blocks its bytes would fill.
 
 The ranks never decide anything on their own: rank 0 looks a joining prompt up in its own store when it plans a
 step and the plan carries what every rank does (the blocks a chunk's one-row cache is seeded from, the leaving
@@ -24,11 +30,12 @@ import hashlib
 import logging
 import weakref
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from shardbook.rankd.generation.cache_rows import grown_fields, position_fields
+from shardbook.rankd.generation.cache_rows import grown_fields, position_fields, row_states, set_length, set_states
 from shardbook.rankd.generation.growing_layers import layer_kind
 
 logger = logging.getLogger(__name__)
@@ -41,10 +48,35 @@ def block_keys(tokens: list[int]) -> list[int]:
     """The chain key of each whole block of `tokens` (a trailing partial block has none)."""
     keys, previous = [], b""
     for start in range(0, len(tokens) - BLOCK_TOKENS + 1, BLOCK_TOKENS):
-        block = torch.tensor(tokens[start : start + BLOCK_TOKENS], dtype=torch.int64).numpy().tobytes()
-        previous = hashlib.blake2b(previous + block, digest_size=8).digest()
+        previous = _hash(previous, tokens[start : start + BLOCK_TOKENS])
         keys.append(int.from_bytes(previous, "little"))
     return keys
+
+
+def end_key(tokens: list[int], keys: list[int] | None = None) -> int:
+    """The key of an end state holding exactly `tokens`: the chain key of their whole blocks (`keys`, when known)
+    hashed with the tokens after them, so a lookup at any length costs one block's hashing."""
+    keys = block_keys(tokens) if keys is None else keys
+    whole = len(tokens) // BLOCK_TOKENS
+    chain = keys[whole - 1].to_bytes(8, "little") if whole else b""
+    return int.from_bytes(_hash(b"end" + chain, tokens[whole * BLOCK_TOKENS :]), "little")
+
+
+def _hash(previous: bytes, tokens: list[int]) -> bytes:
+    block = torch.tensor(tokens, dtype=torch.int64).numpy().tobytes()
+    return hashlib.blake2b(previous + block, digest_size=8).digest()
+
+
+@dataclass
+class EndState:
+    """A sequence's whole cache row as it left the batch: per layer its positions' tensors (the last `tokens` a
+    layer holds, a sliding window's last window - 1) and its positionless states (one row each)."""
+
+    tokens: int
+    positions: list[dict[str, torch.Tensor]]
+    states: list[dict[str, dict[int, torch.Tensor]]]
+    cost: int
+    """Blocks it counts for in the store's size (rank 0 measured it: the same on every rank)."""
 
 
 class PrefixStore:
@@ -53,7 +85,15 @@ class PrefixStore:
 
     def __init__(self) -> None:
         self.blocks: OrderedDict[int, list[dict[str, torch.Tensor]]] = OrderedDict()
+        self.ends: OrderedDict[int, EndState] = OrderedDict()
+        """End states, for a model whose cache cannot be cut into blocks (a model keeps one kind or the other)."""
+        self._end_cost = 0
         self.stats = {"stored_blocks": 0, "evictions": 0}
+
+    @property
+    def size(self) -> int:
+        """Blocks held, an end state counting its cost."""
+        return len(self.blocks) + self._end_cost
 
     def cached_blocks(self, keys: list[int]) -> int:
         """How many of `keys`, from the first, are kept (rank 0, as it plans; touches nothing)."""
@@ -66,17 +106,15 @@ class PrefixStore:
         """Fill the empty one-row `cache` with the blocks of `keys`, in order, through the layers' own updates."""
         self._touch(keys)
         for i, layer in enumerate(cache.layers):
-            parts = {
-                name: torch.cat(
-                    [self.blocks[key][i][name] for key in keys], dim=_row_seq_dim(row_dim, seq_dim)
-                ).unsqueeze(row_dim)
-                for name, row_dim, seq_dim in _stored_fields(layer, self.blocks[keys[0]][i])
-            }
-            layer.update(parts.pop("keys"), parts.pop("values"))
-            if "indexer_keys" in parts:
-                layer.update_indexer(parts.pop("indexer_keys"))
-            for name, tensor in parts.items():
-                setattr(layer, name, tensor)
+            _fill_positions(
+                layer,
+                {
+                    name: torch.cat(
+                        [self.blocks[key][i][name] for key in keys], dim=_row_seq_dim(row_dim, seq_dim)
+                    ).unsqueeze(row_dim)
+                    for name, row_dim, seq_dim in _stored_fields(layer, self.blocks[keys[0]][i])
+                },
+            )
 
     def keep(self, cache: Any, row: int, start: int, keys: list[int]) -> None:
         """Keep the blocks of `keys` of the batch's `row`, whose first block starts at column `start`: a copy of
@@ -98,11 +136,47 @@ class PrefixStore:
             self.stats["stored_blocks"] += 1
         self._touch(keys)
 
+    def end_hit(self, tokens: list[int]) -> tuple[int, int | None]:
+        """The longest kept end state whose tokens start `tokens`: (its length, its key), or (0, None) (rank 0, as it
+        plans; touches nothing)."""
+        keys = block_keys(tokens)
+        for length in sorted({end.tokens for end in self.ends.values() if end.tokens <= len(tokens)}, reverse=True):
+            key = end_key(tokens[:length], keys[: length // BLOCK_TOKENS])
+            if key in self.ends and self.ends[key].tokens == length:
+                return length, key
+        return 0, None
+
+    def seed_end(self, cache: Any, key: int) -> int:
+        """Make the empty one-row `cache` the end state `key` (a copy: the forwards after it write in place); the
+        tokens it holds."""
+        self.ends.move_to_end(key)
+        end = self.ends[key]
+        for layer, positions, states in zip(cache.layers, end.positions, end.states):
+            _fill_positions(layer, {name: tensor.unsqueeze(0) for name, tensor in positions.items()})
+            set_states(layer, states)
+            set_length(layer, end.tokens)
+        return end.tokens
+
+    def keep_end(self, cache: Any, row: int, tokens: int, key: int, cost: int) -> None:
+        """Keep a copy of the batch's `row`, which holds `tokens` tokens, as the end state `key` (a touch when kept
+        already)."""
+        if key not in self.ends:
+            positions, states = _row_copy(cache, row, tokens)
+            self.ends[key] = EndState(tokens, positions, states, cost)
+            self._end_cost += cost
+            self.stats["stored_blocks"] += cost
+        self.ends.move_to_end(key)
+
     def trim(self, size: int) -> None:
-        """Evict the least recently used blocks beyond `size`."""
-        while len(self.blocks) > size:
-            self.blocks.popitem(last=False)
-            self.stats["evictions"] += 1
+        """Evict the least recently used blocks (end states) beyond `size`."""
+        while self.size > size:
+            if self.blocks:
+                self.blocks.popitem(last=False)
+                evicted = 1
+            else:
+                evicted = self.ends.popitem(last=False)[1].cost
+                self._end_cost -= evicted
+            self.stats["evictions"] += evicted
 
     def _touch(self, keys: list[int]) -> None:
         for key in reversed(keys):  # the chain's first block ends most recently used
@@ -119,25 +193,74 @@ def prefix_store(model: Any) -> PrefixStore:
 _STORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def reuse_refusal(model: Any) -> str | None:
-    """Why `model`'s prompts cannot reuse kept blocks (a layer kind that does not hold every position: a sliding
-    window, a recurrent state), or None; logged once per model."""
+def reuse_kind(model: Any) -> str | None:
+    """How `model`'s prompts reuse kept caches: "blocks" (every layer holds every position), "ends" (some layer
+    holds a sliding window or a linear-attention state; logged once per model) or None (a layer kind the batch has
+    no row operations for)."""
     from transformers import DynamicCache
 
-    if model not in _REFUSALS:
-        layers = DynamicCache(config=model.config).layers
-        kinds = sorted({layer_kind(layer) for layer in layers} - set(_KEPT_KINDS))
-        _REFUSALS[model] = f"its cache has {', '.join(kinds)} layers" if kinds else None
-        if kinds:
+    if model not in _KINDS:
+        kinds = {layer_kind(layer) for layer in DynamicCache(config=model.config).layers}
+        _KINDS[model] = "blocks" if kinds <= set(_BLOCK_KINDS) else "ends" if kinds <= set(_END_KINDS) else None
+        if _KINDS[model] == "ends":
             logger.warning(
-                "prefix reuse is off for this model: %s (only layers that hold every position are kept)",
-                _REFUSALS[model],
+                "prefix reuse for this model continues kept sequences only: its cache has %s layers, which cannot "
+                "be cut into blocks, so a prompt reuses a sequence's whole cache when it starts with all its tokens "
+                "(a conversation's next turn), and prompts that share only a beginning share nothing",
+                ", ".join(sorted(kinds - set(_BLOCK_KINDS))),
             )
-    return _REFUSALS[model]
+    return _KINDS[model]
 
 
-_KEPT_KINDS = ("DynamicLayer", "DynamicIndexedLayer")
+def end_cost(cache: Any, row: int, tokens: int) -> int:
+    """The blocks an end state of the batch's `row` counts for: the bytes it would copy over the bytes of a block of
+    every layer's positions (rank 0 measures it for every rank)."""
+    positions, states = _row_copy(cache, row, tokens, measure_only=True)
+    held = sum(t.numel() * t.element_size() for layer in positions for t in layer.values())
+    held += sum(t.numel() * t.element_size() for layer in states for kind in layer.values() for t in kind.values())
+    per_position = sum(
+        t.numel() // max(1, t.shape[row_dim] * t.shape[seq_dim]) * t.element_size()
+        for layer in cache.layers
+        for name, row_dim, seq_dim in position_fields(layer)
+        for t in (getattr(layer, name),)
+    )
+    return max(1, -(-held // max(1, per_position * BLOCK_TOKENS)))
+
+
+_BLOCK_KINDS = ("DynamicLayer", "DynamicIndexedLayer")
 """Cache layer kinds whose every position's tensors the store keeps (full attention, with or without an indexer)."""
+_END_KINDS = (*_BLOCK_KINDS, "DynamicSlidingWindowLayer", "LinearAttentionLayer")
+"""Cache layer kinds an end state copies (a sliding window's positions, a linear-attention layer's states)."""
+
+
+def _row_copy(
+    cache: Any, row: int, tokens: int, measure_only: bool = False
+) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, dict[int, torch.Tensor]]]]:
+    """The batch's `row` (its real tokens are its last `tokens` columns): per layer, its positions' tensors (the last
+    it holds of those) and its states; views when `measure_only`, else copies."""
+    positions, states = [], []
+    for layer in cache.layers:
+        fields = {}
+        for name, row_dim, seq_dim in position_fields(layer):
+            tensor = getattr(layer, name).select(row_dim, row)
+            dim = _row_seq_dim(row_dim, seq_dim)
+            held = min(tokens, tensor.shape[dim])
+            tensor = tensor.narrow(dim, tensor.shape[dim] - held, held)
+            fields[name] = tensor if measure_only else tensor.clone()
+        positions.append(fields)
+        states.append(row_states(layer, row, copy=not measure_only))
+    return positions, states
+
+
+def _fill_positions(layer: Any, parts: dict[str, torch.Tensor]) -> None:
+    """Give an empty layer its positions' tensors `parts` (one row each) through its own updates."""
+    if not parts:
+        return
+    layer.update(parts.pop("keys"), parts.pop("values"))
+    if "indexer_keys" in parts:
+        layer.update_indexer(parts.pop("indexer_keys"))
+    for name, tensor in parts.items():
+        setattr(layer, name, tensor)
 
 
 def _row_seq_dim(row_dim: int, seq_dim: int) -> int:
@@ -150,4 +273,4 @@ def _stored_fields(layer: Any, stored: dict[str, torch.Tensor]) -> list[tuple[st
     return [field for field in grown_fields(layer) if field[0] in stored]
 
 
-_REFUSALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_KINDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -1,4 +1,6 @@
-"""Prefix reuse on two gloo ranks: a next turn and a shared prefix take kept blocks instead of prefilling them.
+"""Prefix reuse on two gloo ranks: a next turn and a shared prefix take kept blocks instead of prefilling them, and
+for a model whose cache cannot be cut into blocks (a sliding window, a linear-attention state) a next turn takes
+its history's kept end state.
 
 A tiny llama (float32, context 256) and token-id prompts. Every rank runs the same batches one after another (rank 0
 leads, the follower follows), so each rank's prefix store outlives a batch as it does between two cells. The
@@ -27,7 +29,7 @@ def _scenarios(rank: int, path: Path, layout: str, turns_only: bool = False) -> 
 
     from shardbook.rankd.config.schema import ModelConfig, ParallelConfig, ShardbookConfig
     from shardbook.rankd.generation.batching import BatchScheduler, SequenceRequest, follow_batch
-    from shardbook.rankd.generation.prefix_store import prefix_store
+    from shardbook.rankd.generation.prefix_store import prefix_store, reuse_kind
     from shardbook.rankd.loading.load_sharded import load_sharded
 
     config = ShardbookConfig(
@@ -49,7 +51,7 @@ def _scenarios(rank: int, path: Path, layout: str, turns_only: bool = False) -> 
         try:
             if rank != 0:
                 follow_batch(model, "cpu")
-                return {"forwards": [f[:3] for f in forwards], "blocks": _blocks(store)}
+                return {"forwards": [f[:3] for f in forwards], "blocks": _blocks(store), "ends": _ends(store)}
             scheduler = BatchScheduler(tokenizer, context=256, prefix_tokens=prefix_tokens)
             requests = [SequenceRequest(prompt_ids=p, max_new_tokens=REPLY, ignore_eos=True) for p in prompts]
             handles = [scheduler.submit(r) for r in requests]
@@ -62,6 +64,7 @@ def _scenarios(rank: int, path: Path, layout: str, turns_only: bool = False) -> 
             "prefill_logits": forwards[0][3],
             "results": [(r.token_ids, r.cached_tokens, r.error) for r in results],
             "blocks": _blocks(store),
+            "ends": _ends(store),
             "store": dict(store.stats),
             "stats": {k: scheduler.stats[k] for k in ("prefix_hits", "cached_tokens")},
         }
@@ -78,6 +81,8 @@ def _scenarios(rank: int, path: Path, layout: str, turns_only: bool = False) -> 
         out["cold"] = batch([second], 0)
         if turns_only:
             return out
+        if reuse_kind(model) == "ends":
+            return {**out, **_end_scenarios(batch, store, ids)}
         system = ids[100:148]  # three whole blocks
         out["shared_a"] = batch([system + ids[150:160]], 4096)
         out["shared_b"] = batch([system + ids[160:175]], 4096)
@@ -88,6 +93,23 @@ def _scenarios(rank: int, path: Path, layout: str, turns_only: bool = False) -> 
         out["tiny_b"] = batch([ids[100:140]], 2 * BLOCK)
         out["tiny_a_again"] = batch([ids[:60]], 2 * BLOCK)
         return out
+
+
+def _end_scenarios(batch: Any, store: Any, ids: list[int]) -> dict[str, Any]:
+    """End states: a prompt that starts with an earlier prompt but not with its reply reuses the prompt's; one that
+    shares only a beginning reuses nothing; beyond the budget the least recently used go."""
+    out: dict[str, Any] = {}
+    batch([ids[:40]], 4096)
+    out["edited"] = batch([ids[:40] + ids[60:80]], 4096)
+    system = ids[100:148]
+    out["shared_a"] = batch([system + ids[150:160]], 4096)
+    out["shared_b"] = batch([system + ids[160:175]], 4096)
+    store.trim(0)
+    out["lru_a"] = batch([ids[:60]], 4096)
+    out["budget"] = store.size + 1
+    out["lru_b"] = batch([ids[100:140]], out["budget"] * BLOCK)
+    out["lru_a_again"] = batch([ids[:60] + ids[60:70]], out["budget"] * BLOCK)
+    return out
 
 
 def _shared(value: Any, rank: int) -> Any:
@@ -105,6 +127,11 @@ def _blocks(store: Any) -> list[tuple[int, tuple[int, ...], list[list[str]]]]:
         (key, tuple(layers[0]["keys"].shape), [sorted(layer) for layer in layers])
         for key, layers in store.blocks.items()
     ]
+
+
+def _ends(store: Any) -> list[tuple[int, int, int]]:
+    """The store's end states in least-recently-used order: (key, tokens held, cost in blocks)."""
+    return [(key, end.tokens, end.cost) for key, end in store.ends.items()]
 
 
 @pytest.fixture(scope="module")
@@ -138,22 +165,70 @@ def _answer(path: Path, layout: str, turns_only: bool = False) -> dict:
         if isinstance(got, dict):  # every rank ran the same forwards and keeps the same blocks, in the same order
             assert follower[name]["forwards"] == got["forwards"], name
             assert [block[0] for block in follower[name]["blocks"]] == [block[0] for block in got["blocks"]], name
+            assert follower[name]["ends"] == got["ends"], name
     leader["layout"] = layout
     leader["follower"] = follower
     return leader
+
+
+@pytest.fixture(scope="module", params=["gpt_oss", "qwen3_next"])
+def ends_answer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """gpt-oss (a sliding window of 16 positions on every other layer: shorter than the history it keeps, longer than
+    turn 2's 10 new tokens, so their window reaches into the kept state) and Qwen3-Next (a Gated DeltaNet layer,
+    then attention) under tp: their caches are kept as end states."""
+    from tests.tiny import TP_FAMILIES, make_tiny_lm, random_biases
+
+    path = tmp_path_factory.mktemp(request.param) / "model"
+    window = {"sliding_window": 16} if request.param == "gpt_oss" else {}
+    make_tiny_lm(path, family=request.param, init=random_biases, **window, **TP_FAMILIES[request.param])
+    return _answer(path, "tp")
 
 
 def test_a_next_turn_prefills_only_its_new_tokens_and_its_logits_equal_a_cold_prefill(answer: dict) -> None:
     _assert_next_turn_reuses_its_history(answer)
 
 
+def test_a_next_turn_continues_its_history_end_state_past_a_sliding_window_or_a_linear_state(ends_answer: dict) -> None:
+    """The whole history is reused, not only its whole blocks: 51 tokens (40 of the prompt, 11 of the reply)."""
+    _assert_next_turn_reuses_its_history(ends_answer, kept=40 + REPLY - 1)
+    assert ends_answer["turn2"]["blocks"] == []
+    n = ends_answer["second_len"]  # each turn's prompt alone, then the whole turn, is kept
+    assert [tokens for _, tokens, _ in ends_answer["turn2"]["ends"]] == [40, 40 + REPLY - 1, n, n + REPLY - 1]
+
+
+def test_a_next_turn_whose_history_differs_from_the_reply_reuses_the_last_prompt(ends_answer: dict) -> None:
+    """A history rendered otherwise than the reply was generated (a reasoning model's thinking dropped): the next
+    prompt starts with the last prompt, not with the whole last turn."""
+    edited = ends_answer["edited"]
+    assert edited["results"][0][1] == 40
+    assert edited["forwards"][0] == (1, 20, 40)
+
+
+def test_end_states_are_not_shared_by_prompts_that_only_begin_alike(ends_answer: dict) -> None:
+    a, b = ends_answer["shared_a"], ends_answer["shared_b"]
+    assert a["results"][0][1] == 0 and b["results"][0][1] == 0
+    assert b["forwards"][0] == (1, 48 + 15, 0)  # prefilled whole
+    assert [tokens for _, tokens, _ in b["ends"]][-4:] == [58, 58 + REPLY - 1, 63, 63 + REPLY - 1]
+
+
+def test_end_states_are_evicted_least_recently_used_by_their_cost(ends_answer: dict) -> None:
+    """A budget one block over what a's prompt and whole sequence cost: b's two end states take a's place."""
+    a, b, again = ends_answer["lru_a"], ends_answer["lru_b"], ends_answer["lru_a_again"]
+    assert [tokens for _, tokens, _ in a["ends"]] == [60, 60 + REPLY - 1]
+    assert [tokens for _, tokens, _ in b["ends"]] == [40, 40 + REPLY - 1]
+    assert sum(cost for _, _, cost in b["ends"]) <= ends_answer["budget"]
+    assert b["store"]["evictions"] - a["store"]["evictions"] == sum(cost for _, _, cost in a["ends"])
+    assert again["results"][0][1] == 0 and again["forwards"][0] == (1, 70, 0)  # a's prompt was evicted
+
+
 def test_glm5_next_turn_reuses_its_history_indexer_included(glm5_answer: dict) -> None:
     _assert_next_turn_reuses_its_history(glm5_answer)
 
 
-def _assert_next_turn_reuses_its_history(answer: dict) -> None:
+def _assert_next_turn_reuses_its_history(answer: dict, kept: int = (40 + REPLY - 1) // BLOCK * BLOCK) -> None:
+    """`kept`: what turn 2 reuses of turn 1's cache (its prompt and its reply but the last token): by default its
+    whole blocks."""
     n = answer["second_len"]
-    kept = (40 + REPLY - 1) // BLOCK * BLOCK  # turn 1's cache: its prompt and its reply but the last token
     warm, cold = answer["turn2"], answer["cold"]
     assert warm["forwards"][0] == (1, n - kept, kept)  # one row, only the new tokens, at their own positions
     assert cold["forwards"][0] == (1, n, 0)
