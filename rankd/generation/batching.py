@@ -31,9 +31,10 @@ the others for its whole prefill, it is accepted up to the model's context, and 
 the chunk that is running. One prompt is prefilled in chunks at a time; the waiting line is first
 come, first served, so the requests after it join with its last chunk or after it.
 
-Prefix reuse (`prefix_store.py`): rank 0 looks each joining prompt up in its store of kept blocks; a hit is fed
-through the chunked path from the end of its kept prefix (its first chunk names the blocks every rank seeds its
-cache from), and a leaving row's blocks are kept; the plan carries both, and the store's size.
+Prefix reuse (`prefix_store.py`): rank 0 looks each joining prompt up in its store of kept blocks (or, for a model
+whose cache cannot be cut into blocks, of kept end states); a hit is fed through the chunked path from the end of
+what was kept (its first chunk names the blocks or the end state every rank seeds its cache from), and a leaving
+row's blocks (its end state, and a just prefilled row's) are kept; the plan carries both, and the store's size.
 """
 
 from __future__ import annotations

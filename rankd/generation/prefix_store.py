@@ -205,8 +205,9 @@ def reuse_kind(model: Any) -> str | None:
         if _KINDS[model] == "ends":
             logger.warning(
                 "prefix reuse for this model continues kept sequences only: its cache has %s layers, which cannot "
-                "be cut into blocks, so a prompt reuses a sequence's whole cache when it starts with all its tokens "
-                "(a conversation's next turn), and prompts that share only a beginning share nothing",
+                "be cut into blocks, so a prompt reuses a kept prompt's or sequence's whole cache when it starts "
+                "with all its tokens (a conversation's next turn), and prompts that share only a beginning share "
+                "nothing",
                 ", ".join(sorted(kinds - set(_BLOCK_KINDS))),
             )
     return _KINDS[model]
