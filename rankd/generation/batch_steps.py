@@ -42,7 +42,7 @@ from shardbook.rankd.generation.cache_rows import (
     layer_refusal,
     select_rows,
 )
-from shardbook.rankd.generation.growing_layers import grow_in_place
+from shardbook.rankd.generation.growing_layers import grow_in_place, kept_order
 from shardbook.rankd.generation.intervention_state import Rows, applied_to, take_failure
 from shardbook.rankd.generation.prefix_store import BLOCK_TOKENS, prefix_store
 from shardbook.rankd.parallel.tp_modules import logits_on_first_rank_only
@@ -76,7 +76,7 @@ class StepPlan:
     """One step as rank 0 broadcasts it: every rank executes exactly this."""
 
     leave: list[int]
-    """Rows (of the batch before this step) that leave, dropped first."""
+    """Rows (of the batch before this step) that leave, dropped first; the others are then in `kept_order`."""
     decode: list[int]
     """The token each remaining row feeds, in row order."""
     join: list[tuple[list[int], bool]]
@@ -155,15 +155,15 @@ class BatchState:
     def drop(self, leave: list[int]) -> None:
         if not leave:
             return
-        keep = [i for i in range(self.rows) if i not in set(leave)]
-        if not keep:
+        order = kept_order(self.rows, leave)
+        if not order:
             self.clear()
             return
-        index = torch.tensor(keep, device=self.device)
+        index = torch.tensor(order, device=self.device)
         self.mask, self.next_pos = self.mask[index], self.next_pos[index]
         first = int(torch.nonzero(self.mask.sum(0))[0])  # columns that are padding in every row are cut
         self.mask = self.mask[:, first:]
-        select_rows(self.cache, index, self.mask.shape[1])
+        select_rows(self.cache, order, self.mask.shape[1])
 
     def append(self, cache: Any, mask: torch.Tensor) -> None:
         """Add the rows of `cache` (a left-padded prefill; `mask` (rows, columns) is 1 on its real tokens)."""

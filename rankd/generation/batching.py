@@ -59,6 +59,7 @@ from shardbook.rankd.generation.batch_steps import (
     execute_step,
     follow_batch,
 )
+from shardbook.rankd.generation.growing_layers import kept_order
 from shardbook.rankd.generation.prefix_store import BLOCK_TOKENS, block_keys, end_cost, end_key, reuse_kind
 from shardbook.rankd.generation.reply_text import reply_decoder
 from shardbook.rankd.generation.sampling import NonFiniteScores, next_token, pick_tokens
@@ -339,7 +340,7 @@ class BatchScheduler:
         for i in leave:
             if not rows[i].finished:
                 self._finish(rows[i], "interrupted")
-        kept = [seq for i, seq in enumerate(rows) if i not in set(leave)]
+        kept = [rows[i] for i in kept_order(len(rows), leave)]  # the batch's rows after the leave, as on every rank
         chunked, abandon = self.prefilling, False
         if chunked is not None and (chunked.finished or chunked.handle.stop_requested.is_set()):
             if not chunked.finished:  # stopped mid-prefill: the chunk it was fed last is its last

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from shardbook.rankd.generation.growing_layers import layer_kind
+from shardbook.rankd.generation.growing_layers import join_rows, keep_rows, layer_kind
 
 _FULL = (("keys", 0, 2), ("values", 0, 2))
 _FIELDS: dict[str, tuple[tuple[str, int, int], ...]] = {
@@ -68,12 +68,16 @@ def check_batchable(cache: Any) -> None:
         raise NotImplementedError(refusal)
 
 
-def select_rows(cache: Any, index: torch.Tensor, columns: int) -> None:
-    """Keep the rows `index` of `cache`, and only its last `columns` columns (the others are padding in every
-    row)."""
+def select_rows(cache: Any, order: list[int], columns: int) -> None:
+    """Keep the rows `order` of `cache` (`growing_layers.kept_order`: each new row's index before), and only its
+    last `columns` columns (the others are padding in every row). A tensor that grows in place moves only the rows
+    that change places; the others are copied."""
+    index = torch.tensor(order, device=_device(cache))
     for layer in cache.layers:
         kept = _kept(layer, columns)
         for name, row_dim, seq_dim in position_fields(layer):
+            if row_dim == 0 and keep_rows(layer, name, order, kept, seq_dim):
+                continue
             rows = getattr(layer, name).index_select(row_dim, index)
             setattr(layer, name, rows.narrow(seq_dim, rows.shape[seq_dim] - kept, kept))
         for states, _ in _states(layer, layer):
@@ -83,16 +87,32 @@ def select_rows(cache: Any, index: torch.Tensor, columns: int) -> None:
 
 
 def append_rows(cache: Any, other: Any, columns: int) -> None:
-    """Append the rows of `other` (a prefill of the same model) to `cache`, both left-padded to `columns`."""
+    """Append the rows of `other` (a prefill of the same model) to `cache`, both left-padded to `columns`. A tensor
+    that grows in place takes the new rows into its room; the others are copied."""
     for mine, theirs in zip(cache.layers, other.layers):
         kept = _kept(mine, columns)
         for name, row_dim, seq_dim in position_fields(mine):
-            ours, new = (_pad_left(getattr(layer, name), kept, seq_dim) for layer in (mine, theirs))
+            new = getattr(theirs, name)
+            if row_dim == 0 and join_rows(mine, name, new, kept, seq_dim):
+                continue
+            ours, new = (_pad_left(tensor, kept, seq_dim) for tensor in (getattr(mine, name), new))
             setattr(mine, name, torch.cat([ours, new], row_dim))
         for states, joining in _states(mine, theirs):
             for i, state in states.items():
                 states[i] = None if state is None else torch.cat([state, joining[i]])
         set_length(mine, columns)
+
+
+def _device(cache: Any) -> torch.device:
+    """Where `cache`'s tensors are (its first held field's device)."""
+    for layer in cache.layers:
+        for name, _, _ in position_fields(layer):
+            return getattr(layer, name).device
+        for states, _ in _states(layer, layer):
+            for state in states.values():
+                if state is not None:
+                    return state.device
+    return torch.device("cpu")
 
 
 def _states(mine: Any, theirs: Any) -> list[tuple[dict, dict]]:

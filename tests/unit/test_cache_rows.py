@@ -27,7 +27,7 @@ def test_the_indexer_keys_follow_their_rows() -> None:
     assert first.keys.shape == (3, 1, 5, 3) and first.indexer_keys.shape == (3, 5, 4)
     assert first.indexer_keys[:, :, 0].tolist() == [[0, 0, 0, 1, 2], [0, 0, 3, 4, 5], [100, 101, 102, 103, 104]]
     assert cache.layers[1].indexer_keys is None  # the shared layer keeps none
-    select_rows(cache, torch.tensor([1, 2]), 4)
+    select_rows(cache, [1, 2], 4)
     assert first.indexer_keys[:, :, 0].tolist() == [[0, 3, 4, 5], [101, 102, 103, 104]]
     assert torch.equal(first.keys[:, 0, :, 0], first.indexer_keys[:, :, 0])
     assert first.values.shape == (2, 1, 4, 2)
@@ -45,7 +45,7 @@ def test_a_sliding_window_keeps_the_batch_s_last_positions() -> None:
     sliding, full = batch.layers[0], batch.layers[1]
     assert sliding.keys[:, 0, :, 0].tolist() == [[0, 20, 21], [63, 64, 65]] and sliding.cumulative_length == 6
     assert full.keys.shape[2] == 6
-    select_rows(batch, torch.tensor([0]), 2)  # the long row leaves: two columns remain
+    select_rows(batch, [0], 2)  # the long row leaves: two columns remain
     assert sliding.keys[:, 0, :, 0].tolist() == [[20, 21]] and sliding.get_seq_length() == 2
 
 
