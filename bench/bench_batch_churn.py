@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import time
-from pathlib import Path
 
 
 def batch_cache(config, rows: int, columns: int, grow: bool):
@@ -86,10 +85,9 @@ def churn_tok_s(model, tokenizer, requests: int, prompt: int, copy: bool) -> flo
 
 
 def main() -> None:
-    import platformdirs
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging
+    from bench_growing_cache import demo_model_one_thread
+    from transformers import AutoTokenizer
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="8,32")
@@ -98,10 +96,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--prompt", type=int, default=128)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    logging.set_verbosity_error()
-    path = Path(platformdirs.user_cache_dir("shardbook")) / "models" / "smollm2-135m-instruct"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model, path = demo_model_one_thread()
     tokenizer = AutoTokenizer.from_pretrained(path)
     print(f"SmolLM2-135M's cache (float32, 1 thread): best ms of {args.rounds} rounds, one row joins then one leaves")
     print("| rows | context | join: copy | join: in place | leave: copy | leave: in place |")

@@ -37,22 +37,27 @@ def step_ms(model, rows: int, context: int, steps: int, grow: bool) -> float:
     return (time.perf_counter() - start) / steps * 1e3
 
 
-def main() -> None:
+def demo_model_one_thread():
+    """The demo model (float32, eval mode) and its directory, with torch on one thread and transformers quiet."""
     import platformdirs
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
+    torch.set_num_threads(1)
+    logging.set_verbosity_error()
+    path = Path(platformdirs.user_cache_dir("shardbook")) / "models" / "smollm2-135m-instruct"
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), path
+
+
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--contexts", default="256,1024,2048")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    logging.set_verbosity_error()
-    path = Path(platformdirs.user_cache_dir("shardbook")) / "models" / "smollm2-135m-instruct"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model, _ = demo_model_one_thread()
     print(f"SmolLM2-135M, float32, 1 thread, {args.rows} rows; best ms per decode step of {args.rounds} rounds")
     print("| context | concatenating (transformers) | growing in place | ratio |")
     print("|---|---|---|---|")
