@@ -118,8 +118,6 @@ class BatchScheduler:
         self._prefix_blocks = 0
         self._reuse: str | None = None
         """How the running model reuses kept caches (`prefix_store.reuse_kind`), None when it does not."""
-        self._state: BatchState | None = None
-        """Rank 0's batch, which an end state's cost is measured on."""
         self.lock = threading.Lock()
         self.arrived = threading.Condition(self.lock)
         """Notified by `submit` (under `lock`), for `_settle`."""
@@ -209,7 +207,7 @@ class BatchScheduler:
         device = torch.device(device)
         state, rows, steps = BatchState(model, device), [], 0
         self.prefilling = None
-        self.prefix_store, self._state = state.prefixes, state
+        self.prefix_store = state.prefixes
         self._reuse = reuse_kind(model) if self.prefix_tokens >= BLOCK_TOKENS else None
         self._prefix_blocks = self.prefix_tokens // BLOCK_TOKENS if self._reuse else 0
         with torch.no_grad():
@@ -219,7 +217,7 @@ class BatchScheduler:
                 if not rows and self.prefilling is None:
                     self._settle()
                 try:
-                    plan, rows, joining = self._plan(rows)
+                    plan, rows, joining = self._plan(rows, state.cache)
                 except BaseException:
                     broadcast_plan(StepPlan([], [], [], end=True), device, group)
                     state.prefixes.trim(0)
@@ -333,9 +331,12 @@ class BatchScheduler:
 
     # ------------------------------------------------------------------ rank 0 only
 
-    def _plan(self, rows: list[RunningSequence]) -> tuple[StepPlan, list[RunningSequence], list[RunningSequence]]:
+    def _plan(
+        self, rows: list[RunningSequence], cache: Any
+    ) -> tuple[StepPlan, list[RunningSequence], list[RunningSequence]]:
         """The next step: who leaves, the running rows' tokens, the next chunk of the prompt prefilled in chunks,
-        and who joins (in arrival order, within `max_sequences` rows and `max_step_tokens` tokens)."""
+        and who joins (in arrival order, within `max_sequences` rows and `max_step_tokens` tokens). `cache`, rank
+        0's batch cache, is only measured (an end state's cost); the scheduler never holds it, nor its model."""
         leave = [i for i, seq in enumerate(rows) if seq.finished or seq.handle.stop_requested.is_set()]
         for i in leave:
             if not rows[i].finished:
@@ -387,7 +388,7 @@ class BatchScheduler:
             abandon=abandon,
             end=end,
             keep=[(i, self._kept_keys(rows[i])) for i in leave] if self._reuse == "blocks" else [],
-            keep_ends=self._kept_ends(rows) if self._reuse == "ends" else [],
+            keep_ends=self._kept_ends(rows, cache) if self._reuse == "ends" else [],
             prefix_blocks=self._prefix_blocks,
             intervened=[i for i, seq in enumerate(kept) if seq.handle.request.intervene],
             join_intervened=[i for i, seq in enumerate(joining) if seq.handle.request.intervene],
@@ -412,13 +413,13 @@ class BatchScheduler:
         """The block keys of what a leaving row's cache holds (`_held_tokens`)."""
         return block_keys(self._held_tokens(seq))
 
-    def _kept_ends(self, rows: list[RunningSequence]) -> list[tuple[int, int, int]]:
+    def _kept_ends(self, rows: list[RunningSequence], cache: Any) -> list[tuple[int, int, int]]:
         """The end states to keep, as the plan names them (row, key, cost): each leaving row's, and each row's that
         joined at the last step (its cache holds its prompt alone: a conversation's next prompt starts with it
         even where the history is not rendered as the reply was generated, such as a reasoning model's dropped
         thinking); none of a row that failed."""
         held = [(row, self._held_tokens(seq)) for row, seq in enumerate(rows) if seq.finished or len(seq.tokens) == 1]
-        return [(row, end_key(tokens), end_cost(self._state.cache, row, len(tokens))) for row, tokens in held if tokens]
+        return [(row, end_key(tokens), end_cost(cache, row, len(tokens))) for row, tokens in held if tokens]
 
     @staticmethod
     def _held_tokens(seq: RunningSequence) -> list[int]:
