@@ -79,9 +79,15 @@ class SlurmProvisioner(KernelProvisionerBase):
             km.cleanup_connection_file()
             km.ip = plan.master_addr
             km.shell_port = km.iopub_port = km.stdin_port = km.hb_port = km.control_port = 0
-        for name in ("shell_port", "iopub_port", "stdin_port", "hb_port", "control_port"):
+        kernel_ports = ("shell_port", "iopub_port", "stdin_port", "hb_port", "control_port")
+        taken = {getattr(km, name) for name in kernel_ports} - {0}
+        if plan.master_port in taken:  # a restart keeps its ports: the rendezvous takes another
+            plan.master_port = free_port_on(plan.master_addr, taken)
+        taken.add(plan.master_port)
+        for name in kernel_ports:
             if not getattr(km, name):
-                setattr(km, name, free_port_on(km.ip))
+                setattr(km, name, free_port_on(km.ip, taken))
+                taken.add(getattr(km, name))
         km.write_connection_file()
         self.connection_info = km.get_connection_info()
         kwargs["env"] = step_env({**os.environ, **kwargs["env"]}, plan, self.options, dict(self.connection_info))

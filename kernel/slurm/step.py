@@ -51,14 +51,19 @@ class StepPlan:
         return cls(**json.loads(env[STEP_ENV]))
 
 
-def free_port_on(address: str) -> int:
-    """A free port when the address is this machine's, else a random one in a range torch users use."""
-    try:
-        with socket.socket() as s:
-            s.bind((address, 0))
-            return s.getsockname()[1]
-    except OSError:
-        return random.randint(29500, 39999)
+def free_port_on(address: str, taken: set[int] | frozenset[int] = frozenset()) -> int:
+    """A free port when the address is this machine's, else a random one in a range torch users use; never one of
+    `taken` (ports already handed out but not bound yet: the OS may offer a closed probe's port again, and the
+    rendezvous store and a kernel socket then collide)."""
+    while True:
+        try:
+            with socket.socket() as s:
+                s.bind((address, 0))
+                port = s.getsockname()[1]
+        except OSError:
+            port = random.randint(29500, 39999)
+        if port not in taken:
+            return port
 
 
 def plan_for(

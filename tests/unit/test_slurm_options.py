@@ -81,3 +81,15 @@ def test_the_queue_note_says_how_long_the_job_waited_and_why():
     assert JobInfo("5", "RUNNING", "None", nodes=["n1"]).queue_note() == "Slurm job 5 on n1"
     table = DistTable([], note="Slurm job 5 on n1")
     assert repr(table).endswith("\n\nSlurm job 5 on n1") and "<p>Slurm job 5 on n1</p>" in table._repr_html_()
+
+
+def test_a_port_handed_out_already_is_never_handed_out_again() -> None:
+    """The rendezvous port and the kernel's five are chosen one after another before any is bound: a port
+    already taken must not come back (the clean-clone CI once saw the rendezvous store on the kernel's stdin
+    port). An address that is not this machine's draws from torch's range: all of it taken but one port."""
+    from shardbook.kernel.slurm.step import free_port_on
+
+    taken = set(range(29500, 40000)) - {31337}
+    assert free_port_on("203.0.113.7", taken) == 31337
+    local = free_port_on("127.0.0.1")
+    assert free_port_on("127.0.0.1", {local}) != local
