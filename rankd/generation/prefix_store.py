@@ -35,7 +35,14 @@ from typing import Any
 
 import torch
 
-from shardbook.rankd.generation.cache_rows import grown_fields, position_fields, row_states, set_length, set_states
+from shardbook.rankd.generation.cache_rows import (
+    grown_fields,
+    layer_refusal,
+    position_fields,
+    row_states,
+    set_length,
+    set_states,
+)
 from shardbook.rankd.generation.growing_layers import layer_kind
 
 logger = logging.getLogger(__name__)
@@ -200,8 +207,10 @@ def reuse_kind(model: Any) -> str | None:
     from transformers import DynamicCache
 
     if model not in _KINDS:
-        kinds = {layer_kind(layer) for layer in DynamicCache(config=model.config).layers}
-        _KINDS[model] = "blocks" if kinds <= set(_BLOCK_KINDS) else "ends" if kinds <= set(_END_KINDS) else None
+        cache = DynamicCache(config=model.config)
+        kinds = {layer_kind(layer) for layer in cache.layers}
+        batchable = layer_refusal(cache) is None  # an end state copies a row as the batch's row operations do
+        _KINDS[model] = "blocks" if kinds <= set(_BLOCK_KINDS) else "ends" if batchable else None
         if _KINDS[model] == "ends":
             logger.warning(
                 "prefix reuse for this model continues kept sequences only: its cache has %s layers, which cannot "
@@ -230,8 +239,6 @@ def end_cost(cache: Any, row: int, tokens: int) -> int:
 
 _BLOCK_KINDS = ("DynamicLayer", "DynamicIndexedLayer")
 """Cache layer kinds whose every position's tensors the store keeps (full attention, with or without an indexer)."""
-_END_KINDS = (*_BLOCK_KINDS, "DynamicSlidingWindowLayer", "LinearAttentionLayer")
-"""Cache layer kinds an end state copies (a sliding window's positions, a linear-attention layer's states)."""
 
 
 def _row_copy(
