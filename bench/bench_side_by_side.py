@@ -1,15 +1,17 @@
 """Issue 32's side-by-side benchmark, run by ``bench_serve.py --batching --side-by-side``: shardbook against
 ``vllm serve`` (vLLM's CPU build, the anchor) and ``transformers serve --continuous-batching``, one server at a time.
 
-Each server serves the demo model in float32 (the demo's dtype; this CPU has no native bf16 kernels) on this
-machine, started, measured and stopped before the next one starts:
+Each server serves the demo model in float32 (what the demo's ``dtype: fastest`` picks on a CPU without native
+bf16 kernels, given explicitly so that every server computes alike wherever this runs) on this machine, started,
+measured and stopped before the next one starts:
 
 * vLLM: ``python -m vllm.entrypoints.openai.api_server`` from ``--vllm-python`` (or ``$VLLM_PYTHON``), its own venv
   (``bench/anchors/vllm-requirements.txt`` says how to make it), its defaults but ``--dtype float32`` and
   ``--gpu-memory-utilization 0.25`` (``vllm_serve`` says why). Without
   that python the vLLM column is skipped with a line saying so;
 * ``transformers serve --continuous-batching``, one process, 2 threads (``bench_batching.transformers_serve``);
-* shardbook: ``shardbook serve --nproc 2`` with ``--parallel.decode tp``, the config's defaults otherwise.
+* shardbook: ``shardbook serve --nproc 2`` with ``--parallel.decode tp --model.dtype float32``, the config's
+  defaults otherwise.
 
 The same client for all (``bench_batching.stream``): streamed greedy chat completions, ``ignore_eos`` where the
 server takes it (not ``transformers serve``: its replies may end early, tokens are then its chunks), measured
@@ -63,10 +65,10 @@ def vllm_serve(python: str) -> Iterator[str]:
 
 @contextlib.contextmanager
 def shardbook_serve() -> Iterator[str]:
-    """``shardbook serve`` on 2 ranks of 1 thread under ``tp``, the demo config's defaults otherwise."""
+    """``shardbook serve`` on 2 ranks of 1 thread under ``tp`` in float32, the demo config's defaults otherwise."""
     port = 8720
     argv = [str(Path(sys.executable).parent / "shardbook"), "serve", "--nproc", "2", "--port", str(port), CONFIG]
-    argv += ["--parallel.decode", "tp"]
+    argv += ["--parallel.decode", "tp", "--model.dtype", "float32"]
     with launched("shardbook serve", argv, port, {**OFFLINE, "OMP_NUM_THREADS": "1"}, wait_s=900) as url:
         yield url
 

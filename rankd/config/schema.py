@@ -17,7 +17,7 @@ from shardbook.rankd.control.world import DEVICE_CHOICES
 
 logger = logging.getLogger(__name__)
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = ("auto", "fastest", "float32", "bfloat16", "float16")
 DECODE_LAYOUTS = ("auto", "tp", "gather", "reshard")
 FP8_WEIGHTS = ("dequantize", "keep", "keep-reference")
 INFER_BACKENDS = ("huggingface",)
@@ -55,7 +55,8 @@ class ModelConfig:
     model_name_or_path: str = "smollm2-135m-instruct"
     """A local Hugging Face checkpoint directory, or a registered demo name such as `smollm2-135m-instruct`."""
     dtype: str = "auto"
-    """Weight dtype: auto (the checkpoint's own), float32, bfloat16 or float16."""
+    """Weight dtype: auto (the checkpoint's own), fastest (bfloat16 on a GPU, an NPU or a CPU with AMX or
+    AVX512-BF16, else float32), float32, bfloat16 or float16."""
     trust_remote_code: bool = False
     """Run modelling code shipped inside the checkpoint directory; only for checkpoints you trust."""
     fp8_weights: str = "dequantize"

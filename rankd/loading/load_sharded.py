@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardbook.rankd.loading.fastest_dtype import fastest_dtype
 from shardbook.rankd.loading.fp8_keep import FP8Keeping, fp8_keeping, require_keep_layout
 from shardbook.rankd.loading.load_steps import LoadSteps
 from shardbook.rankd.loading.summary import (
@@ -379,13 +380,16 @@ def _require_causal_lm(hf_config: Any, path: Path) -> None:
 
 
 def _resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
-    """The weight dtype: `auto` means the checkpoint's own; it must be one this device can compute in."""
+    """The weight dtype: `auto` means the checkpoint's own, `fastest` the device's (`fastest_dtype`); it must be
+    one this device can compute in."""
+    if name == "fastest":
+        name = str(fastest_dtype(device)).removeprefix("torch.")
     if name == "auto":
         saved = getattr(hf_config, "dtype", None) or torch.float32
         name = str(saved).removeprefix("torch.")
     if name not in DTYPES:
         raise ValueError(
-            f"dtype {name!r} is not supported for loading: set model.dtype to one of auto, {', '.join(DTYPES)}"
+            f"dtype {name!r} is not supported for loading: set model.dtype to one of auto, fastest, {', '.join(DTYPES)}"
         )
     dtype = DTYPES[name]
     try:

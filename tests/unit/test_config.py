@@ -375,7 +375,7 @@ def test_shipped_configs_load(name, world_sizes, caplog):
 
 def test_shipped_configs_say_what_they_are_for():
     smollm2 = load_config(CONFIGS / "smollm2-135m.yaml")
-    assert (smollm2.model.model_name_or_path, smollm2.model.dtype) == ("smollm2-135m-instruct", "float32")
+    assert (smollm2.model.model_name_or_path, smollm2.model.dtype) == ("smollm2-135m-instruct", "fastest")
     assert smollm2.inference.max_new_tokens == 128 and smollm2.parallel.decode == "auto"
     glm = load_config(CONFIGS / "glm-744b-npu.yaml")
     assert (glm.parallel.device, glm.model.dtype, glm.parallel.fsdp_size) == ("npu", "bfloat16", 32)
