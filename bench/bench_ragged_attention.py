@@ -1,0 +1,126 @@
+"""Decode attention over a batch whose rows differ in length, three cache layouts side by side (issue 32, item 5):
+what a layout where memory follows each row's own length would cost or save per decode step on a CPU.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_ragged_attention.py
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_ragged_attention.py --rounds 3 --mixes 8x512
+
+One attention layer of the demo model's shape (9 query heads over 3 key/value heads of 64, float32, one thread), one
+query token per row, timed with `scaled_dot_product_attention` under three layouts of the same keys and values:
+
+* padded: one tensor of rows x the longest row, left-padded, masked (the batch's cache today);
+* paged: 16-token blocks in one pool and a block table per row; each step gathers every row's blocks into a
+  padded tensor and attends over it (what transformers' `paged|sdpa` does on a CPU);
+* per row: each row's own tensor of its own length, one attention call per row (no padding, no gather).
+
+A mix `RxL` is R rows of L tokens; `+` joins mixes (`31x256+1x8192`: one long prompt among short ones). The table
+gives each layout's best microseconds per layer and step over `--rounds` interleaved rounds, the bytes of keys
+and values each layout holds, and each layout's time over the padded one's. A decode step of the demo model runs
+30 such layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+LAYOUTS = ("padded", "paged", "per row")
+
+
+def parse_mix(text: str) -> list[int]:
+    """`31x256+1x8192` -> 31 lengths of 256 and one of 8192."""
+    lengths = []
+    for part in text.split("+"):
+        rows, length = part.split("x")
+        lengths += [int(length)] * int(rows)
+    return lengths
+
+
+def padded_layout(lengths: list[int]) -> dict:
+    longest, rows = max(lengths), len(lengths)
+    keys, values = (torch.randn(rows, KV_HEADS, longest, HEAD_DIM) for _ in range(2))
+    mask = torch.arange(longest) >= (longest - torch.tensor(lengths))[:, None]
+    return {"keys": keys, "values": values, "mask": mask[:, None, None, :], "bytes": 2 * keys.nbytes}
+
+
+def paged_layout(lengths: list[int]) -> dict:
+    blocks = [-(-length // BLOCK) for length in lengths]
+    pool_keys, pool_values = (torch.randn(sum(blocks), KV_HEADS, BLOCK, HEAD_DIM) for _ in range(2))
+    widest = max(blocks)
+    table = torch.zeros(len(lengths), widest, dtype=torch.long)
+    start = 0
+    for row, count in enumerate(blocks):
+        table[row, widest - count :] = torch.arange(start, start + count)  # left-aligned like the padded layout
+        start += count
+    positions = torch.arange(widest * BLOCK)
+    mask = positions >= (widest * BLOCK - torch.tensor(lengths))[:, None]
+    nbytes = 2 * pool_keys.nbytes
+    return {"pool": (pool_keys, pool_values), "table": table, "mask": mask[:, None, None, :], "bytes": nbytes}
+
+
+def per_row_layout(lengths: list[int]) -> dict:
+    rows = [tuple(torch.randn(1, KV_HEADS, length, HEAD_DIM) for _ in range(2)) for length in lengths]
+    return {"rows": rows, "bytes": sum(2 * keys.nbytes for keys, _ in rows)}
+
+
+def gathered(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The rows' blocks as one padded tensor: rows x heads x (blocks x BLOCK) x dim (a copy)."""
+    rows, widest = table.shape
+    return pool[table].permute(0, 2, 1, 3, 4).reshape(rows, KV_HEADS, widest * BLOCK, HEAD_DIM)
+
+
+def attend(layout: str, cache: dict, query: torch.Tensor) -> None:
+    if layout == "padded":
+        F.scaled_dot_product_attention(query, cache["keys"], cache["values"], cache["mask"], enable_gqa=True)
+    elif layout == "paged":
+        keys, values = (gathered(pool, cache["table"]) for pool in cache["pool"])
+        F.scaled_dot_product_attention(query, keys, values, cache["mask"], enable_gqa=True)
+    else:
+        for row, (keys, values) in enumerate(cache["rows"]):
+            F.scaled_dot_product_attention(query[row : row + 1], keys, values, enable_gqa=True)
+
+
+def best_us(layout: str, cache: dict, query: torch.Tensor, repeats: int) -> float:
+    attend(layout, cache, query)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        attend(layout, cache, query)
+    return (time.perf_counter() - start) / repeats * 1e6
+
+
+def measure(mix: str, rounds: int, repeats: int) -> dict:
+    lengths = parse_mix(mix)
+    caches = {"padded": padded_layout(lengths), "paged": paged_layout(lengths), "per row": per_row_layout(lengths)}
+    query = torch.randn(len(lengths), HEADS, 1, HEAD_DIM)
+    times = {layout: float("inf") for layout in LAYOUTS}
+    with torch.no_grad():
+        for _ in range(rounds):
+            for layout in LAYOUTS:
+                times[layout] = min(times[layout], best_us(layout, caches[layout], query, repeats))
+    return {layout: (times[layout], caches[layout]["bytes"]) for layout in LAYOUTS}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mixes", default="8x512,32x512,32x2048,31x256+1x8192,7x128+1x8192")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"one layer, {HEADS} query heads over {KV_HEADS} kv heads of {HEAD_DIM}, float32, one thread; best of")
+    print(f"{args.rounds} rounds of {args.repeats}; us per layer and step (MiB of keys and values)\n")
+    print("| rows x tokens | padded | paged (gather) | per row | paged / padded | per row / padded |")
+    print("|---|---|---|---|---|---|")
+    for mix in args.mixes.split(","):
+        result = measure(mix, args.rounds, args.repeats)
+        cells = [f"{us:.0f} ({nbytes / 2**20:.1f})" for us, nbytes in result.values()]
+        padded = result["padded"][0]
+        ratios = [f"{result[layout][0] / padded:.2f}x" for layout in ("paged", "per row")]
+        print(f"| {mix} | {' | '.join(cells)} | {' | '.join(ratios)} |")
+
+
+if __name__ == "__main__":
+    main()
