@@ -45,6 +45,7 @@ from shardbook.rankd.generation.cache_rows import (
 from shardbook.rankd.generation.growing_layers import grow_in_place, kept_order
 from shardbook.rankd.generation.intervention_state import Rows, applied_to, take_failure
 from shardbook.rankd.generation.prefix_store import BLOCK_TOKENS, prefix_store
+from shardbook.rankd.generation.row_attention import by_rows
 from shardbook.rankd.parallel.tp_modules import logits_on_first_rank_only
 
 STEP_OK, JOIN_FAILED, STEP_FAILED = 0, 1, 2
@@ -314,7 +315,7 @@ def _decode(state: BatchState, tokens: list[int], intervened: list[int], keep_lo
     assert state.cache is not None and len(tokens) == state.rows, "the plan does not match the batch"
     device, columns = state.device, state.mask.shape[1]
     state.mask = torch.cat([state.mask, torch.ones(state.rows, 1, dtype=torch.long, device=device)], dim=1)
-    with applied_to(state.model, Rows(tuple(intervened), state.rows, 1)):
+    with applied_to(state.model, Rows(tuple(intervened), state.rows, 1)), by_rows():
         out = state.model(
             input_ids=torch.tensor(tokens, device=device).view(-1, 1),
             attention_mask=state.mask,
