@@ -17,17 +17,18 @@ gives each layout's best microseconds per layer and step over `--rounds` interle
 and values each layout holds, and each layout's time over the padded one's. A decode step of the demo model runs
 30 such layers.
 
-Then the whole decode step of the demo model (one process, float32, one thread) over the same mixes, its cache
-left-padded and growing in place as the batch's is, with transformers' padded attention and with the batch's
-row-by-row attention (`rankd/generation/row_attention.py`, which goes row by row only where padding is most of
-the columns): best ms per step of `--steps` (after one untimed step), interleaved, and the logits' largest
-difference. `--no-model` skips it.
+Then the whole decode step of the demo model (one process, float32, one thread) over `--model-mixes` (smaller:
+each is prefilled once, padded), its cache left-padded and growing in place as the batch's is, with transformers'
+padded attention and with the batch's row-by-row attention (`rankd/generation/row_attention.py`, which goes row by
+row only where at least a quarter of the columns are padding): best ms per step of `--steps` (after one untimed
+step), interleaved, and the logits' largest difference. `--no-model` skips it.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import sys
 import time
 from pathlib import Path
@@ -112,23 +113,30 @@ def measure(mix: str, rounds: int, repeats: int) -> dict:
     return {layout: (times[layout], caches[layout]["bytes"]) for layout in LAYOUTS}
 
 
-def demo_step_ms(model, lengths: list[int], split: bool, steps: int) -> tuple[float, torch.Tensor]:
-    """Best ms of a decode step of rows of `lengths` (left-padded, each row at its own positions) and the last
-    step's logits, with the batch's row-by-row attention or without."""
+def prefilled(model, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """Rows of `lengths` random tokens, left-padded, prefilled at their own positions: ids, mask and cache."""
     from transformers import DynamicCache
-
-    from shardbook.rankd.generation.growing_layers import grow_in_place
-    from shardbook.rankd.generation.row_attention import by_rows
 
     rows, columns = len(lengths), max(lengths)
     ids = torch.randint(10, 1000, (rows, columns), generator=torch.Generator().manual_seed(0))
     mask = (torch.arange(columns) >= columns - torch.tensor(lengths)[:, None]).long()
-    cache, best = DynamicCache(config=model.config), float("inf")
+    cache = DynamicCache(config=model.config)
     model(ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0), past_key_values=cache)
+    return ids, mask, cache
+
+
+def demo_step_ms(model, batch: tuple, lengths: list[int], split: bool, steps: int) -> tuple[float, torch.Tensor]:
+    """Best ms of a decode step over a copy of the `prefilled` batch (each row at its own positions) and the last
+    step's logits, with the batch's row-by-row attention or without."""
+    from shardbook.rankd.generation.growing_layers import grow_in_place
+    from shardbook.rankd.generation.row_attention import by_rows
+
+    ids, mask, cache = batch[0], batch[1], copy.deepcopy(batch[2])
     grow_in_place(cache)
+    best = float("inf")
     with by_rows() if split else contextlib.nullcontext():
         for step in range(steps + 1):
-            mask = torch.cat([mask, torch.ones(rows, 1, dtype=torch.long)], dim=1)
+            mask = torch.cat([mask, torch.ones(len(lengths), 1, dtype=torch.long)], dim=1)
             start = time.perf_counter()
             out = model(
                 ids[:, -1:],
@@ -153,9 +161,10 @@ def demo_model_table(mixes: list[str], rounds: int, steps: int) -> None:
         lengths = parse_mix(mix)
         times, logits = {False: float("inf"), True: float("inf")}, {}
         with torch.no_grad():
+            batch = prefilled(model, lengths)
             for _ in range(rounds):
                 for split in (False, True):
-                    ms, logits[split] = demo_step_ms(model, lengths, split, steps)
+                    ms, logits[split] = demo_step_ms(model, batch, lengths, split, steps)
                     times[split] = min(times[split], ms)
         diff = (logits[True] - logits[False]).abs().max().item()
         print(f"| {mix} | {times[False]:.0f} | {times[True]:.0f} | {times[True] / times[False]:.2f}x | {diff:.1e} |")
@@ -166,6 +175,7 @@ def main() -> None:
     parser.add_argument("--mixes", default="8x512,32x512,32x2048,31x256+1x8192,7x128+1x8192")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--model-mixes", default="16x600,15x256+1x2048,31x64+1x1024,7x128+1x4096")
     parser.add_argument("--steps", type=int, default=3, help="the demo model's decode steps timed per round")
     parser.add_argument("--no-model", action="store_true", help="only the one-layer table")
     args = parser.parse_args()
@@ -181,7 +191,7 @@ def main() -> None:
         ratios = [f"{result[layout][0] / padded:.2f}x" for layout in ("paged", "per row")]
         print(f"| {mix} | {' | '.join(cells)} | {' | '.join(ratios)} |")
     if not args.no_model:
-        demo_model_table(args.mixes.split(","), min(args.rounds, 2), args.steps)
+        demo_model_table(args.model_mixes.split(","), min(args.rounds, 2), args.steps)
 
 
 if __name__ == "__main__":
