@@ -209,11 +209,19 @@ def sequence_request(
     merged = {**defaults, **given}
     if merged["seed"] is None:
         merged["seed"] = secrets.randbits(63)
-    eos = scheduler.loaded.model.generation_config.eos_token_id
+    return SequenceRequest(prompt_ids=ids, stop=list(stop or []), **model_token_rules(runtime), **merged)
+
+
+def model_token_rules(runtime: Runtime) -> dict[str, list[int]]:
+    """The loaded model's own token rules for every request: the tokens that end a sequence (its generation
+    config's and its tokenizer's end of text) and the ones it never generates (`suppress_tokens`)."""
+    scheduler = scheduler_for(runtime)
+    config, tokenizer = scheduler.loaded.model.generation_config, scheduler.tokenizer
+    eos = config.eos_token_id
     eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
         eos_ids.append(tokenizer.eos_token_id)
-    return SequenceRequest(prompt_ids=ids, stop=list(stop or []), eos_ids=eos_ids, **merged)
+    return {"eos_ids": eos_ids, "suppress_ids": list(getattr(config, "suppress_tokens", None) or [])}
 
 
 def score_requests(runtime: Runtime, prompt: str, continuations: list[str]) -> list[SequenceRequest]:

@@ -14,7 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from shardbook.kernel.api.batch import scheduler_for
+from shardbook.kernel.api.batch import model_token_rules, scheduler_for
 from shardbook.kernel.server.batch_reply import BatchReplyHandler
 from shardbook.kernel.server.openai_api import ApiError, check_temperature, load_body, parse_stop
 from shardbook.rankd.generation.batching import BatchLimitError, SequenceRequest, SequenceResult, StreamDelta
@@ -206,7 +206,7 @@ class TextCompletionsHandler(BatchReplyHandler):
         request = parse_text_request(bytes(self.body))
         self.server.served_model(request.model)
         tokenizer = scheduler_for(self.server.runtime).tokenizer
-        eos = _eos_ids(self.server.runtime, tokenizer)
+        token_rules = model_token_rules(self.server.runtime)
         seed = request.seed if request.seed is not None else secrets.randbits(62)
         planned = []
         for p, prompt in enumerate(request.prompts):
@@ -220,7 +220,7 @@ class TextCompletionsHandler(BatchReplyHandler):
                         max_new_tokens=request.max_tokens,
                         seed=(seed + p * request.n + c) % 2**63,
                         stop=request.stop,
-                        eos_ids=eos,
+                        **token_rules,
                         ignore_eos=request.ignore_eos,
                         min_tokens=request.min_tokens,
                         logprobs=request.logprobs,
@@ -264,11 +264,3 @@ class TextCompletionsHandler(BatchReplyHandler):
             choice["finish_reason"] = FINISH[result.finish_reason]
             choices.append(choice)
         return choices
-
-
-def _eos_ids(runtime: Any, tokenizer: Any) -> list[int]:
-    eos = scheduler_for(runtime).loaded.model.generation_config.eos_token_id
-    ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(tokenizer.eos_token_id)
-    return ids

@@ -91,7 +91,8 @@ def greedy_tokens(logits: torch.Tensor, requests: list[Any], generated: list[int
 
 
 def _plain_greedy(request: Any, generated: int) -> bool:
-    return not request.do_sample and request.repetition_penalty == 1.0 and not _holds_eos(request, generated)
+    plain = not request.do_sample and request.repetition_penalty == 1.0
+    return plain and not request.suppress_ids and not _holds_eos(request, generated)
 
 
 def _holds_eos(request: Any, generated: int) -> bool:
@@ -101,7 +102,8 @@ def _holds_eos(request: Any, generated: int) -> bool:
 def _shaped_picks(
     logits: torch.Tensor, requests: list[Any], generated: list[list[int]], generators: list[torch.Generator | None]
 ) -> list[int | NonFiniteScores]:
-    """Tokens for rows that are not plain greedy: divided by their temperature, penalised, end-of-text banned
+    """Tokens for rows that are not plain greedy: divided by their temperature, penalised, suppressed tokens and
+    end-of-text (before `min_tokens`) banned
     (transformers penalises before it divides; the two commute), then greedy rows by argmax and sampled rows
     drawn together."""
     temperatures = [request.temperature if request.do_sample else 1.0 for request in requests]
@@ -109,8 +111,9 @@ def _shaped_picks(
     for row, (request, made) in enumerate(zip(requests, generated)):  # both commute with the division
         if request.repetition_penalty != 1.0:
             _penalize(scores[row], list(request.prompt_ids) + made, request.repetition_penalty)
-        if _holds_eos(request, len(made)):
-            scores[row, torch.tensor(request.eos_ids, device=scores.device)] = float("-inf")
+        banned = list(request.suppress_ids) + (list(request.eos_ids) if _holds_eos(request, len(made)) else [])
+        if banned:
+            scores[row, torch.tensor(banned, device=scores.device)] = float("-inf")
     best, index = scores.max(dim=-1)
     picks: list[int | NonFiniteScores] = [
         _not_numbers(score) or token for score, token in zip(best.tolist(), index.tolist())

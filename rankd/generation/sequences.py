@@ -45,6 +45,8 @@ class SequenceRequest:
     eos_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     """Do not end on an end-of-text token (vLLM's extension)."""
+    suppress_ids: list[int] = field(default_factory=list)
+    """Tokens never generated: the checkpoint's `generation_config.suppress_tokens`, as transformers' generate."""
     min_tokens: int = 0
     """End-of-text tokens are forbidden before this many tokens (vLLM's extension)."""
     logprobs: int | None = None

@@ -29,3 +29,21 @@ def test_plain_greedy_rows_match_next_token_and_the_others_are_left_to_it() -> N
     with pytest.raises(NonFiniteScores):
         next_token(logits[5], plain, [], None)
     assert greedy_tokens(logits[4:5], requests[4:5], [4]) == [int(logits[4].argmax())]  # min_tokens reached
+
+
+def test_suppressed_tokens_are_never_picked_greedy_or_sampled() -> None:
+    """A checkpoint's `generation_config.suppress_tokens` (the test talker suppresses its end of text) hold in the
+    batch as in transformers' generate: a greedy row takes the best other token, a sampled row never draws one."""
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(1))
+    best = int(logits[0].argmax())
+    logits[0, best] = 30.0  # all but certain to be drawn at any temperature
+    greedy = SequenceRequest(prompt_ids=[1], suppress_ids=[best])
+    assert greedy_tokens(logits, [greedy], [0]) == [None]  # left to next_token
+    without = logits[0].clone()
+    without[best] = float("-inf")
+    assert next_token(logits[0], greedy, [], None) == int(without.argmax())
+    sampled = SequenceRequest(prompt_ids=[1], do_sample=True, temperature=2.0, suppress_ids=[best])
+    draws = [next_token(logits[0], sampled, [], torch.Generator().manual_seed(seed)) for seed in range(50)]
+    assert best not in draws
+    unsuppressed = SequenceRequest(prompt_ids=[1], do_sample=True, temperature=2.0)
+    assert next_token(logits[0], unsuppressed, [], torch.Generator().manual_seed(0)) == best
