@@ -10,8 +10,6 @@ answering through the openai client, and loading the model again.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from openai import OpenAI
 
@@ -19,7 +17,7 @@ from tests.driver import interrupt_when
 from tests.e2e.http_helpers import server_url
 from tests.e2e.test_chat import replying
 from tests.e2e.test_load import assert_usable
-from tests.tiny import make_tiny_mla
+from tests.tiny import make_tiny_mla, never_ending
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -63,10 +61,7 @@ print("ATTN", len(ok), all(ok))
 def glm5(tmp_path_factory):
     """A tiny GLM-5 that never ends a reply by itself (end of text suppressed), and the MindSpeed YAML."""
     root = tmp_path_factory.mktemp("glm5")
-    path = make_tiny_mla(root / "model", "glm_moe_dsa")
-    generation = json.loads((path / "generation_config.json").read_text())
-    generation["suppress_tokens"] = [generation["eos_token_id"]]
-    (path / "generation_config.json").write_text(json.dumps(generation))
+    path = never_ending(make_tiny_mla(root / "model", "glm_moe_dsa"))
     yaml = root / "glm5-fsdp2.yaml"
     yaml.write_text(MINDSPEED_YAML)
     return path, yaml

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from tests.e2e.conftest import gone, wait_until
-from tests.tiny import CHATML_TEMPLATE, make_tiny_llama, make_tiny_moe, make_tiny_non_causal
+from tests.tiny import CHATML_TEMPLATE, make_tiny_llama, make_tiny_moe, make_tiny_non_causal, never_ending
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,9 +39,7 @@ def tiny_config(tmp_path_factory) -> Path:
 def long_talker_config(tiny_config) -> Path:
     """The tiny model that never ends a reply by itself (end of text suppressed, a long context)."""
     model = Path(shutil.copytree(tiny_config.parent / "tiny", tiny_config.parent / "long-talker"))
-    edit_json(model / "config.json", max_position_embeddings=4096)
-    eos = json.loads((model / "generation_config.json").read_text())["eos_token_id"]
-    edit_json(model / "generation_config.json", suppress_tokens=[eos])
+    edit_json(never_ending(model) / "config.json", max_position_embeddings=4096)
     return write_config(tiny_config.parent / "long.yaml", model, max_new_tokens=1000)
 
 
