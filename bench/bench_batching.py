@@ -214,7 +214,7 @@ def guidellm(url: str, streams: list[int], requests: int, n: int, out: Path) -> 
 
 
 @contextlib.contextmanager
-def transformers_serve(continuous: bool) -> Iterator[str]:
+def transformers_serve(continuous: bool, dtype: str = "float32") -> Iterator[str]:
     """``transformers serve`` on the demo model in one process, 2 threads (the anchor); yields its URL."""
     port = 8700 + continuous
     argv = [str(Path(sys.executable).parent / "transformers"), "serve", str(MODEL_DIR), "--port", str(port)]
@@ -222,7 +222,7 @@ def transformers_serve(continuous: bool) -> Iterator[str]:
         "--device",
         "cpu",
         "--dtype",
-        "float32",
+        dtype,
         "--continuous-batching" if continuous else "--no-continuous-batching",
     ]
     with launched("transformers serve", argv, port, {**OFFLINE, "OMP_NUM_THREADS": "2"}) as url:

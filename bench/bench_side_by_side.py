@@ -1,16 +1,16 @@
 """Issue 32's side-by-side benchmark, run by ``bench_serve.py --batching --side-by-side``: shardbook against
 ``vllm serve`` (vLLM's CPU build, the anchor) and ``transformers serve --continuous-batching``, one server at a time.
 
-Each server serves the demo model in float32 (what the demo's ``dtype: fastest`` picks on a CPU without native
-bf16 kernels, given explicitly so that every server computes alike wherever this runs) on this machine, started,
+Each server serves the demo model in ``--dtype`` (default: what the demo's ``dtype: fastest`` picks on this machine,
+bfloat16 on a CPU with AMX or AVX512-BF16, else float32; given explicitly so that every server computes alike), started,
 measured and stopped before the next one starts:
 
 * vLLM: ``python -m vllm.entrypoints.openai.api_server`` from ``--vllm-python`` (or ``$VLLM_PYTHON``), its own venv
-  (``bench/anchors/vllm-requirements.txt`` says how to make it), its defaults but ``--dtype float32`` and
+  (``bench/anchors/vllm-requirements.txt`` says how to make it), its defaults but ``--dtype`` and
   ``--gpu-memory-utilization 0.25`` (``vllm_serve`` says why). Without
   that python the vLLM column is skipped with a line saying so;
 * ``transformers serve --continuous-batching``, one process, 2 threads (``bench_batching.transformers_serve``);
-* shardbook: ``shardbook serve --nproc 2`` with ``--parallel.decode tp --model.dtype float32``, the config's
+* shardbook: ``shardbook serve --nproc 2`` with ``--parallel.decode tp --model.dtype``, the config's
   defaults otherwise.
 
 The same client for all (``bench_batching.stream``): streamed greedy chat completions, ``ignore_eos`` where the
@@ -48,7 +48,7 @@ LONG_TEXT = "The history of Paris spans two thousand years, from a Gallic settle
 
 
 @contextlib.contextmanager
-def vllm_serve(python: str) -> Iterator[str]:
+def vllm_serve(python: str, dtype: str) -> Iterator[str]:
     """vLLM's OpenAI server from its CPU build, its defaults but the dtype and its memory; yields its URL.
 
     Its default reserves 92% of the host's memory (``--gpu-memory-utilization``, on a CPU the share of RAM
@@ -57,29 +57,40 @@ def vllm_serve(python: str) -> Iterator[str]:
     """
     port = 8710
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL_DIR)]
-    argv += ["--served-model-name", MODEL, "--port", str(port), "--dtype", "float32"]
+    argv += ["--served-model-name", MODEL, "--port", str(port), "--dtype", dtype]
     argv += ["--gpu-memory-utilization", str(VLLM_MEMORY)]
     with launched("vllm serve", argv, port, OFFLINE, wait_s=900) as url:
         yield url
 
 
 @contextlib.contextmanager
-def shardbook_serve() -> Iterator[str]:
-    """``shardbook serve`` on 2 ranks of 1 thread under ``tp`` in float32, the demo config's defaults otherwise."""
+def shardbook_serve(dtype: str) -> Iterator[str]:
+    """``shardbook serve`` on 2 ranks of 1 thread under ``tp`` in ``dtype``, the demo config's defaults otherwise."""
     port = 8720
     argv = [str(Path(sys.executable).parent / "shardbook"), "serve", "--nproc", "2", "--port", str(port), CONFIG]
-    argv += ["--parallel.decode", "tp", "--model.dtype", "float32"]
+    argv += ["--parallel.decode", "tp", "--model.dtype", dtype]
     with launched("shardbook serve", argv, port, {**OFFLINE, "OMP_NUM_THREADS": "1"}, wait_s=900) as url:
         yield url
 
 
-def server(name: str, vllm_python: str):
+def server(name: str, vllm_python: str, dtype: str):
     """The server's context manager, the model name its requests give, and whether it takes ``ignore_eos``."""
     if name == "vllm":
-        return vllm_serve(vllm_python), MODEL, True
+        return vllm_serve(vllm_python, dtype), MODEL, True
     if name == "transformers":
-        return transformers_serve(True), str(MODEL_DIR), False
-    return shardbook_serve(), MODEL, True
+        return transformers_serve(True, dtype), str(MODEL_DIR), False
+    return shardbook_serve(dtype), MODEL, True
+
+
+def served_dtype(asked: str) -> str:
+    """``asked``, or for ``fastest`` the dtype shardbook's ``model.dtype: fastest`` picks on this machine's CPU."""
+    if asked != "fastest":
+        return asked
+    import torch
+
+    from shardbook.rankd.parallel.fastest_dtype import fastest_dtype
+
+    return str(fastest_dtype(torch.device("cpu"))).removeprefix("torch.")
 
 
 def chat(url: str, model: str, eos: bool, messages: list[dict], n: int, until=None, started=None) -> dict:
@@ -182,13 +193,14 @@ def run(args) -> int:
     """Each server in turn (started, measured, stopped), then the table."""
     vllm_python = args.vllm_python or os.environ.get("VLLM_PYTHON")
     text = long_text(args.long_tokens)
+    args.dtype = served_dtype(args.dtype)
     found: dict = {}
     for name in args.servers:
         if name == "vllm" and not (vllm_python and Path(vllm_python).exists()):
             found[name] = {"error": f"skipped: no vLLM python (--vllm-python or $VLLM_PYTHON: {vllm_python!r})"}
             print(f"vllm: {found[name]['error']}; bench/anchors/vllm-requirements.txt says how to install it")
             continue
-        context, model, eos = server(name, vllm_python)
+        context, model, eos = server(name, vllm_python, args.dtype)
         try:
             with context as url:
                 found[name] = measure(url, model, eos, args, text)
@@ -199,7 +211,7 @@ def run(args) -> int:
 
 
 def report(found: dict, args) -> int:
-    print(f"{MODEL}, float32, one server at a time; streamed greedy chat completions, {args.client_tokens} tokens")
+    print(f"{MODEL}, {args.dtype}, one server at a time; streamed greedy chat completions, {args.client_tokens} tokens")
     print("| | " + " | ".join(args.servers) + " |\n|---|" + "---|" * len(args.servers))
     rows = [(f"{num} clients", lambda r, num=num: _clients_cell(r[num])) for num in args.counts]
     rows += [

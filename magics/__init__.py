@@ -21,6 +21,7 @@ def load_ipython_extension(shell) -> None:
     from shardbook.magics.generate import GenerateMagics
     from shardbook.magics.inspection import InspectionMagics
     from shardbook.magics.loading import LoadMagics
+    from shardbook.magics.packed_weights import watch_cells
     from shardbook.magics.serve import ServeMagics
     from shardbook.magics.startup import report_start
 
@@ -32,4 +33,5 @@ def load_ipython_extension(shell) -> None:
     shell.register_magics(ServeMagics)
     shell.register_magics(InspectionMagics)
     shell.set_custom_exc((RankError,), show_rank_error)
+    watch_cells(shell)
     begin_runtime(shell, report_start(shell))

@@ -9,6 +9,7 @@ stays alive for the next command.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import traceback
 from collections.abc import Callable
@@ -67,8 +68,23 @@ def handler(kind: str, *, interrupt: str = "raise") -> Callable[[Handler], Handl
 
 @handler("exec")
 def handle_exec(ctx: RankContext, args: dict[str, Any], sink: Sink) -> dict[str, Any]:
-    """Run a cell in the rank's IPython shell, its namespace persisting between cells."""
-    return run_cell(ctx.shell, args["code"], sink, store_history=False, on_capture=ctx.set_capture)
+    """Run a cell in the rank's IPython shell, its namespace persisting between cells.
+
+    The cell may edit weights behind their version counters: the packed copies of linear weights are dropped
+    before it runs and after (`packed_linear.forget_packed`)."""
+    forget_packed_weights()
+    try:
+        return run_cell(ctx.shell, args["code"], sink, store_history=False, on_capture=ctx.set_capture)
+    finally:
+        forget_packed_weights()
+
+
+def forget_packed_weights() -> None:
+    """`packed_linear.forget_packed`, where a load imported it (nothing is packed before; importing it here would
+    import torch into a kernel that has not loaded a model)."""
+    packed_linear = sys.modules.get("shardbook.rankd.parallel.packed_linear")
+    if packed_linear is not None:
+        packed_linear.forget_packed()
 
 
 def error_payload(exc: BaseException, rank: int) -> dict[str, Any]:

@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardbook.rankd.loading.fastest_dtype import fastest_dtype
 from shardbook.rankd.loading.fp8_keep import FP8Keeping, fp8_keeping, require_keep_layout
 from shardbook.rankd.loading.load_steps import LoadSteps
 from shardbook.rankd.loading.summary import (
@@ -44,6 +43,7 @@ from shardbook.rankd.loading.summary import (
 )
 from shardbook.rankd.loading.weight_reading import plan_reads, read_shards, read_tp_slices
 from shardbook.rankd.parallel.expert_parallel import ExpertLayout, expert_layout_problem, num_experts
+from shardbook.rankd.parallel.fastest_dtype import fastest_dtype
 from shardbook.rankd.parallel.layout import (
     apply_fsdp,
     choose_layout,
@@ -54,6 +54,7 @@ from shardbook.rankd.parallel.layout import (
     init_mesh,
     reshard_model,
 )
+from shardbook.rankd.parallel.packed_linear import pack_linears
 from shardbook.rankd.parallel.tensor_parallel import shard_tp, tp_unavailable
 
 log = logging.getLogger(__name__)
@@ -189,7 +190,9 @@ def _load(
     if layout == "gather" and steps.ok:  # every rank settled above: the warm-up's collectives line up
         report("warm-up", 0, 1)
         summary["warm_up_s"] = steps.run("warm-up", warm_up, model, ckpt, device)
-    free = steps.settle(free_memory_per_rank(device))  # after the warm-up, which gathered every layer under gather
+    if layout != "reshard":  # reshard gathers every layer anew for each forward: a packed copy would not last
+        steps.run("pack", pack_linears, model)
+    free = steps.settle(free_memory_per_rank(device))  # after the warm-up and the packing, which hold memory
     if layout == "gather":
         report("warm-up", 1, 1)
     summary.update(kv_cache_figures(model, free, ckpt.mesh_shape[-1] if layout == "tp" else None))

@@ -41,6 +41,10 @@ STEP_WORDS = {
     ),
     "finalise": ("finish the model (buffers, tied weights)", "report this with the model's architecture"),
     "warm-up": ("run one short forward (gathers every layer)", "report this with the model's architecture"),
+    "pack": (
+        "pack its bfloat16 linear weights for oneDNN",
+        "report this with the model's architecture; SHARDBOOK_PACKED_LINEAR=0 computes without packed weights",
+    ),
 }
 
 

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardbook.rankd.parallel.host_sum import host_sum_for
+from shardbook.rankd.parallel.packed_linear import linear, packs
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,7 @@ class ColumnParallelLinear(nn.Linear):
 
     tp_group: dist.ProcessGroup
 
+    @packs
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shard = tp_shard_of(self.weight)
         if shard is not None and _grad_wanted(x, self.weight):  # a whole weight's gradient is whole on every rank
@@ -183,7 +185,7 @@ class ColumnParallelLinear(nn.Linear):
                     "only its part of the shared rows' gradient. Load with parallel.decode gather or reshard"
                 )
             x = copy_to_group(x, self.tp_group)
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 @cache
@@ -230,8 +232,9 @@ class RowParallelLinear(nn.Linear):
 
     tp_group: dist.ProcessGroup
 
+    @packs
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = sum_over_group(F.linear(x, self.weight), self.tp_group)
+        out = sum_over_group(linear(x, self.weight), self.tp_group)
         return out if self.bias is None else out + self.bias
 
 
@@ -255,10 +258,11 @@ class VocabGatheredLinear(nn.Linear):
     tp_group: dist.ProcessGroup
     vocab_sizes: list[int]
 
+    @packs
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.vocab_sizes) == 1:
-            return F.linear(x, self.weight, self.bias)
-        local = F.linear(copy_to_group(x, self.tp_group), self.weight, self.bias)
+            return linear(x, self.weight, self.bias)
+        local = linear(copy_to_group(x, self.tp_group), self.weight, self.bias)
         if _grad_wanted(local):
             return _GatherVocab.apply(local, self.tp_group, self.vocab_sizes)
         if _FIRST_RANK_ONLY.get():

@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from shardbook.rankd.parallel.packed_linear import packing_available
 from tests.driver import interrupt_when
 from tests.quantized import write_quantized
 from tests.tiny import make_broken_checkpoints, make_tiny_llama, make_tiny_moe, make_tiny_non_causal
@@ -295,3 +296,51 @@ def test_a_failed_load_keeps_the_model_already_loaded(kernel, tiny, tmp_path):
         assert f"the loaded model (LlamaForCausalLM from {tiny}) is still loaded" in ex.stderr(), (case, ex.stderr())
         assert kernel.run("%%all\nprint('same', model is before())").stdout().count("same True") == 2, case
     assert_forward_works(kernel)
+
+
+FORWARD_CELL = """%%all
+import torch, torch.distributed as dist
+ids = tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
+with torch.no_grad():
+    last = model(ids).logits[0, -1].float()
+print("LOGITS", dist.get_rank(), last[:6].tolist())
+"""
+
+
+def forward_logits(kernel) -> dict[str, str]:
+    ex = kernel.run(FORWARD_CELL)
+    lines = [line.split(maxsplit=2) for line in ex.stdout().splitlines() if line.startswith("LOGITS ")]
+    assert len(lines) == 2, ex.stdout() + ex.error_text() + ex.stderr()
+    return {rank: values for _, rank, values in lines}
+
+
+def alone_logits(kernel) -> str:
+    ex = kernel.run("with torch.no_grad():\n    print('ALONE', model(ids).logits[0, -1].float()[:6].tolist())")
+    assert ex.stdout().startswith("ALONE "), ex.stdout() + ex.error_text()
+    return ex.stdout().split(maxsplit=1)[1].strip()
+
+
+@pytest.mark.skipif(not packing_available(), reason="needs a CPU with AMX or AVX512-BF16 (nothing is packed here)")
+@pytest.mark.parametrize("layout", ["tp", "gather"])
+def test_a_weight_edited_through_data_is_seen_by_the_next_cells_forward(kernel, tiny, layout):
+    """The load packs every bfloat16 linear for oneDNN; an edit through `.data` (which no version counter sees), in a
+    `%%all` cell or in a plain cell on rank 0 alone, reaches the next cell's forward on every rank."""
+    assert load(kernel, tiny, f"--parallel.decode {layout}", "--model.dtype bfloat16").status == "ok"
+    packed = kernel.run(
+        "%%all\nfrom shardbook.rankd.parallel.packed_linear import _packed\nprint('PACKED', len(_packed))"
+    )
+    assert packed.stdout().count("PACKED 15") == 2, packed.stdout()  # 2 layers of 7 linears, and the output layer
+    before = forward_logits(kernel)
+    down = "model.model.layers[0].mlp.down_proj.weight"
+    assert kernel.run(f"%%all\nsaved = {down}.detach().clone()\n{down}.data.mul_(-4)").status == "ok"
+    edited = forward_logits(kernel)
+    assert all(edited[rank] != before[rank] for rank in before), (before, edited)
+    assert kernel.run(f"%%all\n{down}.data.copy_(saved)").status == "ok"
+    assert forward_logits(kernel) == before
+    if layout == "gather":  # forwards on rank 0 alone (its weights gathered: no collective), in plain cells
+        assert alone_logits(kernel) == before["0"]
+    assert kernel.run(f"{down}.data.mul_(-4)").status == "ok"  # rank 0's own weight (under tp, its rows only)
+    if layout == "gather":
+        assert alone_logits(kernel) != before["0"]
+    assert forward_logits(kernel)["0"] != before["0"]
+    assert kernel.run(f"%%all\n{down}.data.copy_(saved)").status == "ok"

@@ -1,15 +1,15 @@
-"""`model.dtype: fastest` picks the dtype each device computes in fastest. This machine's CPU has neither AMX nor
-AVX512-BF16 and no GPU is here, so the other devices' answers replace torch's feature checks (the hardware is
-absent)."""
+"""`model.dtype: fastest` picks the dtype each device computes in fastest. Whatever this machine's CPU has, torch's
+feature checks are replaced to give each CPU's answer, and no GPU is here, so the other devices' answers replace
+their checks too (the hardware is absent)."""
 
 import types
 
 import pytest
 import torch
 
-from shardbook.rankd.loading import fastest_dtype as module
-from shardbook.rankd.loading.fastest_dtype import cpu_has_bf16_kernels, fastest_dtype
 from shardbook.rankd.loading.load_sharded import _resolve_dtype
+from shardbook.rankd.parallel import fastest_dtype as module
+from shardbook.rankd.parallel.fastest_dtype import cpu_has_bf16_kernels, fastest_dtype
 
 FLOAT32_CHECKPOINT = types.SimpleNamespace(dtype=torch.float32)
 
