@@ -139,20 +139,24 @@ def launch(what: str, path: Path, argv: list[str], nproc: int) -> dict:
         return json.loads(Path(out.name).read_text())
 
 
-def print_table(title: str, figures: dict) -> None:
+def print_table(
+    title: str, figures: dict, names=("float32", "bfloat16"), labels=("float32", "bfloat16", "bf16 / fp32")
+):
+    """Each forward's median ms for the two `names` of `figures`, and the second's time over the first's."""
     print(f"\n#### {title}\n")
-    print("| forward | float32 ms (median) | bfloat16 ms (median) | bf16 / fp32 time |")
+    print(f"| forward | {labels[0]} ms (median) | {labels[1]} ms (median) | {labels[2]} time |")
     print("|---|---|---|---|")
-    for what, fp32 in figures["float32"].items():
-        a, b = statistics.median(fp32), statistics.median(figures["bfloat16"][what])
+    for what, first in figures[names[0]].items():
+        a, b = statistics.median(first), statistics.median(figures[names[1]][what])
         print(f"| {what} | {a:.1f} | {b:.1f} | {b / a:.2f}x |")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parsed_arguments(description: str, rounds: int) -> argparse.Namespace:
+    """The options this bench and `bench_packed_linear.py` share; `batch_list` holds the batches as integers."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--batches", default="1,8,32,64", help="decode batch sizes (rows)")
     parser.add_argument("--prefill", type=int, default=128, help="prompt tokens (prefilled, then each row's cache)")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (float32 then bfloat16 each)")
+    parser.add_argument("--rounds", type=int, default=rounds, help="interleaved rounds (each set-up once a round)")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--only", choices=("single", "tp"), help="measure one of the two set-ups")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -160,6 +164,11 @@ def main() -> None:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.batch_list = [int(b) for b in args.batches.split(",")]
+    return args
+
+
+def main() -> None:
+    args = parsed_arguments(__doc__.splitlines()[0], rounds=5)
     if args.worker:
         result = run_single(args.path, args) if args.worker == "single" else run_tp(args.path, args)
         if result is not None:

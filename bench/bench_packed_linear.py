@@ -17,18 +17,18 @@ import argparse
 import copy
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench_dtype import cpu_features, measure
+from bench_dtype import cpu_features, measure, parsed_arguments, print_table
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = ((576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152))
 """(in, out) of the demo model's linears: q/o, k/v, gate/up, down, the output layer."""
+TABLE = (("plain", "packed"), ("F.linear", "packed", "packed / F.linear"))
 
 
 def linear_table(rows: list[int]) -> None:
@@ -99,14 +99,14 @@ def run_tp(path: str, args: argparse.Namespace) -> dict | None:
     return figures["run"] if rank == 0 else None
 
 
-def tp_figures(path: Path, argv: list[str], rounds: int) -> dict:
+def tp_figures(path: Path, argv: list[str], rounds: int, nproc: int) -> dict:
     """{plain|packed: {what: [ms per round]}} from 2-rank jobs, alternating the two."""
     figures: dict = {"plain": {}, "packed": {}}
     for _ in range(rounds):
         for name, switch in (("plain", "0"), ("packed", "1")):
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
                 worker = [str(Path(__file__).resolve()), "--worker", "tp", "--path", str(path), "--out", out.name]
-                launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+                launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
                 env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDBOOK_PACKED_LINEAR": switch}
                 subprocess.run([*launcher, *worker, *argv], check=True, env=env, cwd=ROOT)
                 for what, ms in json.loads(Path(out.name).read_text()).items():
@@ -114,26 +114,8 @@ def tp_figures(path: Path, argv: list[str], rounds: int) -> dict:
     return figures
 
 
-def print_table(title: str, figures: dict) -> None:
-    print(f"\n#### {title}\n")
-    print("| forward | F.linear ms (median) | packed ms (median) | packed / F.linear time |")
-    print("|---|---|---|---|")
-    for what, plain in figures["plain"].items():
-        a, b = statistics.median(plain), statistics.median(figures["packed"][what])
-        print(f"| {what} | {a:.1f} | {b:.1f} | {b / a:.2f}x |")
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", default="1,8,32,64", help="decode batch sizes (rows)")
-    parser.add_argument("--prefill", type=int, default=128, help="prompt tokens (prefilled, then each row's cache)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
-    parser.add_argument("--only", choices=("single", "tp"), help="measure one of the two set-ups")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--path", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    args.batch_list = [int(b) for b in args.batches.split(",")]
+    args = parsed_arguments(__doc__.splitlines()[0], rounds=3)
     if args.worker:
         result = run_tp(args.path, args)
         if result is not None:
@@ -151,10 +133,12 @@ def main() -> None:
     linear_table(args.batch_list)
     path = Path(platformdirs.user_cache_dir("shardbook")) / "models" / "smollm2-135m-instruct"
     if args.only != "tp":
-        print_table("SmolLM2-135M (demo), bfloat16, one process, 1 thread", run_single(str(path), args))
+        print_table("SmolLM2-135M (demo), bfloat16, one process, 1 thread", run_single(str(path), args), *TABLE)
     if args.only != "single":
         argv = ["--batches", args.batches, "--prefill", str(args.prefill)]
-        print_table("SmolLM2-135M (demo), bfloat16, tp, 2 ranks of 1 thread", tp_figures(path, argv, args.rounds))
+        print_table(
+            "SmolLM2-135M (demo), bfloat16, tp, 2 ranks of 1 thread", tp_figures(path, argv, args.rounds), *TABLE
+        )
     print(f"\nload after: {os.getloadavg()[0]:.2f} (1 min)")
 
 
