@@ -300,7 +300,7 @@ shards onto rank 0, under every layout, within a size limit.
     code("""
 w = full_parameter("model.layers.0.mlp.down_proj.weight")
 fig, ax = plt.subplots(figsize=(6, 3))
-ax.hist(w.flatten().numpy(), bins=200, log=True)
+ax.hist(w.flatten().float().numpy(), bins=200, log=True)  # numpy has no bfloat16
 ax.set(title=f"model.layers.0.mlp.down_proj.weight {tuple(w.shape)}", xlabel="value", ylabel="count")
 plt.show()
 """),
