@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=10, help="--side-by-side: the conversation's turns")
     p.add_argument("--servers", type=lambda s: s.split(","), default=["vllm", "transformers", "shardbook"])
     p.add_argument("--dtype", default="fastest", help="--side-by-side: every server's dtype (fastest: this CPU's)")
+    p.add_argument("--shardbook-flags", default="", help="--side-by-side: more flags for shardbook serve")
     args = p.parse_args(argv)
     if args.batching and args.side_by_side:
         from bench_side_by_side import run

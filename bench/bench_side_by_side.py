@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import statistics
 import sys
 import threading
@@ -64,22 +65,23 @@ def vllm_serve(python: str, dtype: str) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def shardbook_serve(dtype: str) -> Iterator[str]:
-    """``shardbook serve`` on 2 ranks of 1 thread under ``tp`` in ``dtype``, the demo config's defaults otherwise."""
+def shardbook_serve(dtype: str, extra: list[str]) -> Iterator[str]:
+    """``shardbook serve`` on 2 ranks of 1 thread under ``tp`` in ``dtype``, with ``extra`` flags, the demo config's
+    defaults otherwise."""
     port = 8720
     argv = [str(Path(sys.executable).parent / "shardbook"), "serve", "--nproc", "2", "--port", str(port), CONFIG]
-    argv += ["--parallel.decode", "tp", "--model.dtype", dtype]
+    argv += ["--parallel.decode", "tp", "--model.dtype", dtype, *extra]
     with launched("shardbook serve", argv, port, {**OFFLINE, "OMP_NUM_THREADS": "1"}, wait_s=900) as url:
         yield url
 
 
-def server(name: str, vllm_python: str, dtype: str):
+def server(name: str, vllm_python: str, dtype: str, shardbook_flags: list[str]):
     """The server's context manager, the model name its requests give, and whether it takes ``ignore_eos``."""
     if name == "vllm":
         return vllm_serve(vllm_python, dtype), MODEL, True
     if name == "transformers":
         return transformers_serve(True, dtype), str(MODEL_DIR), False
-    return shardbook_serve(dtype), MODEL, True
+    return shardbook_serve(dtype, shardbook_flags), MODEL, True
 
 
 def served_dtype(asked: str) -> str:
@@ -200,7 +202,7 @@ def run(args) -> int:
             found[name] = {"error": f"skipped: no vLLM python (--vllm-python or $VLLM_PYTHON: {vllm_python!r})"}
             print(f"vllm: {found[name]['error']}; bench/anchors/vllm-requirements.txt says how to install it")
             continue
-        context, model, eos = server(name, vllm_python, args.dtype)
+        context, model, eos = server(name, vllm_python, args.dtype, shlex.split(args.shardbook_flags))
         try:
             with context as url:
                 found[name] = measure(url, model, eos, args, text)

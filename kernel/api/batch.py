@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from shardbook.kernel.api.batch_sizing import batch_limits
+from shardbook.kernel.api.batch_sizing import batch_limits, device_kind
 from shardbook.kernel.api.conversation import with_system_prompt
 from shardbook.kernel.ranks import foreground
 from shardbook.kernel.ranks.pool import PoolError
@@ -40,7 +40,8 @@ def scheduler_for(runtime: Runtime) -> BatchScheduler:
         inference = config.inference
         context = getattr(loaded.model.config.get_text_config(), "max_position_embeddings", None)
         budget = cache_budget(inference.max_cache_tokens, loaded.summary)
-        device = next(loaded.model.parameters()).device.type
+        weight = next(loaded.model.parameters())
+        device = device_kind(weight.device.type, str(weight.dtype).removeprefix("torch."))
         limits = batch_limits(
             inference.max_batch_sequences,
             budget,

@@ -178,7 +178,8 @@ class InferenceConfig:
     parser tables). A server's `--tool-call-parser`, when given, overrides it."""
     max_batch_sequences: int | None = None
     """Most sequences decoded together in one batch (continuous batching); more wait for a place. null: as many as
-    the KV budget holds at 512 prompt tokens plus max_new_tokens, at most 32 on a CPU and 256 on a GPU or NPU."""
+    the KV budget holds at 512 prompt tokens plus max_new_tokens, at most 32 on a CPU (64 for bfloat16 on a CPU
+    with AMX or AVX512-BF16) and 256 on a GPU or NPU."""
     max_step_tokens: int = 2048
     """Most tokens one batch step forwards (decoding rows plus the joining prompts padded to the longest); a longer
     prompt is prefilled in chunks, the rest of each step's room a step, while the running rows decode."""

@@ -35,3 +35,19 @@ def test_explicit_values_win() -> None:
     assert served.max_waiting == 4 and "--max-waiting" in served.reason and served.max_sequences == 8
     assert limits.with_waiting(None) is limits
     assert "up to 8 sequences at once, 4 more waiting" in served.describe()
+
+
+def test_a_cpu_with_bfloat16_kernels_takes_64_for_a_bfloat16_model(monkeypatch) -> None:
+    from shardbook.kernel.api import batch_sizing
+    from shardbook.rankd.parallel import fastest_dtype
+
+    for native in (True, False):
+        monkeypatch.setattr(fastest_dtype, "cpu_has_bf16_kernels", lambda native=native: native)
+        kind = batch_sizing.device_kind("cpu", "bfloat16")
+        assert kind == (batch_sizing.CPU_BF16 if native else "cpu")
+        assert sized(10**7, device=kind).max_sequences == (64 if native else 32)
+    monkeypatch.setattr(fastest_dtype, "cpu_has_bf16_kernels", lambda: True)
+    assert batch_sizing.device_kind("cpu", "float32") == "cpu"  # float32 computes without them
+    assert batch_sizing.device_kind("cuda", "bfloat16") == "cuda"
+    limits = sized(10**7, device=batch_sizing.CPU_BF16)
+    assert (limits.max_waiting, "capped at 64 on a cpu with bfloat16 kernels" in limits.reason) == (64, True)
