@@ -3,8 +3,9 @@
 Why: there `F.linear` in bfloat16 multiplies by the weight as it is laid out in memory, while oneDNN computes
 fastest from a copy reordered into its own blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, what
 torch's compiler uses for frozen CPU models). `bench/bench_packed_linear.py` measured the demo model's linears
-1.5x to 3x faster that way at 1 to 64 rows, with the same bits, and whole decode steps faster alike
-(bench/RESULTS.md). float32 gains nothing at one row there, so only bfloat16 takes this path.
+1.1x to 2.4x faster that way at 1 to 64 rows, with the same bits, its whole decode steps 1.05x to 1.18x, and
+served under `tp` 1.1x to 1.5x the tokens a second (bench/RESULTS.md). float32 gains nothing at one row there,
+so only bfloat16 takes this path.
 
 A layer packs its weight once (`pack_linears`, at the end of a load, so the load's free-memory figure counts the
 copy) and packs it again whenever the weight changes its version counter or its storage (an in-place operation,
@@ -64,7 +65,7 @@ def packable(weight: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, through the packed copy of `weight` where it applies (no gradients wanted)."""
-    if x.dtype != weight.dtype or not packable(weight) or _grad_wanted(x, weight, bias):
+    if x.dtype != weight.dtype or not packable(weight) or grad_wanted(x, weight, bias):
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed(weight), bias, "none", [], "")
 
@@ -89,7 +90,8 @@ def forget_packed() -> None:
     _forgotten.set()
 
 
-def _grad_wanted(*tensors: torch.Tensor | None) -> bool:
+def grad_wanted(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd will record an operation on `tensors` (None: no tensor, e.g. a missing bias)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardbook.rankd.parallel.host_sum import host_sum_for
-from shardbook.rankd.parallel.packed_linear import linear, packs
+from shardbook.rankd.parallel.packed_linear import grad_wanted, linear, packs
 
 
 @dataclass(frozen=True)
@@ -105,10 +105,6 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return tensor
 
 
-def _grad_wanted(*tensors: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
 class _SumOverGroup(torch.autograd.Function):
     """g: forward sums partial tensors over the group; backward passes the (replicated) gradient through."""
 
@@ -157,14 +153,14 @@ def sum_over_group(partial: torch.Tensor, group: dist.ProcessGroup) -> torch.Ten
     """Partial results summed over `group` (in place without grad); its gradient is passed through unchanged."""
     if dist.get_world_size(group) == 1 or getattr(_deferred, "group", None) is group:
         return partial
-    if _grad_wanted(partial):
+    if grad_wanted(partial):
         return _SumOverGroup.apply(partial, group)
     return all_reduce(partial, group)
 
 
 def copy_to_group(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """A replicated tensor about to feed split work: the same tensor, whose gradient is summed over `group`."""
-    if dist.get_world_size(group) == 1 or not _grad_wanted(x):
+    if dist.get_world_size(group) == 1 or not grad_wanted(x):
         return x
     return _CopyToGroup.apply(x, group)
 
@@ -177,7 +173,7 @@ class ColumnParallelLinear(nn.Linear):
     @packs
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shard = tp_shard_of(self.weight)
-        if shard is not None and _grad_wanted(x, self.weight):  # a whole weight's gradient is whole on every rank
+        if shard is not None and grad_wanted(x, self.weight):  # a whole weight's gradient is whole on every rank
             if _overlapping(shard):
                 raise NotImplementedError(
                     "gradients under tp are not supported for a model whose key/value heads are shared by several "
@@ -204,7 +200,7 @@ class SplitInputModule:
     def forward(self, *args, **kwargs):
         base = super().forward  # the family's own forward, reading its parameters by attribute
         params = {n: p for n, p in self._parameters.items() if p is not None and tp_shard_of(p) is None}
-        if not any(_grad_wanted(p) for p in params.values()):
+        if not any(grad_wanted(p) for p in params.values()):
             return base(*args, **kwargs)
         for name, param in params.items():
             del self._parameters[name]
@@ -263,7 +259,7 @@ class VocabGatheredLinear(nn.Linear):
         if len(self.vocab_sizes) == 1:
             return linear(x, self.weight, self.bias)
         local = linear(copy_to_group(x, self.tp_group), self.weight, self.bias)
-        if _grad_wanted(local):
+        if grad_wanted(local):
             return _GatherVocab.apply(local, self.tp_group, self.vocab_sizes)
         if _FIRST_RANK_ONLY.get():
             return gather_vocab_on_first(local, self.tp_group, self.vocab_sizes)
