@@ -10,7 +10,9 @@ query token per row, timed with `scaled_dot_product_attention` under three layou
 * padded: one tensor of rows x the longest row, left-padded, masked (the batch's cache today);
 * paged: 16-token blocks in one pool and a block table per row; each step gathers every row's blocks into a
   padded tensor and attends over it (what transformers' `paged|sdpa` does on a CPU);
-* per row: each row's own tensor of its own length, one attention call per row (no padding, no gather).
+* per row: each row's own tensor of its own length, one attention call per row (no padding, no gather);
+* C kernel: the padded tensors read by `rankd/generation/decode_attention.py`, every row and head in one call,
+  each row from its first own column (what the batch's decode step does on a CPU where the kernel is built).
 
 A mix `RxL` is R rows of L tokens; `+` joins mixes (`31x256+1x8192`: one long prompt among short ones). The table
 gives each layout's best microseconds per layer and step over `--rounds` interleaved rounds, the bytes of keys
@@ -36,8 +38,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from shardbook.rankd.generation.decode_attention import decode_attention
+
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
-LAYOUTS = ("padded", "paged", "per row")
+LAYOUTS = ("padded", "paged", "per row", "kernel")
+PATHS = ("padded", "row by row", "kernel")
+"""The demo model's decode step: transformers' padded attention, the batch's row-by-row sdpa where padding is most
+(the kernel switched off), the batch's C kernel."""
 
 
 def parse_mix(text: str) -> list[int]:
@@ -88,9 +95,11 @@ def attend(layout: str, cache: dict, query: torch.Tensor) -> None:
     elif layout == "paged":
         keys, values = (gathered(pool, cache["table"]) for pool in cache["pool"])
         F.scaled_dot_product_attention(query, keys, values, cache["mask"], enable_gqa=True)
-    else:
+    elif layout == "per row":
         for row, (keys, values) in enumerate(cache["rows"]):
             F.scaled_dot_product_attention(query[row : row + 1], keys, values, enable_gqa=True)
+    else:  # the padded tensors, each row read from its first own column on
+        decode_attention(query, cache["keys"], cache["values"], cache["starts"], HEAD_DIM**-0.5)
 
 
 def best_us(layout: str, cache: dict, query: torch.Tensor, repeats: int) -> float:
@@ -103,7 +112,9 @@ def best_us(layout: str, cache: dict, query: torch.Tensor, repeats: int) -> floa
 
 def measure(mix: str, rounds: int, repeats: int) -> dict:
     lengths = parse_mix(mix)
-    caches = {"padded": padded_layout(lengths), "paged": paged_layout(lengths), "per row": per_row_layout(lengths)}
+    padded = padded_layout(lengths)
+    kernel = {**padded, "starts": max(lengths) - torch.tensor(lengths)}
+    caches = {"padded": padded, "paged": paged_layout(lengths), "per row": per_row_layout(lengths), "kernel": kernel}
     query = torch.randn(len(lengths), HEADS, 1, HEAD_DIM)
     times = {layout: float("inf") for layout in LAYOUTS}
     with torch.no_grad():
@@ -125,27 +136,38 @@ def prefilled(model, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, ob
     return ids, mask, cache
 
 
-def demo_step_ms(model, batch: tuple, lengths: list[int], split: bool, steps: int) -> tuple[float, torch.Tensor]:
+def demo_step_ms(model, batch: tuple, lengths: list[int], path: str, steps: int) -> tuple[float, torch.Tensor]:
     """Best ms of a decode step over a copy of the `prefilled` batch (each row at its own positions) and the last
-    step's logits, with the batch's row-by-row attention or without."""
+    step's logits, with the attention `path` (one of PATHS)."""
+    from shardbook.rankd.generation import decode_attention as kernel
     from shardbook.rankd.generation.growing_layers import grow_in_place
     from shardbook.rankd.generation.row_attention import by_rows
 
     ids, mask, cache = batch[0], batch[1], copy.deepcopy(batch[2])
     grow_in_place(cache)
+    built = kernel.available
+    kernel.available = built if path == "kernel" else lambda: False
+    try:
+        with by_rows() if path != "padded" else contextlib.nullcontext():
+            best, logits = _timed_steps(model, ids, mask, cache, lengths, steps)
+    finally:
+        kernel.available = built
+    return best, logits
+
+
+def _timed_steps(model, ids, mask, cache, lengths: list[int], steps: int) -> tuple[float, torch.Tensor]:
     best = float("inf")
-    with by_rows() if split else contextlib.nullcontext():
-        for step in range(steps + 1):
-            mask = torch.cat([mask, torch.ones(len(lengths), 1, dtype=torch.long)], dim=1)
-            start = time.perf_counter()
-            out = model(
-                ids[:, -1:],
-                attention_mask=mask,
-                position_ids=torch.tensor(lengths)[:, None] + step,
-                past_key_values=cache,
-                cache_position=torch.tensor([mask.shape[1] - 1]),
-            )
-            best = min(best, (time.perf_counter() - start) * 1e3) if step else best
+    for step in range(steps + 1):
+        mask = torch.cat([mask, torch.ones(len(lengths), 1, dtype=torch.long)], dim=1)
+        start = time.perf_counter()
+        out = model(
+            ids[:, -1:],
+            attention_mask=mask,
+            position_ids=torch.tensor(lengths)[:, None] + step,
+            past_key_values=cache,
+            cache_position=torch.tensor([mask.shape[1] - 1]),
+        )
+        best = min(best, (time.perf_counter() - start) * 1e3) if step else best
     return best, out.logits[:, -1]
 
 
@@ -155,19 +177,24 @@ def demo_model_table(mixes: list[str], rounds: int, steps: int) -> None:
 
     model, _ = demo_model_one_thread()
     print("\nthe demo model's decode step, one process, float32, one thread; best ms per step\n")
-    print("| rows x tokens | padded attention | row by row where padding is most | by rows / padded | logits diff |")
-    print("|---|---|---|---|---|")
+    print(
+        "| rows x tokens | padded attention | row by row where padding is most | C kernel | rows / padded | "
+        "kernel / padded | kernel's logits diff |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for mix in mixes:
         lengths = parse_mix(mix)
-        times, logits = {False: float("inf"), True: float("inf")}, {}
+        times, logits = dict.fromkeys(PATHS, float("inf")), {}
         with torch.no_grad():
             batch = prefilled(model, lengths)
             for _ in range(rounds):
-                for split in (False, True):
-                    ms, logits[split] = demo_step_ms(model, batch, lengths, split, steps)
-                    times[split] = min(times[split], ms)
-        diff = (logits[True] - logits[False]).abs().max().item()
-        print(f"| {mix} | {times[False]:.0f} | {times[True]:.0f} | {times[True] / times[False]:.2f}x | {diff:.1e} |")
+                for path in PATHS:
+                    ms, logits[path] = demo_step_ms(model, batch, lengths, path, steps)
+                    times[path] = min(times[path], ms)
+        diff = (logits["kernel"] - logits["padded"]).abs().max().item()
+        cells = " | ".join(f"{times[path]:.0f}" for path in PATHS)
+        ratios = " | ".join(f"{times[path] / times['padded']:.2f}x" for path in PATHS[1:])
+        print(f"| {mix} | {cells} | {ratios} | {diff:.1e} |")
 
 
 def main() -> None:
@@ -182,13 +209,16 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"one layer, {HEADS} query heads over {KV_HEADS} kv heads of {HEAD_DIM}, float32, one thread; best of")
     print(f"{args.rounds} rounds of {args.repeats}; us per layer and step (MiB of keys and values)\n")
-    print("| rows x tokens | padded | paged (gather) | per row | paged / padded | per row / padded |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| rows x tokens | padded | paged (gather) | per row | C kernel | paged / padded | per row / padded | "
+        "kernel / padded |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for mix in args.mixes.split(","):
         result = measure(mix, args.rounds, args.repeats)
         cells = [f"{us:.0f} ({nbytes / 2**20:.1f})" for us, nbytes in result.values()]
         padded = result["padded"][0]
-        ratios = [f"{result[layout][0] / padded:.2f}x" for layout in ("paged", "per row")]
+        ratios = [f"{result[layout][0] / padded:.2f}x" for layout in LAYOUTS[1:]]
         print(f"| {mix} | {' | '.join(cells)} | {' | '.join(ratios)} |")
     if not args.no_model:
         demo_model_table(args.model_mixes.split(","), min(args.rounds, 2), args.steps)

@@ -1,19 +1,22 @@
-"""The batch's decode attention row by row over each row's own positions, when left padding is most of the columns.
+"""The batch's decode attention over each row's own positions, not the left padding of the batch's cache.
 
-The batch's cache is left-padded: every row holds as many columns as the longest row, and a decode step's
-attention reads all of them, masked. One long prompt among short ones (a pasted paper beside chat turns) makes
-every row's attention cost the long row's. Attending row by row over each row's own columns costs the rows' own
-lengths instead: one layer of the demo model's shape on a CPU, 31 rows of 256 tokens and one of 8,192, took
-82 ms padded and 4.7 ms row by row; at equal lengths row by row took 1.06x to 1.13x the padded time (one call
-per row; `bench/bench_ragged_attention.py`). So on a CPU the batch's decode forward (`by_rows`) attends row by
-row where at least `PADDED_SHARE` of the columns are padding and there are at least `MIN_COLUMNS` of them, and
-everywhere else as transformers' `sdpa` does.
+The batch's cache is left-padded: every row holds as many columns as the longest row, and transformers' `sdpa`
+reads all of them, masked. One long prompt among short ones (a pasted paper beside chat turns) makes every row's
+attention cost the long row's. In the batch's decode forward (`by_rows`) on a CPU, attention goes instead:
+
+* through `decode_attention`'s C kernel where it is built and applies: every row and head in one call, each row
+  over its own columns (0.5x to 0.9x the padded call's time at equal lengths, and a small fraction of it with
+  one long row among short ones; `bench/bench_ragged_attention.py`);
+* else row by row, one `sdpa` call per row over its own columns, where at least `PADDED_SHARE` of the columns are
+  padding and there are at least `MIN_COLUMNS` of them (31 rows of 256 tokens and one of 8,192: 82 ms padded,
+  4.7 ms row by row; at equal lengths 1.06x to 1.13x the padded time, so not there);
+* else as transformers' `sdpa` does.
 
 It takes the place of transformers' `sdpa` entry in `AttentionInterface` (`install`), and changes nothing
 outside `by_rows` or where the mask is not a decode step's left padding: a row's mask must be False then True
 (its padding, then its own positions), which is exactly attention over the True columns without a mask, so the
 result is the masked one's up to the summation order. Not on a GPU (a padded kernel call there is cheaper than a
-call per row; not measured), nor with a position bias.
+call per row; not measured), nor with a position bias, attention sinks, a soft cap or dropout.
 """
 
 from __future__ import annotations
@@ -25,13 +28,17 @@ from typing import Any
 
 import torch
 
+from shardbook.rankd.generation import decode_attention
+
 PADDED_SHARE = 0.25
 """Attend row by row only when at least this share of the rows' columns is padding (row by row costs ~1.1x the
 padded attention per real column)."""
 MIN_COLUMNS = 512
 """... and the rows have at least this many columns: below, the cost of a call per row outweighs the padding."""
 
-_BY_ROWS: ContextVar[bool] = ContextVar("shardbook_attention_by_rows", default=False)
+_BY_ROWS: ContextVar[dict | None] = ContextVar("shardbook_attention_by_rows", default=None)
+"""Inside `by_rows`: each mask's row starts for the kernel, by the mask's id (a forward's layers share one mask),
+with the mask itself so that its id is not reused."""
 _SDPA: dict[str, Any] = {}
 
 
@@ -49,7 +56,7 @@ def install() -> None:
 def by_rows() -> Iterator[None]:
     """The forwards inside may attend row by row (the batch's decode step)."""
     install()
-    token = _BY_ROWS.set(True)
+    token = _BY_ROWS.set({})
     try:
         yield
     finally:
@@ -59,40 +66,72 @@ def by_rows() -> Iterator[None]:
 def row_starts(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> list[int] | None:
     """Each row's first own column when attention should go row by row (a CPU decode step whose boolean mask is
     every row's left padding, mostly padding, wide enough); None otherwise."""
-    if query.device.type != "cpu" or query.shape[2] != 1 or mask is None or mask.dtype != torch.bool:
-        return None
     rows, columns = key.shape[0], key.shape[2]
-    if columns < MIN_COLUMNS or mask.shape[0] != rows or mask.numel() != rows * columns:
+    if columns < MIN_COLUMNS:
         return None
-    own = mask.reshape(rows, columns)
-    counts = own.sum(dim=1)
-    if int(counts.sum()) > (1 - PADDED_SHARE) * rows * columns:
-        return None
-    starts = columns - counts
-    if not torch.equal(own, torch.arange(columns, device=own.device) >= starts[:, None]):
+    starts = left_padding_starts(query, key, mask)
+    if starts is None or int(starts.sum()) < PADDED_SHARE * rows * columns:
         return None
     return starts.tolist()
 
 
+def left_padding_starts(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Each row's first own column (rows,) when this is a CPU decode step (one query token per row) whose boolean
+    mask is every row's left padding, then its own columns (no mask: none padded); None otherwise."""
+    if query.device.type != "cpu" or query.shape[2] != 1:
+        return None
+    rows, columns = key.shape[0], key.shape[2]
+    if mask is None:
+        return torch.zeros(rows, dtype=torch.long)
+    if mask.dtype != torch.bool or mask.shape[0] != rows or mask.numel() != rows * columns:
+        return None
+    own = mask.reshape(rows, columns)
+    starts = columns - own.sum(dim=1)
+    if not torch.equal(own, torch.arange(columns, device=own.device) >= starts[:, None]):
+        return None
+    return starts
+
+
 def _sdpa_maybe_by_rows(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, **kw):
-    """transformers' `sdpa` (the same arguments, the mask positional or by name), called once per row over the
-    row's own columns where `row_starts` says so."""
+    """transformers' `sdpa` (the same arguments, the mask positional or by name); in the batch's decode step, through
+    the C kernel where it applies, else once per row over the row's own columns where `row_starts` says so."""
     sdpa = _SDPA["sdpa"]
     mask, args = (args[0], args[1:]) if args else (kw.pop("attention_mask", None), ())
-    biased = kw.get("position_bias") is not None
-    starts = row_starts(query, key, mask) if _BY_ROWS.get() and not biased else None
-    if starts is None:
+    memo = _BY_ROWS.get()
+    if memo is None or args or not _plain(kw):
         return sdpa(module, query, key, value, mask, *args, **kw)
+    out = _through_kernel(query, key, value, mask, kw.get("scaling"), memo)
+    if out is not None:
+        return out, None
+    starts = row_starts(query, key, mask)
+    if starts is None:
+        return sdpa(module, query, key, value, mask, **kw)
     outputs = [
-        sdpa(
-            module,
-            query[row : row + 1],
-            key[row : row + 1, :, start:],
-            value[row : row + 1, :, start:],
-            None,
-            *args,
-            **kw,
-        )
+        sdpa(module, query[row : row + 1], key[row : row + 1, :, start:], value[row : row + 1, :, start:], None, **kw)
         for row, start in enumerate(starts)
     ]
     return torch.cat([output for output, _ in outputs]), None
+
+
+def _plain(kw: dict[str, Any]) -> bool:
+    """No position bias, attention sinks, soft cap or dropout, which the row-wise paths do not apply."""
+    extras = ("position_bias", "s_aux", "sinks", "softcap")
+    return all(kw.get(name) is None for name in extras) and not kw.get("dropout")
+
+
+def _through_kernel(query, key, value, mask, scaling: float | None, memo: dict) -> torch.Tensor | None:
+    """The decode step's attention through `decode_attention` ((rows, 1, heads, dim), as transformers' `sdpa`
+    returns it), or None where it does not apply. The rows' starts are read from a mask once per forward."""
+    if not decode_attention.available():
+        return None
+    index = (id(mask), key.shape[0], key.shape[2])
+    if index not in memo:
+        if len(memo) > 8:  # a by_rows around many forwards (a bench) keeps only the latest masks
+            memo.clear()
+        memo[index] = (mask, left_padding_starts(query, key, mask))
+    starts = memo[index][1]
+    if starts is None:
+        return None
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    out = decode_attention.decode_attention(query, key, value, starts, scale)
+    return None if out is None else out.transpose(1, 2)

@@ -1,10 +1,11 @@
-"""The batch's decode attention goes row by row over each row's own columns where left padding is most of the
-columns (`rankd/generation/row_attention.py`), and gives what the padded attention gives."""
+"""The batch's decode attention goes over each row's own columns (`rankd/generation/row_attention.py`): through the
+C kernel (`decode_attention`) where it is built, else row by row where left padding is most of the columns, and
+gives what the padded attention gives."""
 
 import pytest
 import torch
 
-from shardbook.rankd.generation import row_attention
+from shardbook.rankd.generation import decode_attention, row_attention
 from shardbook.rankd.generation.growing_layers import grow_in_place
 from shardbook.rankd.generation.row_attention import MIN_COLUMNS, by_rows, row_starts
 from tests.tiny import make_tiny_llama
@@ -89,12 +90,19 @@ def decoded(model, lengths: list[int], split: bool) -> torch.Tensor:
     return torch.stack(logits, dim=1)
 
 
-def test_a_batch_with_one_long_row_decodes_row_by_row_with_the_padded_logits(model, monkeypatch):
-    padded = decoded(model, LENGTHS, split=False)
+def counted_sdpa(monkeypatch) -> list[torch.Size]:
+    """The (rows, heads, columns) of the keys of every call to transformers' own `sdpa`, from now on."""
     row_attention.install()
     calls = []
     sdpa = row_attention._SDPA["sdpa"]
     monkeypatch.setitem(row_attention._SDPA, "sdpa", lambda *a, **k: calls.append(a[2].shape[:3]) or sdpa(*a, **k))
+    return calls
+
+
+def test_a_batch_with_one_long_row_decodes_row_by_row_with_the_padded_logits(model, monkeypatch):
+    padded = decoded(model, LENGTHS, split=False)
+    monkeypatch.setattr(decode_attention, "available", lambda: False)  # the path where the kernel is not built
+    calls = counted_sdpa(monkeypatch)
     split = decoded(model, LENGTHS, split=True)
     layers = model.config.num_hidden_layers
     prefill, steps = calls[:layers], calls[layers:]
@@ -102,6 +110,22 @@ def test_a_batch_with_one_long_row_decodes_row_by_row_with_the_padded_logits(mod
     assert len(steps) == STEPS * layers * len(LENGTHS) and all(shape[0] == 1 for shape in steps)  # a call per row
     assert [shape[2] for shape in steps[: len(LENGTHS)]] == [length + 1 for length in LENGTHS]  # its own columns
     # the same sums in another order (the padded kernel blocks over 700 columns): within 5e-5 of logits up to ~5
+    assert torch.allclose(split, padded, atol=5e-5), (split - padded).abs().max()
+
+
+@pytest.mark.parametrize("lengths", [LENGTHS, [40, 40, 40, 40], [40, 39, 12, 1]], ids=["long", "equal", "short"])
+def test_the_decode_kernel_takes_every_decode_step_with_the_padded_logits(model, monkeypatch, lengths):
+    if not decode_attention.available():
+        pytest.skip("the decode attention kernel is not built here (no C compiler)")
+    padded = decoded(model, lengths, split=False)
+    calls = counted_sdpa(monkeypatch)
+    kernel_calls = []
+    kernel = decode_attention.decode_attention
+    monkeypatch.setattr(decode_attention, "decode_attention", lambda *a: kernel_calls.append(a[1].shape) or kernel(*a))
+    split = decoded(model, lengths, split=True)
+    layers = model.config.num_hidden_layers
+    assert len(calls) == layers  # the prefill alone goes to transformers' sdpa
+    assert len(kernel_calls) == STEPS * layers and all(shape[0] == len(lengths) for shape in kernel_calls)
     assert torch.allclose(split, padded, atol=5e-5), (split - padded).abs().max()
 
 
@@ -130,12 +154,9 @@ def decoded_alone(model, lengths: list[int], row: int) -> torch.Tensor:
 
 
 def test_outside_by_rows_attention_is_transformers_own(model, monkeypatch):
-    row_attention.install()
-    calls = []
-    sdpa = row_attention._SDPA["sdpa"]
-    monkeypatch.setitem(row_attention._SDPA, "sdpa", lambda *a, **k: calls.append(a[2].shape[0]) or sdpa(*a, **k))
+    calls = counted_sdpa(monkeypatch)
     decoded(model, LENGTHS, split=False)
-    assert calls and set(calls) == {len(LENGTHS)}
+    assert calls and {shape[0] for shape in calls} == {len(LENGTHS)}
 
 
 def test_the_mask_may_come_by_name_as_some_families_pass_it():
