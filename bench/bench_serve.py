@@ -135,8 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--side-by-side", action="store_true", help="--batching: issue 32's comparison with vLLM")
     p.add_argument("--vllm-python", help="--side-by-side: the python of vLLM's venv (else $VLLM_PYTHON)")
     p.add_argument("--counts", type=lambda s: [int(c) for c in s.split(",")], default=[1, 8, 32, 64])
-    p.add_argument("--long-tokens", type=int, default=7900, help="--side-by-side: the long prompt's text tokens")
-    p.add_argument("--turns", type=int, default=10, help="--side-by-side: the conversation's turns")
+    long_help = "--side-by-side: the long prompt's text tokens (0: none)"
+    p.add_argument("--long-tokens", type=int, default=7900, help=long_help)
+    p.add_argument("--turns", type=int, default=10, help="--side-by-side: the conversation's turns (0: none)")
     p.add_argument("--servers", type=lambda s: s.split(","), default=["vllm", "transformers", "shardbook"])
     p.add_argument("--dtype", default="fastest", help="--side-by-side: every server's dtype (fastest: this CPU's)")
     p.add_argument("--shardbook-flags", default="", help="--side-by-side: more flags for shardbook serve")

@@ -186,8 +186,10 @@ def conversation(url: str, model: str, eos: bool, turns: int, n: int) -> dict:
 def measure(url: str, model: str, eos: bool, args, text: str) -> dict:
     chat(url, model, eos, ask(0), 4)  # warm-up
     found = {num: clients(url, model, eos, num, args.client_tokens) for num in args.counts}
-    found["long"] = long_prompt(url, model, eos, text)
-    found["turns"] = conversation(url, model, eos, args.turns, 64)
+    if args.long_tokens:
+        found["long"] = long_prompt(url, model, eos, text)
+    if args.turns:
+        found["turns"] = conversation(url, model, eos, args.turns, 64)
     return found
 
 
@@ -216,10 +218,10 @@ def report(found: dict, args) -> int:
     print(f"{MODEL}, {args.dtype}, one server at a time; streamed greedy chat completions, {args.client_tokens} tokens")
     print("| | " + " | ".join(args.servers) + " |\n|---|" + "---|" * len(args.servers))
     rows = [(f"{num} clients", lambda r, num=num: _clients_cell(r[num])) for num in args.counts]
-    rows += [
-        ("long prompt: TTFT", lambda r: _long_cell(r["long"])),
-        (f"{args.turns}-turn conversation: TTFT first -> last", lambda r: _turns_cell(r["turns"])),
-    ]
+    if args.long_tokens:  # 0: not measured
+        rows.append(("long prompt: TTFT", lambda r: _long_cell(r["long"])))
+    if args.turns:
+        rows.append((f"{args.turns}-turn conversation: TTFT first -> last", lambda r: _turns_cell(r["turns"])))
     for label, cell in rows:
         cells = [found[s]["error"] if "error" in found[s] else cell(found[s]) for s in args.servers]
         print(f"| {label} | " + " | ".join(cells) + " |")

@@ -4,8 +4,8 @@
  *
  * Row b's query heads h = g * G .. g * G + G - 1 share key/value head g (grouped-query attention). Its keys are
  * the positions starts[b] .. columns - 1 of a strided tensor: position t of head g of row b is at
- * k + b * k_row + g * k_head + t * k_pos, its `dim` values contiguous. Values alike. The output is
- * (rows, heads, dim), contiguous. Scores are float32 whatever the input's type; the softmax subtracts each head's
+ * k + b * k_row + g * k_head + t * k_pos, its `dim` values contiguous. Values alike, with `value_dim` values
+ * (MLA's differ from its keys'). The output is (rows, heads, value_dim), contiguous. Scores are float32 whatever the input's type; the softmax subtracts each head's
  * largest score, as any attention does.
  *
  * Why not scaled_dot_product_attention: for one query token per row, torch's CPU kernel goes through its general
@@ -122,9 +122,11 @@ static float softmax_in_place(float *s, int64_t n) {
         }                                                                                                           \
     }                                                                                                               \
                                                                                                                     \
-    /* one row's key/value head g: its G query heads (float32 in q) into out (float32, G x dim) */                  \
-    static int NAME##_group(const float *q, const T *k, const T *v, int64_t k_pos, int64_t v_pos, int64_t n,        \
-                            int64_t group, int64_t dim, float scale, float *out) {                                 \
+    /* one row's key/value head: its `group` query heads (float32, group x dim) into out (float32,                  \
+       group x value_dim) over `n` positions */                                                                     \
+    static int NAME##_group(const float *q, const T *k, const T *v, const int64_t *shape, int64_t n, float scale,  \
+                            float *out) {                                                                           \
+        const int64_t group = shape[0], dim = shape[1], value_dim = shape[2], k_pos = shape[3], v_pos = shape[4];  \
         float *scores = malloc(sizeof(float) * (size_t)(group * (n > 0 ? n : 1)));                                  \
         if (scores == NULL) return 1;                                                                               \
         float inverse[MAX_GROUP];                                                                                   \
@@ -132,36 +134,39 @@ static float softmax_in_place(float *s, int64_t n) {
             NAME##_scores(q + h * dim, k, k_pos, n, dim, scale, scores + h * n);                                    \
             inverse[h] = softmax_in_place(scores + h * n, n);                                                       \
         }                                                                                                           \
-        memset(out, 0, sizeof(float) * (size_t)(group * dim));                                                      \
+        memset(out, 0, sizeof(float) * (size_t)(group * value_dim));                                               \
         for (int64_t t = 0; t < n; t++) {                                                                           \
             const T *vt = v + t * v_pos;                                                                            \
             for (int64_t h = 0; h < group; h++) {                                                                   \
-                float p = scores[h * n + t], *o = out + h * dim;                                                    \
-                for (int64_t i = 0; i < dim; i += 8) {                                                              \
+                float p = scores[h * n + t], *o = out + h * value_dim;                                              \
+                for (int64_t i = 0; i < value_dim; i += 8) {                                                        \
                     v8 x = load_f32(o + i) + p * LOAD(vt + i);                                                      \
                     memcpy(o + i, &x, sizeof x);                                                                    \
                 }                                                                                                   \
             }                                                                                                       \
         }                                                                                                           \
         for (int64_t h = 0; h < group; h++)                                                                         \
-            for (int64_t i = 0; i < dim; i++) out[h * dim + i] *= inverse[h];                                      \
+            for (int64_t i = 0; i < value_dim; i++) out[h * value_dim + i] *= inverse[h];                          \
         free(scores);                                                                                               \
         return 0;                                                                                                   \
     }                                                                                                               \
                                                                                                                     \
-    int NAME(const float *q, const T *k, const T *v, const int64_t *starts, int64_t columns, int64_t rows,      \
-             int64_t heads, int64_t kv_heads, int64_t dim, int64_t k_row, int64_t k_head, int64_t k_pos,            \
-             int64_t v_row, int64_t v_head, int64_t v_pos, float scale, int threads, float *out) {                 \
-        int64_t group = heads / kv_heads;                                                                           \
-        if (group > MAX_GROUP || group * kv_heads != heads || dim % 8) return 2;                                    \
+    /* shape: rows, heads, kv_heads, dim, value_dim, columns; strides: of keys then values, by row, head, position */ \
+    int NAME(const float *q, const T *k, const T *v, const int64_t *starts, const int64_t *shape,                   \
+             const int64_t *strides, float scale, int threads, float *out) {                                        \
+        const int64_t rows = shape[0], heads = shape[1], kv_heads = shape[2], dim = shape[3], value_dim = shape[4]; \
+        const int64_t columns = shape[5], group = heads / kv_heads;                                                 \
+        if (group > MAX_GROUP || group * kv_heads != heads || dim % 8 || value_dim % 8) return 2;                  \
+        const int64_t per_group[5] = {group, dim, value_dim, strides[2], strides[5]};                               \
         int failed = 0;                                                                                             \
-        _Pragma("omp parallel for collapse(2) schedule(dynamic) num_threads(threads) reduction(| : failed) if(threads > 1)")        \
+        _Pragma("omp parallel for collapse(2) schedule(dynamic) num_threads(threads) if(threads > 1) reduction(|:failed)") \
         for (int64_t b = 0; b < rows; b++)                                                                          \
             for (int64_t g = 0; g < kv_heads; g++) {                                                                \
-                const int64_t first = starts[b];                                                                    \
-                failed |= NAME##_group(q + (b * heads + g * group) * dim, k + b * k_row + g * k_head + first * k_pos, \
-                                       v + b * v_row + g * v_head + first * v_pos, k_pos, v_pos, columns - first,   \
-                                       group, dim, scale, out + (b * heads + g * group) * dim);                     \
+                const int64_t first = starts[b], head = b * heads + g * group;                                      \
+                const T *keys = k + b * strides[0] + g * strides[1] + first * strides[2];                           \
+                const T *values = v + b * strides[3] + g * strides[4] + first * strides[5];                         \
+                failed |= NAME##_group(q + head * dim, keys, values, per_group, columns - first, scale,             \
+                                       out + head * value_dim);                                                     \
             }                                                                                                       \
         return failed;                                                                                              \
     }

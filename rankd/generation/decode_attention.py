@@ -15,9 +15,9 @@ model and flags (a home directory shared by the nodes of a cluster holds one bui
 with ctypes. Without a compiler, or where the build fails, it is not used (`available()` says so, and why, in the
 log once) and the batch attends as before (`row_attention`). `SHARDBOOK_DECODE_ATTENTION=0` turns it off.
 
-It takes float32 or bfloat16 keys and values, computes in float32, and needs a head size that is a multiple of 8
-and at most 16 query heads per key head; `decode_attention` returns None for anything else and the caller
-falls back.
+It takes float32 or bfloat16 keys and values, computes in float32, and needs head sizes that are multiples of 8
+(the values' may differ from the keys', as MLA's do) and at most 16 query heads per key head; `decode_attention`
+returns None for anything else and the caller falls back.
 """
 
 from __future__ import annotations
@@ -54,9 +54,10 @@ def available() -> bool:
 def decode_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, starts: torch.Tensor, scale: float
 ) -> torch.Tensor | None:
-    """Attention of `query` (rows, heads, 1, dim) over `key` and `value` (rows, kv heads, columns, dim, any strides
-    with `dim` contiguous), row b over its columns `starts[b]` (int64) to the last: (rows, heads, 1, dim) in the
-    query's dtype, or None where the kernel does not apply (see the module)."""
+    """Attention of `query` (rows, heads, 1, dim) over `key` (rows, kv heads, columns, dim) and `value` (rows, kv
+    heads, columns, value dim), any strides with the last dim contiguous, row b over its columns `starts[b]`
+    (int64) to the last: (rows, heads, 1, value dim) in the query's dtype, or None where the kernel does not apply
+    (see the module)."""
     kernels = _kernels()
     kernel = kernels.get(key.dtype) if kernels else None
     if kernel is None or not _fits(query, key, value):
@@ -65,24 +66,17 @@ def decode_attention(
     q = query.reshape(rows, heads, dim)
     if q.dtype != torch.float32 or not q.is_contiguous():
         q = q.to(torch.float32).contiguous()
-    out = torch.empty(rows, heads, 1, dim, dtype=torch.float32)
-    key_strides, value_strides = key.stride(), value.stride()
+    value_dim = value.shape[3]
+    out = torch.empty(rows, heads, 1, value_dim, dtype=torch.float32)
+    shape = torch.tensor([rows, heads, key.shape[1], dim, value_dim, key.shape[2]], dtype=torch.int64)
+    strides = torch.tensor([*key.stride()[:3], *value.stride()[:3]], dtype=torch.int64)
     failed = kernel(
         q.data_ptr(),
         key.data_ptr(),
         value.data_ptr(),
         starts.data_ptr(),
-        key.shape[2],
-        rows,
-        heads,
-        key.shape[1],
-        dim,
-        key_strides[0],
-        key_strides[1],
-        key_strides[2],
-        value_strides[0],
-        value_strides[1],
-        value_strides[2],
+        shape.data_ptr(),
+        strides.data_ptr(),
         scale,
         torch.get_num_threads(),
         out.data_ptr(),
@@ -96,7 +90,7 @@ def _fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """The shapes, dtypes and layouts the kernel takes (CPU tensors, one query token, GQA within MAX_GROUP)."""
     if type(query) is not torch.Tensor or type(key) is not torch.Tensor or type(value) is not torch.Tensor:
         return False  # a DTensor or another subclass
-    if query.dim() != 4 or key.dim() != 4 or key.shape != value.shape or key.dtype != value.dtype:
+    if query.dim() != 4 or key.dim() != 4 or key.shape[:3] != value.shape[:3] or key.dtype != value.dtype:
         return False
     rows, heads, tokens, dim = query.shape
     kv_rows, kv_heads, _, kv_dim = key.shape
@@ -104,6 +98,7 @@ def _fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
         tokens == 1
         and (rows, dim) == (kv_rows, kv_dim)
         and dim % 8 == 0
+        and value.shape[3] % 8 == 0
         and heads % kv_heads == 0
         and heads // kv_heads <= MAX_GROUP
         and query.device.type == key.device.type == value.device.type == "cpu"
@@ -131,8 +126,7 @@ def _library() -> ctypes.CDLL | None:
     for dtype, name in _KERNELS.items():
         kernel = getattr(library, name)
         kernel.restype = ctypes.c_int
-        kernel.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 11 + [ctypes.c_float, ctypes.c_int]
-        kernel.argtypes += [ctypes.c_void_p]
+        kernel.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
         library.kernels[dtype] = kernel
     return library
 

@@ -47,6 +47,15 @@ def test_float32_attention_equals_torchs_over_each_rows_own_columns(mix, heads, 
     assert torch.allclose(got, want, atol=2e-6), (got - want).abs().max()
 
 
+def test_values_may_have_another_head_size_than_the_keys_as_mlas_do():
+    query, key, _, starts = batch(MIXES["one long"], 8, 8, 24)
+    value = torch.randn(*key.shape[:3], 16)
+    got = decode_attention.decode_attention(query, key, value, starts, 0.2)
+    want = padded_reference(query, key, value, starts, 0.2)
+    assert got.shape == (4, 8, 1, 16)
+    assert torch.allclose(got, want, atol=2e-6), (got - want).abs().max()
+
+
 def test_bfloat16_keys_are_read_as_they_are_and_the_output_is_bfloat16():
     query, key, value, starts = batch(MIXES["one long"], 9, 3, 64, dtype=torch.bfloat16)
     got = decode_attention.decode_attention(query, key, value, starts, 0.125)
