@@ -113,7 +113,7 @@ def test_a_batch_with_one_long_row_decodes_row_by_row_with_the_padded_logits(mod
     assert torch.allclose(split, padded, atol=5e-5), (split - padded).abs().max()
 
 
-@pytest.mark.parametrize("lengths", [LENGTHS, [40, 40, 40, 40], [40, 39, 12, 1]], ids=["long", "equal", "short"])
+@pytest.mark.parametrize("lengths", [LENGTHS, [130] * 4, [140, 139, 12, 1]], ids=["long", "equal", "short"])
 def test_the_decode_kernel_takes_every_decode_step_with_the_padded_logits(model, monkeypatch, lengths):
     if not decode_attention.available():
         pytest.skip("the decode attention kernel is not built here (no C compiler)")
@@ -151,6 +151,12 @@ def decoded_alone(model, lengths: list[int], row: int) -> torch.Tensor:
             out = model(own[:, -1:], position_ids=torch.tensor([[lengths[row] + step]]), past_key_values=cache)
             logits.append(out.logits[0, -1])
     return torch.stack(logits)
+
+
+def test_a_step_of_few_columns_in_all_stays_with_sdpa(model, monkeypatch):
+    calls = counted_sdpa(monkeypatch)
+    decoded(model, [40, 39, 12, 1], split=True)  # 4 x 43 columns, fewer than MIN_KERNEL_POSITIONS
+    assert len(calls) == (1 + STEPS) * model.config.num_hidden_layers
 
 
 def test_outside_by_rows_attention_is_transformers_own(model, monkeypatch):
