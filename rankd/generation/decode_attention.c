@@ -3,8 +3,9 @@
  * through ctypes).
  *
  * Row b's query heads h = g * G .. g * G + G - 1 share key/value head g (grouped-query attention). Its keys are
- * the positions starts[b] .. columns - 1 of a strided tensor: position t of head g of row b is at
- * k + b * k_row + g * k_head + t * k_pos, its `dim` values contiguous. Values alike, with `value_dim` values
+ * either the positions starts[b] .. columns - 1 of a strided tensor (position t of head g of row b at
+ * k + b * k_row + g * k_head + t * k_pos, its `dim` values contiguous), or its own positions in blocks of a pool
+ * (the paged cache: position t in block table[b][t / block], at t % block within it). Values alike, with `value_dim` values
  * (MLA's differ from its keys'). The output is (rows, heads, value_dim), contiguous. Scores are float32 whatever the input's type; the softmax subtracts each head's
  * largest score, as any attention does.
  *
@@ -95,6 +96,29 @@ static float softmax_in_place(float *s, int64_t n) {
     return 1.f / sum;
 }
 
+/* A row's positions for one key/value head: `n` of them, in segments of `block` positions. Strided (blocks is
+ * NULL): one segment from k (v). Paged: segment s from k + blocks[s] * k_block (v alike), in elements of `size`
+ * bytes. */
+struct row_span {
+    const void *k, *v;
+    const int64_t *blocks;
+    int64_t n, block, k_block, v_block, size;
+};
+
+static inline int64_t segment(const struct row_span *span, int64_t first) {
+    return span->n - first < span->block ? span->n - first : span->block;
+}
+
+static inline const void *span_keys(const struct row_span *span, int64_t first) {
+    if (span->blocks == NULL) return span->k;
+    return (const char *)span->k + span->blocks[first / span->block] * span->k_block * span->size;
+}
+
+static inline const void *span_values(const struct row_span *span, int64_t first) {
+    if (span->blocks == NULL) return span->v;
+    return (const char *)span->v + span->blocks[first / span->block] * span->v_block * span->size;
+}
+
 #define DEFINE_DECODE_ATTENTION(NAME, T, LOAD)                                                                     \
     /* scores of query head q against `n` keys `pos` apart, four keys at a time */                                \
     static void NAME##_scores(const float *q, const T *k, int64_t pos, int64_t n, int64_t dim, float scale,         \
@@ -122,26 +146,33 @@ static float softmax_in_place(float *s, int64_t n) {
         }                                                                                                           \
     }                                                                                                               \
                                                                                                                     \
-    /* one row's key/value head: its `group` query heads (float32, group x dim) into out (float32,                  \
-       group x value_dim) over `n` positions */                                                                     \
-    static int NAME##_group(const float *q, const T *k, const T *v, const int64_t *shape, int64_t n, float scale,  \
+    /* one row's key/value head over its positions: its `group` query heads (float32, group x dim) into out          \
+       (float32, group x value_dim). The positions are `span.n` in all, in segments of `span.block` (the last     \
+       may be shorter), segment s's keys from k_of(span, s) `k_pos` apart; values alike. */                         \
+    static int NAME##_group(const float *q, const struct row_span *span, const int64_t *shape, float scale,         \
                             float *out) {                                                                           \
         const int64_t group = shape[0], dim = shape[1], value_dim = shape[2], k_pos = shape[3], v_pos = shape[4];  \
+        const int64_t n = span->n, block = span->block;                                                             \
         float *scores = malloc(sizeof(float) * (size_t)(group * (n > 0 ? n : 1)));                                  \
         if (scores == NULL) return 1;                                                                               \
         float inverse[MAX_GROUP];                                                                                   \
         for (int64_t h = 0; h < group; h++) {                                                                       \
-            NAME##_scores(q + h * dim, k, k_pos, n, dim, scale, scores + h * n);                                    \
+            for (int64_t first = 0; first < n; first += block)                                                      \
+                NAME##_scores(q + h * dim, (const T *)span_keys(span, first), k_pos, segment(span, first), dim,     \
+                              scale, scores + h * n + first);                                                       \
             inverse[h] = softmax_in_place(scores + h * n, n);                                                       \
         }                                                                                                           \
         memset(out, 0, sizeof(float) * (size_t)(group * value_dim));                                               \
-        for (int64_t t = 0; t < n; t++) {                                                                           \
-            const T *vt = v + t * v_pos;                                                                            \
-            for (int64_t h = 0; h < group; h++) {                                                                   \
-                float p = scores[h * n + t], *o = out + h * value_dim;                                              \
-                for (int64_t i = 0; i < value_dim; i += 8) {                                                        \
-                    v8 x = load_f32(o + i) + p * LOAD(vt + i);                                                      \
-                    memcpy(o + i, &x, sizeof x);                                                                    \
+        for (int64_t first = 0; first < n; first += block) {                                                        \
+            const T *values = (const T *)span_values(span, first);                                                  \
+            for (int64_t t = 0; t < segment(span, first); t++) {                                                    \
+                const T *vt = values + t * v_pos;                                                                   \
+                for (int64_t h = 0; h < group; h++) {                                                               \
+                    float p = scores[h * n + first + t], *o = out + h * value_dim;                                  \
+                    for (int64_t i = 0; i < value_dim; i += 8) {                                                    \
+                        v8 x = load_f32(o + i) + p * LOAD(vt + i);                                                  \
+                        memcpy(o + i, &x, sizeof x);                                                                \
+                    }                                                                                               \
                 }                                                                                                   \
             }                                                                                                       \
         }                                                                                                           \
@@ -151,22 +182,33 @@ static float softmax_in_place(float *s, int64_t n) {
         return 0;                                                                                                   \
     }                                                                                                               \
                                                                                                                     \
-    /* shape: rows, heads, kv_heads, dim, value_dim, columns; strides: of keys then values, by row, head, position */ \
-    int NAME(const float *q, const T *k, const T *v, const int64_t *starts, const int64_t *shape,                   \
-             const int64_t *strides, float scale, int threads, float *out) {                                        \
+    /* shape: rows, heads, kv_heads, dim, value_dim, columns, block, table_width; strides: of keys then values, by   \
+       row (by block when paged), head, position. Without a table, row b's positions are its columns extent[b] ..    \
+       columns - 1; with one, they are extent[b] positions in the blocks table[b * table_width ...], `block` each. */ \
+    int NAME(const float *q, const T *k, const T *v, const int64_t *extent, const int64_t *table,                  \
+             const int64_t *shape, const int64_t *strides, float scale, int threads, float *out) {                 \
         const int64_t rows = shape[0], heads = shape[1], kv_heads = shape[2], dim = shape[3], value_dim = shape[4]; \
         const int64_t columns = shape[5], group = heads / kv_heads;                                                 \
         if (group > MAX_GROUP || group * kv_heads != heads || dim % 8 || value_dim % 8) return 2;                  \
+        if (table != NULL && (shape[6] < 1 || shape[6] % 4)) return 2;                                              \
         const int64_t per_group[5] = {group, dim, value_dim, strides[2], strides[5]};                               \
         int failed = 0;                                                                                             \
         _Pragma("omp parallel for collapse(2) schedule(dynamic) num_threads(threads) if(threads > 1) reduction(|:failed)") \
         for (int64_t b = 0; b < rows; b++)                                                                          \
             for (int64_t g = 0; g < kv_heads; g++) {                                                                \
-                const int64_t first = starts[b], head = b * heads + g * group;                                      \
-                const T *keys = k + b * strides[0] + g * strides[1] + first * strides[2];                           \
-                const T *values = v + b * strides[3] + g * strides[4] + first * strides[5];                         \
-                failed |= NAME##_group(q + head * dim, keys, values, per_group, columns - first, scale,             \
-                                       out + head * value_dim);                                                     \
+                const int64_t head = b * heads + g * group;                                                         \
+                struct row_span span;                                                                               \
+                if (table == NULL) {                                                                                \
+                    const int64_t first = extent[b];                                                                \
+                    span = (struct row_span){k + b * strides[0] + g * strides[1] + first * strides[2],              \
+                                             v + b * strides[3] + g * strides[4] + first * strides[5],              \
+                                             NULL, columns - first, columns > first ? columns - first : 1, 0, 0,     \
+                                             sizeof(T)};                                                            \
+                } else {                                                                                            \
+                    span = (struct row_span){k + g * strides[1], v + g * strides[4], table + b * shape[7],          \
+                                             extent[b], shape[6], strides[0], strides[3], sizeof(T)};               \
+                }                                                                                                   \
+                failed |= NAME##_group(q + head * dim, &span, per_group, scale, out + head * value_dim);            \
             }                                                                                                       \
         return failed;                                                                                              \
     }

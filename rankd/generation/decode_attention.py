@@ -58,9 +58,37 @@ def decode_attention(
     heads, columns, value dim), any strides with the last dim contiguous, row b over its columns `starts[b]`
     (int64) to the last: (rows, heads, 1, value dim) in the query's dtype, or None where the kernel does not apply
     (see the module)."""
+    if not _fits(query, key, value) or key.shape[0] != query.shape[0]:
+        return None
+    layout = [key.shape[2], 0, 0]
+    return _attend(query, key, value, starts, None, layout, scale)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    table: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor | None:
+    """Attention of `query` (rows, heads, 1, dim) over each row's own positions in a paged cache: `key_pool` (blocks,
+    kv heads, block size, dim) and `value_pool` alike (value dim), row b's `lengths[b]` positions in the blocks
+    `table[b]` (int64, rows x table width) in order. As `decode_attention` returns, or None."""
+    block = key_pool.shape[2]
+    if not _fits(query, key_pool, value_pool) or block % 4 or table.shape[0] != query.shape[0]:
+        return None
+    if table.dtype != torch.int64 or lengths.dtype != torch.int64 or not table.is_contiguous():
+        return None
+    layout = [int(lengths.max()) if lengths.numel() else 0, block, table.shape[1]]
+    return _attend(query, key_pool, value_pool, lengths, table, layout, scale)
+
+
+def _attend(query, key, value, extent, table, layout: list[int], scale: float) -> torch.Tensor | None:
+    """Call the kernel for `key`'s dtype; `layout` is (columns, block, table width) as decode_attention.c reads it."""
     kernels = _kernels()
     kernel = kernels.get(key.dtype) if kernels else None
-    if kernel is None or not _fits(query, key, value):
+    if kernel is None:
         return None
     rows, heads, _, dim = query.shape
     q = query.reshape(rows, heads, dim)
@@ -68,13 +96,14 @@ def decode_attention(
         q = q.to(torch.float32).contiguous()
     value_dim = value.shape[3]
     out = torch.empty(rows, heads, 1, value_dim, dtype=torch.float32)
-    shape = torch.tensor([rows, heads, key.shape[1], dim, value_dim, key.shape[2]], dtype=torch.int64)
+    shape = torch.tensor([rows, heads, key.shape[1], dim, value_dim, *layout], dtype=torch.int64)
     strides = torch.tensor([*key.stride()[:3], *value.stride()[:3]], dtype=torch.int64)
     failed = kernel(
         q.data_ptr(),
         key.data_ptr(),
         value.data_ptr(),
-        starts.data_ptr(),
+        extent.data_ptr(),
+        None if table is None else table.data_ptr(),
         shape.data_ptr(),
         strides.data_ptr(),
         scale,
@@ -87,16 +116,17 @@ def decode_attention(
 
 
 def _fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """The shapes, dtypes and layouts the kernel takes (CPU tensors, one query token, GQA within MAX_GROUP)."""
+    """The shapes, dtypes and layouts the kernel takes (CPU tensors, one query token, GQA within MAX_GROUP); the
+    rows are the caller's to check."""
     if type(query) is not torch.Tensor or type(key) is not torch.Tensor or type(value) is not torch.Tensor:
         return False  # a DTensor or another subclass
     if query.dim() != 4 or key.dim() != 4 or key.shape[:3] != value.shape[:3] or key.dtype != value.dtype:
         return False
-    rows, heads, tokens, dim = query.shape
-    kv_rows, kv_heads, _, kv_dim = key.shape
+    _, heads, tokens, dim = query.shape
+    _, kv_heads, _, kv_dim = key.shape
     return (
         tokens == 1
-        and (rows, dim) == (kv_rows, kv_dim)
+        and dim == kv_dim
         and dim % 8 == 0
         and value.shape[3] % 8 == 0
         and heads % kv_heads == 0
@@ -126,7 +156,7 @@ def _library() -> ctypes.CDLL | None:
     for dtype, name in _KERNELS.items():
         kernel = getattr(library, name)
         kernel.restype = ctypes.c_int
-        kernel.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
+        kernel.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
         library.kernels[dtype] = kernel
     return library
 

@@ -77,6 +77,53 @@ def test_rows_and_heads_split_over_threads_give_the_same_result():
     assert torch.equal(one, two)  # each (row, head) is summed by one thread in one order
 
 
+def paged(key, value, starts, block, spare=3):
+    """The rows' own positions of a left-padded `key` and `value` copied into pools of `block`-position blocks, in
+    a shuffled order with `spare` unused blocks among them (the paged cache's layout); the block table and lengths."""
+    rows, columns = key.shape[0], key.shape[2]
+    lengths = columns - starts
+    per_row = [-(-int(length) // block) for length in lengths]
+    order = torch.randperm(sum(per_row) + spare, generator=torch.Generator().manual_seed(7))
+    pools = [t.new_full((len(order), t.shape[1], block, t.shape[3]), float("nan")) for t in (key, value)]
+    table = torch.zeros(rows, max(per_row), dtype=torch.int64)
+    used = iter(order.tolist())
+    for row in range(rows):
+        for i in range(per_row[row]):
+            table[row, i] = number = next(used)
+            own = slice(int(starts[row]) + i * block, min(columns, int(starts[row]) + (i + 1) * block))
+            for pool, source in zip(pools, (key, value)):
+                part = source[row, :, own]
+                pool[number, :, : part.shape[1]] = part
+    return *pools, table, lengths
+
+
+@pytest.mark.parametrize("mix", MIXES, ids=list(MIXES))
+@pytest.mark.parametrize("block", [16, 4])
+def test_paged_attention_reads_each_rows_blocks_in_order_and_nothing_else(mix, block):
+    query, key, value, starts = batch(MIXES[mix], 9, 3, 64)
+    key_pool, value_pool, table, lengths = paged(key, value, starts, block)
+    got = decode_attention.paged_decode_attention(query, key_pool, value_pool, table, lengths, 0.125)
+    want = padded_reference(query, key, value, starts, 0.125)
+    assert got.shape == want.shape
+    assert torch.allclose(got, want, atol=2e-6), (got - want).abs().max()  # the unused (NaN) positions never read
+
+
+def test_paged_attention_takes_bfloat16_pools_and_mla_value_sizes():
+    query, key, _, starts = batch(MIXES["one long"], 8, 8, 24, dtype=torch.bfloat16)
+    value = torch.randn(*key.shape[:3], 16).to(torch.bfloat16)
+    key_pool, value_pool, table, lengths = paged(key, value, starts, 16)
+    got = decode_attention.paged_decode_attention(query, key_pool, value_pool, table, lengths, 0.2)
+    want = padded_reference(query, key, value, starts, 0.2)
+    assert got.dtype == torch.bfloat16 and got.shape == (4, 8, 1, 16)
+    assert torch.allclose(got.float(), want, atol=1e-2), (got.float() - want).abs().max()
+
+
+def test_paged_attention_with_blocks_of_a_size_not_a_multiple_of_4_falls_back():
+    query, key, value, starts = batch([16, 8], 6, 3, 16)
+    key_pool, value_pool, table, lengths = paged(key, value, starts, 6)
+    assert decode_attention.paged_decode_attention(query, key_pool, value_pool, table, lengths, 0.25) is None
+
+
 def test_a_nan_stays_in_its_own_row():
     query, key, value, starts = batch([20, 20, 20], 4, 2, 16)
     value[1, 0, 5, 3] = float("nan")
