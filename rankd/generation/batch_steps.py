@@ -44,6 +44,7 @@ from shardbook.rankd.generation.cache_rows import (
 )
 from shardbook.rankd.generation.growing_layers import grow_in_place, kept_order
 from shardbook.rankd.generation.intervention_state import Rows, applied_to, take_failure
+from shardbook.rankd.generation.paged_layers import block_table, page, paged_refusal
 from shardbook.rankd.generation.prefix_store import BLOCK_TOKENS, prefix_store
 from shardbook.rankd.generation.row_attention import by_rows
 from shardbook.rankd.parallel.tp_modules import logits_on_first_rank_only
@@ -168,13 +169,16 @@ class BatchState:
 
     def append(self, cache: Any, mask: torch.Tensor) -> None:
         """Add the rows of `cache` (a left-padded prefill; `mask` (rows, columns) is 1 on its real tokens)."""
+        lengths = mask.sum(1).tolist()
         if self.cache is None:
+            if paged_refusal(self.model, self.device) is None:
+                page(cache, lengths, self.model)  # each row's positions in blocks: its memory follows its own length
             grow_in_place(cache)  # decode steps write into room after each layer's positions, not copy them
             self.cache, self.mask, self.next_pos = cache, mask, mask.sum(1)
             return
         columns = max(self.mask.shape[1], mask.shape[1])
         pad_batch, pad_new = columns - self.mask.shape[1], columns - mask.shape[1]
-        append_rows(self.cache, cache, columns)
+        append_rows(self.cache, cache, columns, lengths)
         self.mask = torch.cat(
             [torch.nn.functional.pad(self.mask, (pad_batch, 0)), torch.nn.functional.pad(mask, (pad_new, 0))]
         )
@@ -243,12 +247,11 @@ def _logits_where_sampled(plan: StepPlan) -> AbstractContextManager:
 
 def keep_blocks(state: BatchState, plan: StepPlan) -> None:
     """Keep the plan's leaving rows' blocks or end states in the prefix store (before they are dropped); a row's
-    real tokens are the last columns of its cache."""
-    columns = 0 if state.mask is None else state.mask.shape[1]
+    real tokens are the last positions of its cache."""
     for row, keys in plan.keep:
         tokens = int(state.next_pos[row])
         assert len(keys) * BLOCK_TOKENS <= tokens, "the plan keeps more blocks than the row holds"
-        state.prefixes.keep(state.cache, row, columns - tokens, keys)
+        state.prefixes.keep(state.cache, row, tokens, keys)
     for row, key, cost in plan.keep_ends:
         state.prefixes.keep_end(state.cache, row, int(state.next_pos[row]), key, cost)
 
@@ -315,6 +318,9 @@ def _decode(state: BatchState, tokens: list[int], intervened: list[int], keep_lo
     assert state.cache is not None and len(tokens) == state.rows, "the plan does not match the batch"
     device, columns = state.device, state.mask.shape[1]
     state.mask = torch.cat([state.mask, torch.ones(state.rows, 1, dtype=torch.long, device=device)], dim=1)
+    table = block_table(state.cache)
+    if table is not None:
+        table.begin_step()
     with applied_to(state.model, Rows(tuple(intervened), state.rows, 1)), by_rows():
         out = state.model(
             input_ids=torch.tensor(tokens, device=device).view(-1, 1),
@@ -325,6 +331,8 @@ def _decode(state: BatchState, tokens: list[int], intervened: list[int], keep_lo
             cache_position=torch.arange(columns, columns + 1, device=device),
         )
     state.next_pos = state.next_pos + 1
+    if table is not None:
+        table.end_step()
     return out.logits[:, -1].float() if keep_logits else None
 
 

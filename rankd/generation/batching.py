@@ -60,6 +60,7 @@ from shardbook.rankd.generation.batch_steps import (
     follow_batch,
 )
 from shardbook.rankd.generation.growing_layers import kept_order
+from shardbook.rankd.generation.paged_layers import PAGE_TOKENS, paged_refusal
 from shardbook.rankd.generation.prefix_store import BLOCK_TOKENS, block_keys, end_cost, end_key, reuse_kind
 from shardbook.rankd.generation.reply_text import reply_decoder
 from shardbook.rankd.generation.sampling import NonFiniteScores, next_token, pick_tokens
@@ -118,6 +119,8 @@ class BatchScheduler:
         self._prefix_blocks = 0
         self._reuse: str | None = None
         """How the running model reuses kept caches (`prefix_store.reuse_kind`), None when it does not."""
+        self._paged = False
+        """Whether the running model's batch cache is paged (`paged_layers`): each row holds its own blocks."""
         self.lock = threading.Lock()
         self.arrived = threading.Condition(self.lock)
         """Notified by `submit` (under `lock`), for `_settle`."""
@@ -209,6 +212,7 @@ class BatchScheduler:
         self.prefilling = None
         self.prefix_store = state.prefixes
         self._reuse = reuse_kind(model) if self.prefix_tokens >= BLOCK_TOKENS else None
+        self._paged = paged_refusal(model, device) is None
         self._prefix_blocks = self.prefix_tokens // BLOCK_TOKENS if self._reuse else 0
         with torch.no_grad():
             while True:
@@ -449,12 +453,15 @@ class BatchScheduler:
 
     def _cache_holds(self, rows: list[RunningSequence], request: SequenceRequest) -> bool:
         """Whether the batch's KV cache stays within `cache_tokens` with `request` joining `rows`, until each
-        row has its prompt and all its max_tokens. The cache is left-padded: it holds (rows) x (the longest row)
-        tokens, and no row grows beyond its reach. An empty batch takes any request `check` let through."""
+        row has its prompt and all its max_tokens (no row grows beyond its reach). A paged cache holds each row's
+        blocks (its reach, in whole blocks); a left-padded one (rows) x (the longest row) tokens. An empty batch
+        takes any request `check` let through."""
         if self.cache_tokens is None or not rows:
             return True
-        longest = max(reach(request), *(reach(seq.handle.request) for seq in rows))
-        return (len(rows) + 1) * longest <= self.cache_tokens[0]
+        reaches = [reach(request), *(reach(seq.handle.request) for seq in rows)]
+        if self._paged:
+            return sum(-(-length // PAGE_TOKENS) * PAGE_TOKENS for length in reaches) <= self.cache_tokens[0]
+        return len(reaches) * max(reaches) <= self.cache_tokens[0]
 
     def _prefilled(self, seq: RunningSequence, logits: torch.Tensor) -> None:
         """Take a whole prompt's logits (every position's when it is scored, else the last one)."""

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 
 from shardbook.rankd.generation.growing_layers import join_rows, keep_rows, layer_kind
+from shardbook.rankd.generation.paged_layers import append_paged_rows, block_table, is_paged
+from shardbook.rankd.generation.paged_layers import row_positions as paged_row_positions
 
 _FULL = (("keys", 0, 2), ("values", 0, 2))
 _FIELDS: dict[str, tuple[tuple[str, int, int], ...]] = {
@@ -71,9 +73,14 @@ def check_batchable(cache: Any) -> None:
 def select_rows(cache: Any, order: list[int], columns: int) -> None:
     """Keep the rows `order` of `cache` (`growing_layers.kept_order`: each new row's index before), and only its
     last `columns` columns (the others are padding in every row). A tensor that grows in place moves only the rows
-    that change places; the others are copied."""
+    that change places; the others are copied. Paged layers (`paged_layers`) give the leaving rows' blocks back."""
     index = torch.tensor(order, device=_device(cache))
+    table = block_table(cache)
+    if table is not None:
+        table.keep(order)
     for layer in cache.layers:
+        if is_paged(layer):
+            continue
         kept = _kept(layer, columns)
         for name, row_dim, seq_dim in position_fields(layer):
             if row_dim == 0 and keep_rows(layer, name, order, kept, seq_dim):
@@ -86,10 +93,16 @@ def select_rows(cache: Any, order: list[int], columns: int) -> None:
         set_length(layer, columns)
 
 
-def append_rows(cache: Any, other: Any, columns: int) -> None:
-    """Append the rows of `other` (a prefill of the same model) to `cache`, both left-padded to `columns`. A tensor
-    that grows in place takes the new rows into its room; the others are copied."""
+def append_rows(cache: Any, other: Any, columns: int, lengths: list[int] | None = None) -> None:
+    """Append the rows of `other` (a prefill of the same model, its rows holding `lengths` positions) to `cache`,
+    both left-padded to `columns`. A tensor that grows in place takes the new rows into its room, paged layers
+    write them into new blocks; the others are copied."""
+    if block_table(cache) is not None:
+        assert lengths is not None, "a paged cache's new rows need their lengths"
+        append_paged_rows(cache, other, lengths)
     for mine, theirs in zip(cache.layers, other.layers):
+        if is_paged(mine):
+            continue
         kept = _kept(mine, columns)
         for name, row_dim, seq_dim in position_fields(mine):
             new = getattr(theirs, name)
@@ -106,6 +119,8 @@ def append_rows(cache: Any, other: Any, columns: int) -> None:
 def _device(cache: Any) -> torch.device:
     """Where `cache`'s tensors are (its first held field's device)."""
     for layer in cache.layers:
+        if is_paged(layer):
+            return layer.key_pool.device
         for name, _, _ in position_fields(layer):
             return getattr(layer, name).device
         for states, _ in _states(layer, layer):
@@ -159,8 +174,18 @@ def set_length(layer: Any, columns: int) -> None:
 
 def position_fields(layer: Any) -> list[tuple[str, int, int]]:
     """The layer's grown tensors that it holds, as (attribute, row dim, sequence dim) (an indexer layer that shares
-    another's top-k keeps no keys)."""
+    another's top-k keeps no keys; a paged layer's are read through `row_positions`)."""
+    if is_paged(layer):
+        return list(_FULL)
     return [field for field in grown_fields(layer) if getattr(layer, field[0], None) is not None]
+
+
+def row_positions(layer: Any, name: str, row_dim: int, row: int) -> torch.Tensor:
+    """The batch's `row` of the layer's tensor `name` (its row dim taken out), whose last positions are the row's
+    own: left-padded to the batch's columns, or (a paged layer) the row's own positions alone, copied."""
+    if is_paged(layer):
+        return paged_row_positions(layer, name, row)
+    return getattr(layer, name).select(row_dim, row)
 
 
 def grown_fields(layer: Any) -> tuple[tuple[str, int, int], ...]:

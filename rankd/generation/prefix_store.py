@@ -39,6 +39,7 @@ from shardbook.rankd.generation.cache_rows import (
     grown_fields,
     layer_refusal,
     position_fields,
+    row_positions,
     row_states,
     set_length,
     set_states,
@@ -123,22 +124,26 @@ class PrefixStore:
                 },
             )
 
-    def keep(self, cache: Any, row: int, start: int, keys: list[int]) -> None:
-        """Keep the blocks of `keys` of the batch's `row`, whose first block starts at column `start`: a copy of
-        each block not kept yet (the batch's cache is dropped or rewritten later), a touch of the others."""
-        for i, key in enumerate(keys):
-            if key in self.blocks:
-                continue
-            first = start + i * BLOCK_TOKENS
-            self.blocks[key] = [
+    def keep(self, cache: Any, row: int, tokens: int, keys: list[int]) -> None:
+        """Keep the blocks of `keys` of the batch's `row`, which holds `tokens` tokens (its last positions, the
+        first block first): a copy of each block not kept yet (the batch's cache is dropped or rewritten later), a
+        touch of the others."""
+        new = [i for i, key in enumerate(keys) if key not in self.blocks]
+        if new:
+            rows = [
                 {
-                    name: getattr(layer, name)
-                    .select(row_dim, row)
-                    .narrow(_row_seq_dim(row_dim, seq_dim), first, BLOCK_TOKENS)
-                    .clone()
+                    name: (row_positions(layer, name, row_dim, row), _row_seq_dim(row_dim, seq_dim))
                     for name, row_dim, seq_dim in position_fields(layer)
                 }
                 for layer in cache.layers
+            ]
+        for i in new:
+            self.blocks[keys[i]] = [
+                {
+                    name: tensor.narrow(dim, tensor.shape[dim] - tokens + i * BLOCK_TOKENS, BLOCK_TOKENS).clone()
+                    for name, (tensor, dim) in layer.items()
+                }
+                for layer in rows
             ]
             self.stats["stored_blocks"] += 1
         self._touch(keys)
@@ -229,10 +234,10 @@ def end_cost(cache: Any, row: int, tokens: int) -> int:
     held = sum(t.numel() * t.element_size() for layer in positions for t in layer.values())
     held += sum(t.numel() * t.element_size() for layer in states for kind in layer.values() for t in kind.values())
     per_position = sum(
-        t.numel() // max(1, t.shape[row_dim] * t.shape[seq_dim]) * t.element_size()
+        t.numel() // max(1, t.shape[_row_seq_dim(row_dim, seq_dim)]) * t.element_size()
         for layer in cache.layers
         for name, row_dim, seq_dim in position_fields(layer)
-        for t in (getattr(layer, name),)
+        for t in (row_positions(layer, name, row_dim, row),)
     )
     return max(1, -(-held // max(1, per_position * BLOCK_TOKENS)))
 
@@ -250,7 +255,7 @@ def _row_copy(
     for layer in cache.layers:
         fields = {}
         for name, row_dim, seq_dim in position_fields(layer):
-            tensor = getattr(layer, name).select(row_dim, row)
+            tensor = row_positions(layer, name, row_dim, row)
             dim = _row_seq_dim(row_dim, seq_dim)
             held = min(tokens, tensor.shape[dim])
             tensor = tensor.narrow(dim, tensor.shape[dim] - held, held)

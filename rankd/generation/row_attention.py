@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from shardbook.rankd.generation import decode_attention
+from shardbook.rankd.generation import decode_attention, paged_layers
 
 PADDED_SHARE = 0.25
 """Attend row by row only when at least this share of the rows' columns is padding (row by row costs ~1.1x the
@@ -61,7 +61,8 @@ def by_rows() -> Iterator[None]:
     install()
     token = _BY_ROWS.set({})
     try:
-        yield
+        with paged_layers.markers_expected():
+            yield
     finally:
         _BY_ROWS.reset(token)
 
@@ -100,6 +101,12 @@ def _sdpa_maybe_by_rows(module: Any, query: torch.Tensor, key: torch.Tensor, val
     the C kernel where it applies, else once per row over the row's own columns where `row_starts` says so."""
     sdpa = _SDPA["sdpa"]
     mask, args = (args[0], args[1:]) if args else (kw.pop("attention_mask", None), ())
+    paged = paged_layers.take_markers(key, value)
+    if paged is not None:
+        out = paged.attend(query, _scale(query, kw)) if not args and _plain(kw) else None
+        if out is not None:
+            return out.transpose(1, 2), None
+        key, value = paged.padded()
     memo = _BY_ROWS.get()
     if memo is None or args or not _plain(kw):
         return sdpa(module, query, key, value, mask, *args, **kw)
@@ -135,6 +142,11 @@ def _through_kernel(query, key, value, mask, scaling: float | None, memo: dict) 
     starts = memo[index][1]
     if starts is None:
         return None
-    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    out = decode_attention.decode_attention(query, key, value, starts, scale)
+    out = decode_attention.decode_attention(query, key, value, starts, _scale(query, {"scaling": scaling}))
     return None if out is None else out.transpose(1, 2)
+
+
+def _scale(query: torch.Tensor, kw: dict[str, Any]) -> float:
+    """The attention's scale: the module's `scaling`, else 1 / sqrt(head size) as `sdpa` takes it."""
+    scaling = kw.get("scaling")
+    return query.shape[-1] ** -0.5 if scaling is None else scaling

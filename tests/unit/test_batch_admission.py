@@ -16,7 +16,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny import make_tiny_llama
 
+from shardbook.rankd.generation import decode_attention, paged_layers
 from shardbook.rankd.generation.batching import BatchLimitError, BatchScheduler, SequenceRequest
+from shardbook.rankd.generation.paged_layers import PAGE_TOKENS
 
 
 @pytest.fixture(scope="module")
@@ -87,14 +89,40 @@ def _two_requests_under_a_budget(model, tokenizer, cache_tokens: int) -> tuple[l
     return rows, [len(h.wait(10).token_ids) for h in handles]
 
 
-def test_requests_decode_together_only_while_the_kv_cache_budget_holds_them(model_and_tokenizer) -> None:
-    """Each request may reach 11 tokens of cache: with room for 22 they decode together, with 21 one after the
-    other (the second waits, it is not refused), and both replies are whole."""
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "left-padded"])
+def test_requests_decode_together_only_while_the_kv_cache_budget_holds_them(model_and_tokenizer, paged, monkeypatch):
+    """Each request may reach 11 tokens of cache, one block of 16 when paged: with room for two they decode
+    together, with one less one after the other (the second waits, it is not refused), and both replies are whole."""
+    if paged and not decode_attention.available():
+        pytest.skip("no C compiler here: nothing is paged")
+    if not paged:
+        monkeypatch.setenv(paged_layers.SWITCH, "0")
     model, tokenizer = model_and_tokenizer
-    rows, lengths = _two_requests_under_a_budget(model, tokenizer, cache_tokens=22)
+    room = 2 * PAGE_TOKENS if paged else 22
+    rows, lengths = _two_requests_under_a_budget(model, tokenizer, cache_tokens=room)
     assert rows == [2] * 6 and lengths == [6, 6], rows
-    rows, lengths = _two_requests_under_a_budget(model, tokenizer, cache_tokens=21)
+    rows, lengths = _two_requests_under_a_budget(model, tokenizer, cache_tokens=room - 1)
     assert rows == [1] * 12 and lengths == [6, 6], rows
+
+
+def test_a_paged_batch_holds_a_long_request_beside_short_ones_where_padding_would_not(model_and_tokenizer, monkeypatch):
+    """Requests that reach 100 and 2 x 11 tokens under a budget of 160: paged, they take 112 + 2 x 16 and decode
+    together; left-padded, three rows of 100 do not fit, so the short ones wait for the long one to end."""
+    if not decode_attention.available():
+        pytest.skip("no C compiler here: nothing is paged")
+    model, tokenizer = model_and_tokenizer
+    short = tokenizer("one two three four five")["input_ids"][:5]
+
+    def rows_of_each_forward() -> list[int]:
+        scheduler = BatchScheduler(tokenizer, cache_tokens=(160, "a test budget"))
+        prompts = [(short * 18)[:90], short, short]
+        for prompt, tokens in zip(prompts, (10, 6, 6)):
+            scheduler.submit(SequenceRequest(prompt_ids=prompt, max_new_tokens=tokens, ignore_eos=True))
+        return _rows_of_each_forward(model, lambda: scheduler.run(model, "cpu"))
+
+    assert max(rows_of_each_forward()) == 3
+    monkeypatch.setenv(paged_layers.SWITCH, "0")
+    assert max(rows_of_each_forward()) == 2  # the long row, then the two short ones together
 
 
 def test_a_request_beyond_the_kv_cache_budget_is_refused_before_it_runs(model_and_tokenizer) -> None:

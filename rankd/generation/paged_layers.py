@@ -1,0 +1,344 @@
+"""The running batch's full-attention layers in blocks: each row's keys and values take blocks of `PAGE_TOKENS`
+positions from a pool, so a row's memory follows its own length, and joins and leaves move no cache data.
+
+The left-padded layout (`growing_layers`) gives every row the longest row's columns: one 8,000-token prompt among
+short chat turns makes every row hold 8,000 positions, and a leave moves rows. Here each layer keeps two pools,
+(blocks, kv heads, `PAGE_TOKENS`, head size) for keys and for values, and one :class:`BlockTable` shared by the
+cache's layers (a position is in the same block on every layer) says which blocks hold each row's positions, in
+order. A decode step takes a new block for a row whose last block is full (`begin_step`) and every layer writes
+its new key and value at the row's next position; a join writes only the new rows' positions into blocks taken
+for them; a leave gives its blocks back. Only when the pools are used up are they copied into larger ones (1/8
+more, as the growing buffers are).
+
+Attention reads the blocks through the C kernel (`decode_attention.paged_decode_attention`): a layer's `update`
+returns stand-ins for the padded keys and values (`Marker`s, empty tensors of the padded shape) that the batch's
+`sdpa` entry (`row_attention`) recognises and attends through the block table instead. A call the kernel does not
+take (attention sinks, a soft cap, a head size it does not take) gets the padded keys gathered from the blocks for
+that call. MLA (DeepSeek-V3, Kimi-K2) caches its compressed latents and expands them into keys and values after
+the cache, so its attention never sees the cache's tensors: its layers hand the expansion the rows' latents
+gathered, left-padded (a copy of the latents each step, small beside the expansion that follows it), and its memory
+still follows each row's length. A forward that does not pass the stand-ins to attention unchanged fails its step
+with a clear error rather than attending to them (`markers_expected`).
+
+The batch pages a model only where this pays and holds (`paged_refusal`): on a CPU with the kernel built, under
+transformers' `sdpa`, with full attention (or MLA's latents, stored alike) on every layer that holds positions
+(linear-attention states, which hold none, beside them: Qwen3-Next). Sliding windows and the sparse-attention
+indexer's keys stay in the growing layout. A paged layer has no `keys` or `values` tensor: rows are read with
+`row_positions`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import weakref
+from collections.abc import Iterator
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+
+from shardbook.rankd.generation import decode_attention
+from shardbook.rankd.generation.growing_layers import ROOM_SHARE, layer_kind
+
+PAGE_TOKENS = 16
+"""Positions per block (a multiple of 4, the kernel's step through keys; the prefix store's block size)."""
+MIN_BLOCKS = 64
+"""Blocks a pool grows by at least."""
+SWITCH = "SHARDBOOK_PAGED_CACHE"
+_PAGED_KINDS = {"DynamicLayer", "LinearAttentionLayer"}
+"""Cache layer kinds a paged cache may hold: full attention (paged) and states without positions (as they are)."""
+
+
+class BlockTable:
+    """Which pool blocks hold each row's positions: shared by every paged layer of one batch cache."""
+
+    def __init__(self) -> None:
+        self.blocks: list[list[int]] = []
+        """Per row, its blocks in order."""
+        self.lengths = torch.zeros(0, dtype=torch.int64)
+        """Per row, the positions it holds."""
+        self.free: list[int] = []
+        self.capacity = 0
+        """Blocks in each layer's pools (grown by `_take`; a layer grows its pools to it as it writes)."""
+        self.width = 0
+        """The batch's columns (its longest row) before a step: what its layers report as their length."""
+        self.write_at: tuple[torch.Tensor, torch.Tensor] | None = None
+        """The step's new position per row, as (block, offset within it), set by `begin_step`."""
+        self._table: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def held_blocks(self) -> int:
+        return sum(len(blocks) for blocks in self.blocks)
+
+    @property
+    def table(self) -> torch.Tensor:
+        """(rows, most blocks of a row) int64: row b's blocks in order, then 0 (never read: past its length)."""
+        if self._table is None:
+            widest = max((len(blocks) for blocks in self.blocks), default=0)
+            rows = [blocks + [0] * (widest - len(blocks)) for blocks in self.blocks]
+            self._table = torch.tensor(rows, dtype=torch.int64).view(self.rows, widest)
+        return self._table
+
+    def add_rows(self, lengths: list[int]) -> list[list[int]]:
+        """Take blocks for new rows of `lengths` positions, after the others; each new row's blocks."""
+        new = [self._take(-(-length // PAGE_TOKENS)) for length in lengths]
+        self.blocks += new
+        self.lengths = torch.cat([self.lengths, torch.tensor(lengths, dtype=torch.int64)])
+        self.width = max(self.width, *lengths)
+        self._table = None
+        return new
+
+    def keep(self, order: list[int]) -> None:
+        """Keep the rows `order` (each new row's index before, `growing_layers.kept_order`); the others' blocks are
+        free again."""
+        kept = set(order)
+        for row, blocks in enumerate(self.blocks):
+            if row not in kept:
+                self.free += blocks
+        self.blocks = [self.blocks[row] for row in order]
+        self.lengths = self.lengths[torch.tensor(order, dtype=torch.int64)]
+        self.width = int(self.lengths.max()) if order else 0
+        self._table = None
+
+    def begin_step(self) -> None:
+        """Before a decode step: a new block for each row whose blocks are full, and the position each row writes
+        (`write_at`); every row then holds one position more."""
+        lengths = self.lengths.tolist()
+        for row, length in enumerate(lengths):
+            if length % PAGE_TOKENS == 0:
+                self.blocks[row] += self._take(1)
+                self._table = None
+        block = torch.tensor([self.blocks[row][length // PAGE_TOKENS] for row, length in enumerate(lengths)])
+        self.write_at = block, self.lengths % PAGE_TOKENS
+        self.lengths = self.lengths + 1
+
+    def end_step(self) -> None:
+        """After a decode step's forward: the batch is one column wider."""
+        self.width += 1
+        self.write_at = None
+
+    def _take(self, count: int) -> list[int]:
+        if len(self.free) < count:
+            more = max(count - len(self.free), self.capacity // ROOM_SHARE, MIN_BLOCKS)
+            self.free += range(self.capacity + more - 1, self.capacity - 1, -1)  # the lowest numbers taken first
+            self.capacity += more
+        taken, self.free = self.free[-count:] if count else [], self.free[: len(self.free) - count]
+        return taken[::-1]
+
+
+def paged_refusal(model: Any, device: torch.device) -> str | None:
+    """Why the batch keeps `model`'s cache left-padded rather than in blocks, or None when it pages it."""
+    if os.environ.get(SWITCH, "1") == "0":
+        return f"{SWITCH}=0"
+    if device.type != "cpu":
+        return f"the paged cache's attention is a CPU kernel; the model is on {device.type}"
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return "the paged cache attends through the sdpa attention entry; the model uses another"
+    kinds = _cache_kinds(model)
+    if "DynamicLayer" not in kinds or not kinds <= _PAGED_KINDS:
+        return f"the model's cache has {', '.join(sorted(kinds - _PAGED_KINDS))} layers, which are not paged"
+    if not decode_attention.available():
+        return "the decode-attention kernel is not built here (no C compiler)"
+    return None
+
+
+def page(cache: Any, lengths: list[int], model: Any) -> BlockTable:
+    """Make the full-attention layers of `cache` (a left-padded prefill of `model`, its rows holding `lengths`
+    positions) paged, their positions copied into blocks of one new block table."""
+    table, stand_ins = BlockTable(), attends_to_cached_tensors(model)
+    blocks = table.add_rows(lengths)
+    for layer in cache.layers:
+        if layer_kind(layer) == "DynamicLayer":
+            keys, values = layer.__dict__.pop("keys"), layer.__dict__.pop("values")
+            layer.__class__ = _paged(type(layer))
+            layer.block_table, layer.stand_ins = table, stand_ins
+            layer.key_pool, layer.value_pool = _empty_pool(keys, table), _empty_pool(values, table)
+            layer.write_rows(keys, values, lengths, blocks)
+    return table
+
+
+def attends_to_cached_tensors(model: Any) -> bool:
+    """Whether `model`'s attention takes the keys and values its cache returns as they are (not MLA, which expands
+    its cached latents first)."""
+    return getattr(model.config, "kv_lora_rank", None) is None
+
+
+def block_table(cache: Any) -> BlockTable | None:
+    """The block table of `cache` when its layers are paged."""
+    for layer in cache.layers:
+        if is_paged(layer):
+            return layer.block_table
+    return None
+
+
+def is_paged(layer: Any) -> bool:
+    return "key_pool" in layer.__dict__
+
+
+def append_paged_rows(cache: Any, other: Any, lengths: list[int]) -> None:
+    """Add the rows of `other` (a left-padded prefill of the same model, its rows holding `lengths` positions) to
+    the paged layers of `cache`, after its rows: blocks taken for them, their positions written there."""
+    table = block_table(cache)
+    blocks = table.add_rows(lengths)
+    for mine, theirs in zip(cache.layers, other.layers):
+        if is_paged(mine):
+            mine.write_rows(theirs.keys, theirs.values, lengths, blocks)
+
+
+def row_positions(layer: Any, name: str, row: int) -> torch.Tensor:
+    """A paged layer's `row`'s own positions of `name` ("keys" or "values"), (kv heads, its length, head size): a
+    copy."""
+    pool = layer.key_pool if name == "keys" else layer.value_pool
+    table = layer.block_table
+    length, blocks = int(table.lengths[row]), table.blocks[row]
+    held = pool[torch.tensor(blocks, dtype=torch.int64)].transpose(0, 1)  # (kv heads, blocks, block, size)
+    return held.reshape(pool.shape[1], len(blocks) * PAGE_TOKENS, pool.shape[3])[:, :length]
+
+
+_MARKERS: ContextVar[dict | None] = ContextVar("shardbook_paged_markers", default=None)
+"""Inside `markers_expected`: each stand-in a paged layer's update returned and attention has not taken yet, by id."""
+
+
+@contextlib.contextmanager
+def markers_expected() -> Iterator[None]:
+    """The forwards inside hand attention stand-ins for a paged layer's keys and values (`take_markers` reads
+    them); raise at the end if one was not taken, which means the model changed its keys on the way (its
+    attention read an empty stand-in, so the step's output is not to be used)."""
+    pending: dict = {}
+    token = _MARKERS.set(pending)
+    try:
+        yield
+    finally:
+        _MARKERS.reset(token)
+    if pending:
+        raise RuntimeError(
+            "the batch's paged cache handed this model's attention stand-ins for its keys and values, and the model "
+            "changed them before attending, so their blocks could not be read: this model cannot decode from the "
+            f"paged cache; set {SWITCH}=0 in the kernel's environment to keep its cache left-padded"
+        )
+
+
+def take_markers(key: torch.Tensor, value: torch.Tensor) -> Any:
+    """The paged layer whose stand-ins `key` and `value` are (they are taken), or None when they are tensors."""
+    pending = _MARKERS.get()
+    entry = None if pending is None else pending.get(id(key))
+    if entry is None or entry[0] is not key or entry[1] is not value:
+        return None
+    del pending[id(key)]
+    return entry[2]
+
+
+def _empty_pool(like: torch.Tensor, table: BlockTable) -> torch.Tensor:
+    return like.new_empty(table.capacity, like.shape[1], PAGE_TOKENS, like.shape[3])
+
+
+@functools.cache
+def _paged(base: type) -> type:
+    members = {
+        "grows_in_place_of": base.__name__,
+        "keys": property(_no_padded_tensor),
+        "values": property(_no_padded_tensor),
+        "update": _update,
+        "get_seq_length": lambda self: self.block_table.width,
+        "write_rows": _write_rows,
+        "padded": _padded,
+        "attend": _attend,
+    }
+    return type(f"Paged{base.__name__}", (base,), members)
+
+
+def _no_padded_tensor(self) -> torch.Tensor:
+    raise RuntimeError(
+        "the batch's paged cache holds no left-padded keys or values; read a row with paged_layers.row_positions"
+    )
+
+
+def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    """A decode step's keys and values (one position per row) written at each row's next position
+    (`BlockTable.begin_step`); stand-ins for the padded keys and values inside `markers_expected` where the model
+    attends to them as they are, else those, gathered."""
+    table = self.block_table
+    if table.write_at is None or key_states.shape[2] != 1 or key_states.shape[0] != table.rows:
+        raise RuntimeError("a paged batch cache takes only the batch's decode steps (one position per row)")
+    _fit_pools(self)
+    block, offset = table.write_at
+    self.key_pool[block, :, offset] = key_states[:, :, 0]
+    self.value_pool[block, :, offset] = value_states[:, :, 0]
+    pending = _MARKERS.get()
+    if pending is None or not self.stand_ins:
+        return self.padded()
+    markers = tuple(_marker(pool, table) for pool in (self.key_pool, self.value_pool))
+    pending[id(markers[0])] = (*markers, self)
+    return markers
+
+
+def _marker(pool: torch.Tensor, table: BlockTable) -> torch.Tensor:
+    """An empty tensor of the padded shape (rows, kv heads, columns, head size) that owns no memory."""
+    return pool.new_zeros(()).expand(table.rows, pool.shape[1], int(table.lengths.max()), pool.shape[3])
+
+
+def _attend(self, query: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """The decode step's attention over each row's blocks, (rows, heads, 1, value size); None where the kernel
+    does not take it."""
+    table = self.block_table
+    return decode_attention.paged_decode_attention(
+        query, self.key_pool, self.value_pool, table.table, table.lengths, scale
+    )
+
+
+def _padded(self) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' keys and values left-padded to the longest row (zeros before a row's positions), gathered."""
+    table = self.block_table
+    columns = int(table.lengths.max())
+    own = torch.arange(columns)[None, :] - (columns - table.lengths)[:, None]  # each column's own position
+    padding = own < 0
+    own = own.clamp(min=0)
+    blocks, offsets = table.table.gather(1, own // PAGE_TOKENS), own % PAGE_TOKENS
+    gathered = []
+    for pool in (self.key_pool, self.value_pool):
+        rows = pool[blocks, :, offsets].masked_fill(padding[:, :, None, None], 0)  # (rows, columns, heads, size)
+        gathered.append(rows.transpose(1, 2))
+    return gathered[0], gathered[1]
+
+
+def _write_rows(self, keys: torch.Tensor, values: torch.Tensor, lengths: list[int], blocks: list[list[int]]):
+    """Write rows of left-padded `keys` and `values` (rows, kv heads, columns, size), holding `lengths` positions,
+    into their `blocks` (the table's newest rows)."""
+    _fit_pools(self)
+    for pool, source in ((self.key_pool, keys), (self.value_pool, values)):
+        for row, (length, taken) in enumerate(zip(lengths, blocks)):
+            own = source[row, :, source.shape[2] - length :]
+            whole = length // PAGE_TOKENS
+            if whole:
+                parts = own[:, : whole * PAGE_TOKENS].reshape(own.shape[0], whole, PAGE_TOKENS, own.shape[2])
+                pool.index_copy_(0, torch.tensor(taken[:whole]), parts.transpose(0, 1))
+            if length % PAGE_TOKENS:
+                pool[taken[whole], :, : length % PAGE_TOKENS] = own[:, whole * PAGE_TOKENS :]
+
+
+def _fit_pools(layer: Any) -> None:
+    """Grow the layer's pools to the block table's capacity (a copy, only when the table took more blocks)."""
+    capacity = layer.block_table.capacity
+    for name in ("key_pool", "value_pool"):
+        pool = layer.__dict__[name]
+        if pool.shape[0] < capacity:
+            grown = pool.new_empty(capacity, *pool.shape[1:])
+            grown[: pool.shape[0]] = pool
+            layer.__dict__[name] = grown
+
+
+def _cache_kinds(model: Any) -> set[str]:
+    if model not in _KINDS:
+        from transformers import DynamicCache
+
+        _KINDS[model] = {layer_kind(layer) for layer in DynamicCache(config=model.config).layers}
+    return _KINDS[model]
+
+
+_KINDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
