@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -32,6 +33,7 @@ from collections import Counter
 import torch
 
 PROMPT = "tell me about the city of paris client w{i}"
+os.environ["SHARDBOOK_PAGED_CACHE"] = "0"  # the cache a GPU's batch has (paging is a CPU kernel's), on a CPU too
 
 
 def report(check: str, status: str, result: str, **figures) -> None:

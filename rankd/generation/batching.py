@@ -14,11 +14,11 @@ decoded incrementally. A row whose token cannot be taken (scores that are not nu
 Nothing a follower does depends on time, memory or randomness, so every rank's forwards have the
 same shapes by construction.
 
-The KV cache is one transformers `DynamicCache` of the running batch, left-padded: the prompts
-joining at a step are prefilled together in one forward (left-padded to the longest, with their
-own cache), then that cache is left-padded or the batch's is, to the longer length, and the two are
-concatenated along the batch; a leaving sequence's row is dropped (`index_select`) and columns that
-are padding in every row are cut. Each row carries its own attention mask (0 on padding) and
+The KV cache is one transformers `DynamicCache` of the running batch: the prompts joining at a step
+are prefilled together in one forward (left-padded to the longest, with their own cache), then their
+rows join the batch's, and a leaving sequence's row leaves it (`cache_rows`). Full-attention layers
+are paged where the CPU kernel is built (`paged_layers`: each row in blocks of its own); the others
+are left-padded to the longest row (`growing_layers`), columns that are padding in every row cut. Each row carries its own attention mask (0 on padding) and
 position ids (its own count of real tokens), so a row's attention sees exactly its own tokens, at
 its own positions. A padding query sees no key at all; PyTorch's attention gives such a row zeros
 (and eager attention a finite average), so nothing not-a-number reaches the cache.

@@ -19,7 +19,9 @@ you keep). Anything that replaces a layer's tensor by another (transformers' own
 first: the buffer is never written where a tensor it does not own still reads. The views are not contiguous (their
 rows are a buffer's length apart), which attention reads as any strided tensor.
 
-Only the batch's own cache grows in place (`BatchState.append`): a prefill is one forward, a single concatenation.
+Only the batch's own cache grows in place (`BatchState.append`), and only its layers that are not paged
+(`paged_layers`: where the CPU decode kernel is built, full attention is paged instead): a prefill is one forward,
+a single concatenation.
 Sliding-window layers keep their window by their own update, and linear-attention states have no positions: both
 are small, and the row operations copy them (`cache_rows`).
 """

@@ -271,7 +271,7 @@ def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, *
     self.key_pool[block, :, offset] = key_states[:, :, 0]
     self.value_pool[block, :, offset] = value_states[:, :, 0]
     pending = _MARKERS.get()
-    if pending is None or not self.stand_ins:
+    if pending is None or not self.stand_ins or torch.compiler.is_compiling():  # a traced stand-in is not this one
         return self.padded()
     markers = tuple(_marker(pool, table) for pool in (self.key_pool, self.value_pool))
     pending[id(markers[0])] = (*markers, self)

@@ -12,6 +12,10 @@ attention cost the long row's. In the batch's decode forward (`by_rows`) on a CP
   4.7 ms row by row; at equal lengths 1.06x to 1.13x the padded time, so not there);
 * else as transformers' `sdpa` does.
 
+A paged cache's layers (`paged_layers`) hand attention stand-ins for their keys and values: those are attended
+through the kernel's block table, or, where the kernel does not take the call, as the padded rows gathered from
+the blocks.
+
 It takes the place of transformers' `sdpa` entry in `AttentionInterface` (`install`), and changes nothing
 outside `by_rows` or where the mask is not a decode step's left padding: a row's mask must be False then True
 (its padding, then its own positions), which is exactly attention over the True columns without a mask, so the
