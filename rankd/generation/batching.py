@@ -18,10 +18,11 @@ The KV cache is one transformers `DynamicCache` of the running batch: the prompt
 are prefilled together in one forward (left-padded to the longest, with their own cache), then their
 rows join the batch's, and a leaving sequence's row leaves it (`cache_rows`). Full-attention layers
 are paged where the CPU kernel is built (`paged_layers`: each row in blocks of its own); the others
-are left-padded to the longest row (`growing_layers`), columns that are padding in every row cut. Each row carries its own attention mask (0 on padding) and
-position ids (its own count of real tokens), so a row's attention sees exactly its own tokens, at
-its own positions. A padding query sees no key at all; PyTorch's attention gives such a row zeros
-(and eager attention a finite average), so nothing not-a-number reaches the cache.
+are left-padded to the longest row (`growing_layers`), columns that are padding in every row cut.
+Each row carries its own attention mask (0 on padding) and position ids (its own count of real
+tokens), so a row's attention sees exactly its own tokens, at its own positions. A padding query sees
+no key at all; PyTorch's attention gives such a row zeros (and eager attention a finite average),
+so nothing not-a-number reaches the cache.
 
 Chunked prefill: a prompt longer than a step has room for (`max_step_tokens` less one token per
 decoding row) is not prefilled in one forward. Each step the running rows decode one token, then the
