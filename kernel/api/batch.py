@@ -108,6 +108,19 @@ def batch_refusal(runtime: Runtime) -> str | None:
     return None if loaded is None else cache_refusal(loaded.model)
 
 
+def cache_layout(runtime: Runtime) -> str:
+    """How the batch holds its rows' cache with the model loaded now (rank 0's view; every rank decides alike)."""
+    from shardbook.rankd.generation.paged_layers import PAGE_TOKENS, paged_refusal
+
+    loaded = runtime.ctx0.state.get("loaded")
+    if loaded is None:
+        return "no model is loaded"
+    refusal = paged_refusal(loaded.model, next(loaded.model.parameters()).device)
+    if refusal is None:
+        return f"the cache paged, {PAGE_TOKENS}-token blocks per row"
+    return f"the cache left-padded to the longest row ({refusal})"
+
+
 def interventions_set(scheduler: BatchScheduler) -> bool:
     """Whether `%intervene` functions are set on the model `scheduler` serves."""
     from shardbook.rankd.generation.intervention_state import registry

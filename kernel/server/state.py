@@ -249,10 +249,13 @@ class ServerState:
         return scheduler_for(self.runtime).limits.with_waiting(self.options.max_waiting)
 
     def batch_text(self) -> str:
-        """The batch's size and waiting line, and where they come from (for the start-up line and the status)."""
+        """The batch's size and waiting line, where they come from, and its cache's layout (for the start-up line
+        and the status)."""
+        from shardbook.kernel.api.batch import cache_layout
+
         if self.model_id() is None:
             return "sized from the KV budget when a model is loaded"
-        return self.batch_limits().describe()
+        return f"{self.batch_limits().describe()}; {cache_layout(self.runtime)}"
 
     def chat_text(self) -> str:
         refusal = self.chat_refusal()

@@ -11,6 +11,7 @@ import urllib.request
 import pytest
 from openai import OpenAI
 
+from shardbook.rankd.generation import decode_attention
 from tests.driver import interrupt_when, wait_for_interrupt_replies
 from tests.e2e.conftest import wait_until
 from tests.e2e.http_helpers import (
@@ -100,6 +101,8 @@ def test_models_and_replies_through_the_openai_client_streamed_or_whole(loaded, 
     assert f"serving {MODEL} at {url}" in status and "2 served, 0 errors" in status
     assert "chat completions: continuous batch" in status
     assert f"batch: up to {BATCH} sequences at once, 32 more waiting (inference.max_batch_sequences)" in status
+    paged = "the cache paged, 16-token blocks per row" in status
+    assert paged == decode_attention.available() and (paged or "the cache left-padded to the longest row" in status)
 
 
 def test_error_paths_are_openai_errors_naming_the_cause(serve):
