@@ -158,7 +158,8 @@ def page(cache: Any, lengths: list[int], model: Any) -> BlockTable:
             keys, values = layer.__dict__.pop("keys"), layer.__dict__.pop("values")
             layer.__class__ = _paged(type(layer))
             layer.block_table, layer.stand_ins = table, stand_ins
-            layer.key_pool, layer.value_pool = _empty_pool(keys, table), _empty_pool(values, table)
+            layer.key_pool = _empty_pool(keys, table.capacity)
+            layer.value_pool = _empty_pool(values, table.capacity)
             layer.write_rows(keys, values, lengths, blocks)
     return table
 
@@ -234,8 +235,11 @@ def take_markers(key: torch.Tensor, value: torch.Tensor) -> Any:
     return entry[2]
 
 
-def _empty_pool(like: torch.Tensor, table: BlockTable) -> torch.Tensor:
-    return like.new_empty(table.capacity, like.shape[1], PAGE_TOKENS, like.shape[3])
+def _empty_pool(like: torch.Tensor, blocks: int) -> torch.Tensor:
+    """(blocks, kv heads, PAGE_TOKENS, head size), laid out head by head: a row's blocks, taken in order, are then
+    one stream of memory per head, as the CPU's prefetch wants (block by block, one head's 16 positions are 4 KB
+    out of every 12 KB of the demo model's pool, and a decode step's attention took 1.7x the time)."""
+    return like.new_empty(like.shape[1], blocks, PAGE_TOKENS, like.shape[3]).transpose(0, 1)
 
 
 @functools.cache
@@ -328,7 +332,7 @@ def _fit_pools(layer: Any) -> None:
     for name in ("key_pool", "value_pool"):
         pool = layer.__dict__[name]
         if pool.shape[0] < capacity:
-            grown = pool.new_empty(capacity, *pool.shape[1:])
+            grown = _empty_pool(pool, capacity)
             grown[: pool.shape[0]] = pool
             layer.__dict__[name] = grown
 
