@@ -136,19 +136,37 @@ class BatchState:
     def __init__(self, model: Any, device: torch.device):
         self.model, self.device = model, torch.device(device)
         self.prefixes = prefix_store(model)
+        self.paged = paged_refusal(model, self.device) is None
+        """Whether the batch's full-attention layers are paged (`paged_layers`), in the store's pool."""
+        self.cache: Any = None
+        self.chunked_shared: list[int] = []
         self.clear()
         self.drop_chunked()
 
     def clear(self) -> None:
-        """Empty the batch (not the prompt being prefilled in chunks)."""
+        """Empty the batch (not the prompt being prefilled in chunks): a paged batch's rows give their blocks back."""
+        table = None if self.cache is None else block_table(self.cache)
+        if table is not None:
+            table.keep([])
         self.cache: Any = None
         self.mask: torch.Tensor | None = None  # (rows, columns), 1 on real tokens
         self.next_pos: torch.Tensor | None = None  # (rows,)
 
+    def abandon(self) -> None:
+        """After a failure: empty the batch, drop the chunked prompt and empty the store (what a failed step kept may
+        differ between ranks); then no block of the store's pool is held, whatever the failure left half done."""
+        self.cache, self.chunked_shared = None, []
+        self.clear()
+        self.drop_chunked()
+        self.prefixes.trim(0)
+        self.prefixes.forget_rows()
+
     def drop_chunked(self) -> None:
-        """Forget the prompt being prefilled in chunks: its one-row cache and how many of its tokens it holds."""
+        """Forget the prompt being prefilled in chunks: its one-row cache, how many of its tokens it holds, and the
+        kept blocks held for its row (given back)."""
+        self.prefixes.pool.release(self.chunked_shared)
         self.chunked_cache: Any = None
-        self.chunked_tokens = 0
+        self.chunked_tokens, self.chunked_shared = 0, []
 
     @property
     def rows(self) -> int:
@@ -167,18 +185,19 @@ class BatchState:
         self.mask = self.mask[:, first:]
         select_rows(self.cache, order, self.mask.shape[1])
 
-    def append(self, cache: Any, mask: torch.Tensor) -> None:
-        """Add the rows of `cache` (a left-padded prefill; `mask` (rows, columns) is 1 on its real tokens)."""
+    def append(self, cache: Any, mask: torch.Tensor, shared: list[list[int]] | None = None) -> None:
+        """Add the rows of `cache` (a left-padded prefill; `mask` (rows, columns) is 1 on its real tokens; a paged
+        batch's rows start with their `shared` blocks, held for them, which hold their first positions)."""
         lengths = mask.sum(1).tolist()
         if self.cache is None:
-            if paged_refusal(self.model, self.device) is None:
-                page(cache, lengths, self.model)  # each row's positions in blocks: its memory follows its own length
+            if self.paged:  # each row's positions in blocks: its memory follows its own length
+                page(cache, lengths, self.model, self.prefixes.pool, shared)
             grow_in_place(cache)  # decode steps write into room after each layer's positions, not copy them
             self.cache, self.mask, self.next_pos = cache, mask, mask.sum(1)
             return
         columns = max(self.mask.shape[1], mask.shape[1])
         pad_batch, pad_new = columns - self.mask.shape[1], columns - mask.shape[1]
-        append_rows(self.cache, cache, columns, lengths)
+        append_rows(self.cache, cache, columns, lengths, shared)
         self.mask = torch.cat(
             [torch.nn.functional.pad(self.mask, (pad_batch, 0)), torch.nn.functional.pad(mask, (pad_new, 0))]
         )
@@ -225,9 +244,7 @@ def execute_step(state: BatchState, plan: StepPlan, *, keep_logits: bool = True,
             state.drop_chunked()
         outcome.joined, outcome.chunked = [], None
     elif outcome.failure == STEP_FAILED:
-        state.clear()
-        state.drop_chunked()
-        state.prefixes.trim(0)  # what it kept this step may differ between ranks
+        state.abandon()
         outcome.decoded, outcome.joined, outcome.chunked = None, [], None
     state.prefixes.trim(plan.prefix_blocks)
     return outcome
@@ -264,9 +281,10 @@ def _chunk_step(state: BatchState, plan: StepPlan, outcome: StepOutcome, keep_lo
     outcome.chunked = _feed_chunk(state, chunk, keep_logits)
     if not chunk.last:
         return None
-    cache, columns = state.chunked_cache, state.chunked_tokens
+    cache, columns, shared = state.chunked_cache, state.chunked_tokens, state.chunked_shared
+    state.chunked_shared = []  # the row holds them now
     state.drop_chunked()
-    return cache, torch.ones(1, columns, dtype=torch.long, device=state.device)
+    return cache, torch.ones(1, columns, dtype=torch.long, device=state.device), [shared]
 
 
 def _join_step(state: BatchState, plan: StepPlan, outcome: StepOutcome, keep_logits: bool) -> Any:
@@ -285,10 +303,11 @@ def _feed_chunk(state: BatchState, chunk: Chunk, keep_logits: bool) -> torch.Ten
     seeded = bool(chunk.prefix) or chunk.end is not None
     assert seeded or chunk.start == state.chunked_tokens, "the plan's chunk does not continue this rank's prompt"
     if chunk.start == 0 or seeded:
+        state.drop_chunked()
         state.chunked_cache = DynamicCache(config=state.model.config)
         if chunk.prefix:
             assert chunk.start == len(chunk.prefix) * BLOCK_TOKENS, "the chunk does not start after its prefix"
-            state.prefixes.seed(state.chunked_cache, chunk.prefix)
+            state.chunked_shared = state.prefixes.seed(state.chunked_cache, chunk.prefix, share=state.paged)
         if chunk.end is not None:
             held = state.prefixes.seed_end(state.chunked_cache, chunk.end)
             assert chunk.start == held, "the chunk does not start after its end state"
@@ -397,6 +416,9 @@ def end_batch(state: BatchState, plan: StepPlan) -> None:
         raise
     finally:
         state.prefixes.trim(plan.prefix_blocks)
+        state.clear()
+        state.drop_chunked()
+        state.prefixes.shrink_pool()  # an idle model holds about what its store keeps
 
 
 def broadcast_plan(plan: StepPlan | None, device: torch.device, group: Any) -> StepPlan:

@@ -225,7 +225,7 @@ class BatchScheduler:
                     plan, rows, joining = self._plan(rows, state.cache)
                 except BaseException:
                     broadcast_plan(StepPlan([], [], [], end=True), device, group)
-                    state.prefixes.trim(0)
+                    state.abandon()
                     self._fail_all(rows, "the batch loop failed")
                     raise
                 broadcast_plan(plan, device, group)
@@ -239,7 +239,7 @@ class BatchScheduler:
                 except BaseException as exc:
                     self._fail_all(rows + joining, f"{type(exc).__name__}: {exc}")
                     broadcast_plan(StepPlan(list(range(state.rows)), [], [], end=True), device, group)
-                    state.prefixes.trim(0)
+                    state.abandon()
                     raise
 
     def _step(

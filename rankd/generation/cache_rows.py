@@ -93,13 +93,15 @@ def select_rows(cache: Any, order: list[int], columns: int) -> None:
         set_length(layer, columns)
 
 
-def append_rows(cache: Any, other: Any, columns: int, lengths: list[int] | None = None) -> None:
+def append_rows(
+    cache: Any, other: Any, columns: int, lengths: list[int] | None = None, shared: list[list[int]] | None = None
+) -> None:
     """Append the rows of `other` (a prefill of the same model, its rows holding `lengths` positions) to `cache`,
     both left-padded to `columns`. A tensor that grows in place takes the new rows into its room, paged layers
-    write them into new blocks; the others are copied."""
+    write them into new blocks (after each row's `shared` ones); the others are copied."""
     if block_table(cache) is not None:
         assert lengths is not None, "a paged cache's new rows need their lengths"
-        append_paged_rows(cache, other, lengths)
+        append_paged_rows(cache, other, lengths, shared)
     for mine, theirs in zip(cache.layers, other.layers):
         if is_paged(mine):
             continue

@@ -3,12 +3,14 @@ positions from a pool, so a row's memory follows its own length, and joins and l
 
 The left-padded layout (`growing_layers`) gives every row the longest row's columns: one 8,000-token prompt among
 short chat turns makes every row hold 8,000 positions, and a leave moves rows. Here each layer keeps two pools,
-(blocks, kv heads, `PAGE_TOKENS`, head size) for keys and for values, and one :class:`BlockTable` shared by the
-cache's layers (a position is in the same block on every layer) says which blocks hold each row's positions, in
-order. A decode step takes a new block for a row whose last block is full (`begin_step`) and every layer writes
-its new key and value at the row's next position; a join writes only the new rows' positions into blocks taken
-for them; a leave gives its blocks back. Only when the pools are used up are they copied into larger ones (1/8
-more, as the growing buffers are).
+(blocks, kv heads, `PAGE_TOKENS`, head size) for keys and for values (the model's `block_pool.BlockPool`, which
+outlives the batch), and one :class:`BlockTable` shared by the cache's layers (a position is in the same block on
+every layer) says which blocks hold each row's positions, in order. A decode step takes a new block for a row
+whose last block is full (`begin_step`) and every layer writes its new key and value at the row's next position; a
+join writes only the new rows' positions into blocks taken for them; a leave gives its blocks back. A prompt that
+starts with blocks the prefix store keeps takes those blocks as its row's first ones (held, not copied) and writes
+only the positions after them. Only when the pools are used up are they copied into larger ones (1/8 more, as the
+growing buffers are).
 
 Attention reads the blocks through the C kernel (`decode_attention.paged_decode_attention`): a layer's `update`
 returns stand-ins for the padded keys and values (`Marker`s, empty tensors of the padded shape) that the batch's
@@ -40,12 +42,9 @@ from typing import Any
 import torch
 
 from shardbook.rankd.generation import decode_attention
-from shardbook.rankd.generation.growing_layers import ROOM_SHARE, layer_kind
+from shardbook.rankd.generation.block_pool import PAGE_TOKENS, BlockPool
+from shardbook.rankd.generation.growing_layers import layer_kind
 
-PAGE_TOKENS = 16
-"""Positions per block (a multiple of 4, the kernel's step through keys; the prefix store's block size)."""
-MIN_BLOCKS = 64
-"""Blocks a pool grows by at least."""
 SWITCH = "SHARDBOOK_PAGED_CACHE"
 _PAGED_KINDS = {"DynamicLayer", "LinearAttentionLayer"}
 """Cache layer kinds a paged cache may hold: full attention (paged) and states without positions (as they are)."""
@@ -54,14 +53,12 @@ _PAGED_KINDS = {"DynamicLayer", "LinearAttentionLayer"}
 class BlockTable:
     """Which pool blocks hold each row's positions: shared by every paged layer of one batch cache."""
 
-    def __init__(self) -> None:
+    def __init__(self, pool: BlockPool | None = None) -> None:
+        self.pool = BlockPool() if pool is None else pool
         self.blocks: list[list[int]] = []
-        """Per row, its blocks in order."""
+        """Per row, its blocks in order (each held once by the row)."""
         self.lengths = torch.zeros(0, dtype=torch.int64)
         """Per row, the positions it holds."""
-        self.free: list[int] = []
-        self.capacity = 0
-        """Blocks in each layer's pools (grown by `_take`; a layer grows its pools to it as it writes)."""
         self.width = 0
         """The batch's columns (its longest row) before a step: what its layers report as their length."""
         self.write_at: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -71,6 +68,10 @@ class BlockTable:
     @property
     def rows(self) -> int:
         return len(self.blocks)
+
+    @property
+    def capacity(self) -> int:
+        return self.pool.capacity
 
     @property
     def held_blocks(self) -> int:
@@ -85,9 +86,11 @@ class BlockTable:
             self._table = torch.tensor(rows, dtype=torch.int64).view(self.rows, widest)
         return self._table
 
-    def add_rows(self, lengths: list[int]) -> list[list[int]]:
-        """Take blocks for new rows of `lengths` positions, after the others; each new row's blocks."""
-        new = [self._take(-(-length // PAGE_TOKENS)) for length in lengths]
+    def add_rows(self, lengths: list[int], shared: list[list[int]] | None = None) -> list[list[int]]:
+        """Take blocks for new rows of `lengths` positions, after the others; each new row's blocks. A row's
+        `shared` blocks (already held for it: kept blocks its prompt starts with) are its first ones."""
+        shared = shared or [[] for _ in lengths]
+        new = [own + self.pool.take(-(-length // PAGE_TOKENS) - len(own)) for length, own in zip(lengths, shared)]
         self.blocks += new
         self.lengths = torch.cat([self.lengths, torch.tensor(lengths, dtype=torch.int64)])
         self.width = max(self.width, *lengths)
@@ -95,12 +98,12 @@ class BlockTable:
         return new
 
     def keep(self, order: list[int]) -> None:
-        """Keep the rows `order` (each new row's index before, `growing_layers.kept_order`); the others' blocks are
-        free again."""
+        """Keep the rows `order` (each new row's index before, `growing_layers.kept_order`); the others give their
+        blocks back."""
         kept = set(order)
         for row, blocks in enumerate(self.blocks):
             if row not in kept:
-                self.free += blocks
+                self.pool.release(blocks)
         self.blocks = [self.blocks[row] for row in order]
         self.lengths = self.lengths[torch.tensor(order, dtype=torch.int64)]
         self.width = int(self.lengths.max()) if order else 0
@@ -112,7 +115,7 @@ class BlockTable:
         lengths = self.lengths.tolist()
         for row, length in enumerate(lengths):
             if length % PAGE_TOKENS == 0:
-                self.blocks[row] += self._take(1)
+                self.blocks[row] += self.pool.take(1)
                 self._table = None
         block = torch.tensor([self.blocks[row][length // PAGE_TOKENS] for row, length in enumerate(lengths)])
         self.write_at = block, self.lengths % PAGE_TOKENS
@@ -122,14 +125,6 @@ class BlockTable:
         """After a decode step's forward: the batch is one column wider."""
         self.width += 1
         self.write_at = None
-
-    def _take(self, count: int) -> list[int]:
-        if len(self.free) < count:
-            more = max(count - len(self.free), self.capacity // ROOM_SHARE, MIN_BLOCKS)
-            self.free += range(self.capacity + more - 1, self.capacity - 1, -1)  # the lowest numbers taken first
-            self.capacity += more
-        taken, self.free = self.free[-count:] if count else [], self.free[: len(self.free) - count]
-        return taken[::-1]
 
 
 def paged_refusal(model: Any, device: torch.device) -> str | None:
@@ -148,19 +143,20 @@ def paged_refusal(model: Any, device: torch.device) -> str | None:
     return None
 
 
-def page(cache: Any, lengths: list[int], model: Any) -> BlockTable:
+def page(
+    cache: Any, lengths: list[int], model: Any, pool: BlockPool, shared: list[list[int]] | None = None
+) -> BlockTable:
     """Make the full-attention layers of `cache` (a left-padded prefill of `model`, its rows holding `lengths`
-    positions) paged, their positions copied into blocks of one new block table."""
-    table, stand_ins = BlockTable(), attends_to_cached_tensors(model)
-    blocks = table.add_rows(lengths)
-    for layer in cache.layers:
+    positions) paged in `pool`, their positions written into blocks of one new block table (after each row's
+    `shared` blocks, which hold its first positions already)."""
+    table, stand_ins = BlockTable(pool), attends_to_cached_tensors(model)
+    blocks = table.add_rows(lengths, shared)
+    for index, layer in enumerate(cache.layers):
         if layer_kind(layer) == "DynamicLayer":
             keys, values = layer.__dict__.pop("keys"), layer.__dict__.pop("values")
             layer.__class__ = _paged(type(layer))
-            layer.block_table, layer.stand_ins = table, stand_ins
-            layer.key_pool = _empty_pool(keys, table.capacity)
-            layer.value_pool = _empty_pool(values, table.capacity)
-            layer.write_rows(keys, values, lengths, blocks)
+            layer.block_table, layer.pool_index, layer.stand_ins = table, index, stand_ins
+            layer.write_rows(keys, values, lengths, blocks, shared)
     return table
 
 
@@ -179,17 +175,18 @@ def block_table(cache: Any) -> BlockTable | None:
 
 
 def is_paged(layer: Any) -> bool:
-    return "key_pool" in layer.__dict__
+    return "block_table" in layer.__dict__
 
 
-def append_paged_rows(cache: Any, other: Any, lengths: list[int]) -> None:
+def append_paged_rows(cache: Any, other: Any, lengths: list[int], shared: list[list[int]] | None = None) -> None:
     """Add the rows of `other` (a left-padded prefill of the same model, its rows holding `lengths` positions) to
-    the paged layers of `cache`, after its rows: blocks taken for them, their positions written there."""
+    the paged layers of `cache`, after its rows: blocks taken for them (after each row's `shared` ones), their
+    positions written there."""
     table = block_table(cache)
-    blocks = table.add_rows(lengths)
+    blocks = table.add_rows(lengths, shared)
     for mine, theirs in zip(cache.layers, other.layers):
         if is_paged(mine):
-            mine.write_rows(theirs.keys, theirs.values, lengths, blocks)
+            mine.write_rows(theirs.keys, theirs.values, lengths, blocks, shared)
 
 
 def row_positions(layer: Any, name: str, row: int) -> torch.Tensor:
@@ -235,17 +232,12 @@ def take_markers(key: torch.Tensor, value: torch.Tensor) -> Any:
     return entry[2]
 
 
-def _empty_pool(like: torch.Tensor, blocks: int) -> torch.Tensor:
-    """(blocks, kv heads, PAGE_TOKENS, head size), laid out head by head: a row's blocks, taken in order, are then
-    one stream of memory per head, as the CPU's prefetch wants (block by block, one head's 16 positions are 4 KB
-    out of every 12 KB of the demo model's pool, and a decode step's attention took 1.7x the time)."""
-    return like.new_empty(like.shape[1], blocks, PAGE_TOKENS, like.shape[3]).transpose(0, 1)
-
-
 @functools.cache
 def _paged(base: type) -> type:
     members = {
         "grows_in_place_of": base.__name__,
+        "key_pool": property(lambda self: self.block_table.pool.keys[self.pool_index]),
+        "value_pool": property(lambda self: self.block_table.pool.values[self.pool_index]),
         "keys": property(_no_padded_tensor),
         "values": property(_no_padded_tensor),
         "update": _update,
@@ -270,7 +262,7 @@ def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, *
     table = self.block_table
     if table.write_at is None or key_states.shape[2] != 1 or key_states.shape[0] != table.rows:
         raise RuntimeError("a paged batch cache takes only the batch's decode steps (one position per row)")
-    _fit_pools(self)
+    table.pool.fit(self.pool_index, key_states, value_states)
     block, offset = table.write_at
     self.key_pool[block, :, offset] = key_states[:, :, 0]
     self.value_pool[block, :, offset] = value_states[:, :, 0]
@@ -311,30 +303,28 @@ def _padded(self) -> tuple[torch.Tensor, torch.Tensor]:
     return gathered[0], gathered[1]
 
 
-def _write_rows(self, keys: torch.Tensor, values: torch.Tensor, lengths: list[int], blocks: list[list[int]]):
+def _write_rows(
+    self,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    lengths: list[int],
+    blocks: list[list[int]],
+    shared: list[list[int]] | None = None,
+):
     """Write rows of left-padded `keys` and `values` (rows, kv heads, columns, size), holding `lengths` positions,
-    into their `blocks` (the table's newest rows)."""
-    _fit_pools(self)
+    into their `blocks` (the table's newest rows), but a row's first positions that its `shared` blocks hold."""
+    self.block_table.pool.fit(self.pool_index, keys, values)
+    skips = [len(own) for own in shared] if shared else [0] * len(lengths)
     for pool, source in ((self.key_pool, keys), (self.value_pool, values)):
-        for row, (length, taken) in enumerate(zip(lengths, blocks)):
-            own = source[row, :, source.shape[2] - length :]
+        for row, (length, taken, skip) in enumerate(zip(lengths, blocks, skips)):
+            own = source[row, :, source.shape[2] - length + skip * PAGE_TOKENS :]
+            length, taken = length - skip * PAGE_TOKENS, taken[skip:]
             whole = length // PAGE_TOKENS
             if whole:
                 parts = own[:, : whole * PAGE_TOKENS].reshape(own.shape[0], whole, PAGE_TOKENS, own.shape[2])
                 pool.index_copy_(0, torch.tensor(taken[:whole]), parts.transpose(0, 1))
             if length % PAGE_TOKENS:
                 pool[taken[whole], :, : length % PAGE_TOKENS] = own[:, whole * PAGE_TOKENS :]
-
-
-def _fit_pools(layer: Any) -> None:
-    """Grow the layer's pools to the block table's capacity (a copy, only when the table took more blocks)."""
-    capacity = layer.block_table.capacity
-    for name in ("key_pool", "value_pool"):
-        pool = layer.__dict__[name]
-        if pool.shape[0] < capacity:
-            grown = _empty_pool(pool, capacity)
-            grown[: pool.shape[0]] = pool
-            layer.__dict__[name] = grown
 
 
 def _cache_kinds(model: Any) -> set[str]:

@@ -5,9 +5,12 @@ A prompt is cut into blocks of `BLOCK_TOKENS` tokens; block i's key hashes block
 (a chain, as vLLM's prefix caching keys its blocks), so one key names a whole prefix. Each rank's
 :class:`PrefixStore` (one per model) maps a key to every layer's per-position tensors for that block (keys and
 values; a sparse-attention indexer's keys too), one row and no padding (under `tp`, this rank's own heads: nothing
-crosses ranks). Only layers that hold every position of a prompt can be kept: full attention, MLA's latents and
-GLM-5's and DeepSeek-V3.2's indexed layers. Each position's entries there depend on it and the tokens before it
-alone, so kept blocks equal what a cold prefill computes.
+crosses ranks). Where the batch's cache is paged (`paged_layers`), a kept block is not a copy but the pool block
+itself (`block_pool`: the store owns the model's pool and holds the blocks it keeps): a leaving row's blocks are
+held, not copied, and a prompt that starts with them takes them as its row's first blocks. Only layers that hold
+every position of a prompt can be kept: full attention, MLA's latents and GLM-5's and DeepSeek-V3.2's indexed
+layers. Each position's entries there depend on it and the tokens before it alone, so kept blocks equal what a cold
+prefill computes.
 
 A sliding window (gpt-oss) or a linear-attention state (Qwen3-Next) cannot be cut into blocks: the window holds only
 a sequence's last positions and the state none, so neither can be rebuilt at an earlier length. A model with such
@@ -35,6 +38,7 @@ from typing import Any
 
 import torch
 
+from shardbook.rankd.generation.block_pool import BlockPool
 from shardbook.rankd.generation.cache_rows import (
     grown_fields,
     layer_refusal,
@@ -45,6 +49,7 @@ from shardbook.rankd.generation.cache_rows import (
     set_states,
 )
 from shardbook.rankd.generation.growing_layers import layer_kind
+from shardbook.rankd.generation.paged_layers import block_table
 
 logger = logging.getLogger(__name__)
 
@@ -89,14 +94,17 @@ class EndState:
 
 class PrefixStore:
     """One rank's kept blocks: key -> per layer {attribute: that block's tensor of one row} (keys and values are
-    (heads, BLOCK_TOKENS, head_dim), an indexer's keys (BLOCK_TOKENS, index_head_dim))."""
+    (heads, BLOCK_TOKENS, head_dim), an indexer's keys (BLOCK_TOKENS, index_head_dim)), or key -> the number of the
+    pool block that holds it (kept from a paged batch)."""
 
     def __init__(self) -> None:
-        self.blocks: OrderedDict[int, list[dict[str, torch.Tensor]]] = OrderedDict()
+        self.blocks: OrderedDict[int, int | list[dict[str, torch.Tensor]]] = OrderedDict()
+        self.pool = BlockPool()
+        """The model's paged layers' blocks on this rank (the batch's paged cache takes them from here)."""
         self.ends: OrderedDict[int, EndState] = OrderedDict()
         """End states, for a model whose cache cannot be cut into blocks (a model keeps one kind or the other)."""
         self._end_cost = 0
-        self.stats = {"stored_blocks": 0, "evictions": 0}
+        self.stats = {"stored_blocks": 0, "evictions": 0, "shared_blocks": 0}
 
     @property
     def size(self) -> int:
@@ -110,24 +118,45 @@ class PrefixStore:
             count += 1
         return count
 
-    def seed(self, cache: Any, keys: list[int]) -> None:
-        """Fill the empty one-row `cache` with the blocks of `keys`, in order, through the layers' own updates."""
+    def seed(self, cache: Any, keys: list[int], share: bool = False) -> list[int]:
+        """Fill the empty one-row `cache` with the blocks of `keys`, in order, through the layers' own updates (the
+        prompt's prefill attends to them). With `share` (the batch is paged), the pool blocks that hold them, now
+        held for the prompt's row too, when the pool holds every one of them (else none: the row copies them)."""
         self._touch(keys)
         for i, layer in enumerate(cache.layers):
+            parts = [self.block_parts(key, i) for key in keys]
             _fill_positions(
                 layer,
                 {
-                    name: torch.cat(
-                        [self.blocks[key][i][name] for key in keys], dim=_row_seq_dim(row_dim, seq_dim)
-                    ).unsqueeze(row_dim)
-                    for name, row_dim, seq_dim in _stored_fields(layer, self.blocks[keys[0]][i])
+                    name: torch.cat([part[name] for part in parts], dim=_row_seq_dim(row_dim, seq_dim)).unsqueeze(
+                        row_dim
+                    )
+                    for name, row_dim, seq_dim in _stored_fields(layer, parts[0])
                 },
             )
+        blocks = [self.blocks[key] for key in keys]
+        if not share or not all(isinstance(block, int) for block in blocks):
+            return []
+        self.pool.hold(blocks)
+        self.stats["shared_blocks"] += len(blocks)
+        return blocks
+
+    def block_parts(self, key: int, layer: int) -> dict[str, torch.Tensor]:
+        """Layer `layer`'s tensors of the kept block `key` (a pool block's are views of the pool)."""
+        entry = self.blocks[key]
+        if not isinstance(entry, int):
+            return entry[layer]
+        pools = ((name, pools.get(layer)) for name, pools in (("keys", self.pool.keys), ("values", self.pool.values)))
+        return {name: pool[entry] for name, pool in pools if pool is not None}
 
     def keep(self, cache: Any, row: int, tokens: int, keys: list[int]) -> None:
         """Keep the blocks of `keys` of the batch's `row`, which holds `tokens` tokens (its last positions, the
-        first block first): a copy of each block not kept yet (the batch's cache is dropped or rewritten later), a
-        touch of the others."""
+        first block first): each block not kept yet held in the pool (a paged cache) or copied (the batch's cache
+        is dropped or rewritten later), a touch of the others."""
+        table = block_table(cache)
+        if table is not None:
+            self._hold(table.blocks[row], keys)
+            return
         new = [i for i, key in enumerate(keys) if key not in self.blocks]
         if new:
             rows = [
@@ -146,6 +175,15 @@ class PrefixStore:
                 for layer in rows
             ]
             self.stats["stored_blocks"] += 1
+        self._touch(keys)
+
+    def _hold(self, blocks: list[int], keys: list[int]) -> None:
+        """Keep a paged row's first blocks, `blocks`, as `keys` (a kept key's block stays the one kept first)."""
+        for key, block in zip(keys, blocks):
+            if key not in self.blocks:
+                self.blocks[key] = block
+                self.pool.hold([block])
+                self.stats["stored_blocks"] += 1
         self._touch(keys)
 
     def end_hit(self, tokens: list[int]) -> tuple[int, int | None]:
@@ -183,12 +221,27 @@ class PrefixStore:
         """Evict the least recently used blocks (end states) beyond `size`."""
         while self.size > size:
             if self.blocks:
-                self.blocks.popitem(last=False)
+                entry = self.blocks.popitem(last=False)[1]
+                if isinstance(entry, int):
+                    self.pool.release([entry])
                 evicted = 1
             else:
                 evicted = self.ends.popitem(last=False)[1].cost
                 self._end_cost -= evicted
             self.stats["evictions"] += evicted
+
+    def forget_rows(self) -> None:
+        """No batch runs: the pool's blocks are held by the store alone (a batch that stopped on an error may not
+        have given its rows' blocks back)."""
+        self.pool.forget_rows({entry for entry in self.blocks.values() if isinstance(entry, int)})
+
+    def shrink_pool(self) -> None:
+        """After a batch: a pool more than half free shrinks to the blocks kept here (`BlockPool.shrink`)."""
+        self.forget_rows()
+        kept = {key: entry for key, entry in self.blocks.items() if isinstance(entry, int)}
+        moved = self.pool.shrink(list(kept.values()))
+        for key, entry in kept.items():
+            self.blocks[key] = moved.get(entry, entry)
 
     def _touch(self, keys: list[int]) -> None:
         for key in reversed(keys):  # the chain's first block ends most recently used

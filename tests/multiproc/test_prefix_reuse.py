@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from shardbook.rankd.generation import decode_attention
 from tests.tiny import make_tiny_llama
 
 pytestmark = pytest.mark.timeout(300)
@@ -37,7 +38,7 @@ def _scenarios(rank: int, path: Path, layout: str, turns_only: bool = False) -> 
     )
     loaded = load_sharded(config, device="cpu")
     model, tokenizer = loaded.model, loaded.tokenizer
-    store = prefix_store(model)
+    store, layers = prefix_store(model), model.config.num_hidden_layers
     ids = torch.randint(10, 200, (200,), generator=torch.Generator().manual_seed(1)).tolist()
 
     def batch(prompts: list[list[int]], prefix_tokens: int) -> dict:
@@ -51,7 +52,11 @@ def _scenarios(rank: int, path: Path, layout: str, turns_only: bool = False) -> 
         try:
             if rank != 0:
                 follow_batch(model, "cpu")
-                return {"forwards": [f[:3] for f in forwards], "blocks": _blocks(store), "ends": _ends(store)}
+                return {
+                    "forwards": [f[:3] for f in forwards],
+                    "blocks": _blocks(store, layers),
+                    "ends": _ends(store),
+                }
             scheduler = BatchScheduler(tokenizer, context=256, prefix_tokens=prefix_tokens)
             requests = [SequenceRequest(prompt_ids=p, max_new_tokens=REPLY, ignore_eos=True) for p in prompts]
             handles = [scheduler.submit(r) for r in requests]
@@ -63,7 +68,7 @@ def _scenarios(rank: int, path: Path, layout: str, turns_only: bool = False) -> 
             "forwards": [f[:3] for f in forwards],
             "prefill_logits": forwards[0][3],
             "results": [(r.token_ids, r.cached_tokens, r.error) for r in results],
-            "blocks": _blocks(store),
+            "blocks": _blocks(store, layers),
             "ends": _ends(store),
             "store": dict(store.stats),
             "stats": {k: scheduler.stats[k] for k in ("prefix_hits", "cached_tokens")},
@@ -121,12 +126,14 @@ def _shared(value: Any, rank: int) -> Any:
     return box[0]
 
 
-def _blocks(store: Any) -> list[tuple[int, tuple[int, ...], list[list[str]]]]:
-    """The store's keys in least-recently-used order, with one block's key shape and what it holds per layer."""
-    return [
-        (key, tuple(layers[0]["keys"].shape), [sorted(layer) for layer in layers])
-        for key, layers in store.blocks.items()
-    ]
+def _blocks(store: Any, layers: int) -> list[tuple[int, tuple[int, ...], list[list[str]], bool]]:
+    """The store's keys in least-recently-used order, with one block's key shape, what it holds per layer of
+    `layers`, and whether it is a pool block (kept from a paged batch, not copied)."""
+    kept = []
+    for key, entry in store.blocks.items():
+        parts = [store.block_parts(key, layer) for layer in range(layers)]
+        kept.append((key, tuple(parts[0]["keys"].shape), [sorted(part) for part in parts], isinstance(entry, int)))
+    return kept
 
 
 def _ends(store: Any) -> list[tuple[int, int, int]]:
@@ -247,6 +254,8 @@ def test_requests_that_share_a_prefix_share_its_blocks(answer: dict) -> None:
     keys_a, keys_b = [block[0] for block in a["blocks"]], [block[0] for block in b["blocks"]]
     assert len(set(keys_a) & set(keys_b)) == len(keys_a)
     heads = {block[1] for block in b["blocks"]} | {block[1] for block in answer["follower"]["shared_b"]["blocks"]}
+    for blocks in (b["blocks"], answer["follower"]["shared_b"]["blocks"]):  # a paged batch keeps its own blocks
+        assert {pooled for *_, pooled in blocks} == {decode_attention.available()}
     if answer["layout"] == "gather":
         assert heads == {(3, BLOCK, 8)}
     else:  # under tp each rank keeps its own heads' keys and values only
@@ -281,5 +290,5 @@ def test_glm5_blocks_keep_the_indexer_keys_of_the_layers_that_choose(glm5_answer
     keys and values only, on both ranks."""
     for blocks in (glm5_answer["turn2"]["blocks"], glm5_answer["follower"]["turn2"]["blocks"]):
         assert blocks and all(
-            held == [["indexer_keys", "keys", "values"]] * 2 + [["keys", "values"]] for _, _, held in blocks
+            held == [["indexer_keys", "keys", "values"]] * 2 + [["keys", "values"]] for _, _, held, _ in blocks
         )

@@ -13,8 +13,10 @@ from transformers import AutoModelForCausalLM
 
 from shardbook.rankd.generation import decode_attention, paged_layers, row_attention
 from shardbook.rankd.generation.batch_steps import BatchState, StepPlan, execute_step
+from shardbook.rankd.generation.block_pool import MIN_BLOCKS
 from shardbook.rankd.generation.growing_layers import kept_order
 from shardbook.rankd.generation.paged_layers import PAGE_TOKENS, BlockTable, block_table, paged_refusal
+from shardbook.rankd.generation.prefix_store import prefix_store
 from tests.tiny import make_tiny_lm, make_tiny_mla, make_tiny_tp_family
 
 pytestmark = pytest.mark.skipif(not decode_attention.available(), reason="no C compiler here: nothing is paged")
@@ -46,6 +48,7 @@ SCHEDULE = [  # (rows that leave, prompts that join by length, decode steps afte
 def _run_batch(model) -> tuple[dict[int, list[int]], dict[int, list[torch.Tensor]], BatchState, list[dict]]:
     """Run SCHEDULE in one batch, feeding each row its greedy tokens: each sequence's tokens and logits, the
     state, and after each join the table's blocks of the rows that were there before it."""
+    prefix_store(model).forget_rows()  # the earlier tests' batches were never ended: their rows' blocks are free
     state, rows, tokens, logits, seen = BatchState(model, torch.device("cpu")), [], {}, {}, []
     for leave, joins, steps in SCHEDULE:
         new = list(range(len(tokens), len(tokens) + len(joins)))
@@ -118,7 +121,7 @@ def test_memory_follows_each_rows_own_length_and_joins_move_no_rows_blocks(model
     assert table.held_blocks == sum(-(-length // PAGE_TOKENS) for length in lengths)
     assert max(lengths) > 2 * min(lengths)  # the rows differ: a left-padded cache would hold rows x longest
     assert all(before == after for step in seen for before, after in step.values())
-    assert table.capacity == paged_layers.MIN_BLOCKS  # the leaving rows' blocks were taken again, no pool grew
+    assert table.capacity == MIN_BLOCKS  # the leaving rows' blocks were taken again, no pool grew
 
 
 def test_attention_the_kernel_does_not_take_reads_the_gathered_padded_rows(model, monkeypatch) -> None:
@@ -157,13 +160,13 @@ def test_a_block_table_gives_leaving_rows_blocks_to_the_next_rows() -> None:
     assert table.blocks == [[0], [1], [2, 3, 4]] and table.width == 40
     table.keep([0, 1])
     table.add_rows([33])
-    assert sorted(table.blocks[2]) == [2, 3, 4] and table.capacity == paged_layers.MIN_BLOCKS
+    assert sorted(table.blocks[2]) == [2, 3, 4] and table.capacity == MIN_BLOCKS
     table.begin_step()  # row 0 (16 positions) and row 2 (33: its third block has room) and row 1
     assert len(table.blocks[0]) == 2 and len(table.blocks[1]) == 1 and table.lengths.tolist() == [17, 2, 34]
     table.end_step()
     assert table.width == 34  # the mask's columns: the longest row
-    table.add_rows([16] * paged_layers.MIN_BLOCKS)
-    assert table.capacity > paged_layers.MIN_BLOCKS  # used up: the pools grow
+    table.add_rows([16] * MIN_BLOCKS)
+    assert table.capacity > MIN_BLOCKS  # used up: the pools grow
 
 
 def test_what_is_not_paged_says_why(model, monkeypatch) -> None:
