@@ -94,6 +94,10 @@ class StepPlan:
     """Leaving rows whose blocks the prefix store keeps, first: (row, the keys of its whole blocks from its start)."""
     keep_ends: list[tuple[int, int, int]] = field(default_factory=list)
     """Leaving rows the prefix store keeps whole as end states, first: (row, its key, the blocks it counts for)."""
+    keep_joined: list[tuple[int, list[int]]] = field(default_factory=list)
+    """Rows joining at this step whose prompts' blocks the prefix store keeps once every rank agreed the step went
+    well (a paged cache: their pool blocks are held, not copied), so prompts arriving while they run share them:
+    (row after the step, the keys of its prompt's whole blocks)."""
     prefix_blocks: int = 0
     """Blocks the prefix store holds after this step (0: prefix reuse is off, the store empties)."""
     intervened: list[int] = field(default_factory=list)
@@ -235,6 +239,9 @@ def execute_step(state: BatchState, plan: StepPlan, *, keep_logits: bool = True,
                     code, error = STEP_FAILED, exc
     failed = take_failure(state.model)
     outcome.failure, outcome.errors, outcome.intervention_error = _agree(code, error, failed, state.device, group)
+    if outcome.failure == STEP_OK:  # only then: every rank's store keeps the same keys
+        for row, keys in plan.keep_joined:
+            state.prefixes.keep(state.cache, row, int(state.next_pos[row]), keys)
     if not _intervenes(plan):
         user_calls.begin_command()  # no row calls the functions now: a stop pressed for earlier rows no longer holds
     if outcome.failure == JOIN_FAILED:

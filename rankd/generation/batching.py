@@ -368,9 +368,10 @@ class BatchScheduler:
                     break
                 if not self._cache_holds(kept + joining + ([chunked] if chunked else []), handle.request):
                     break
-                self.waiting.pop(0)
                 room = budget - len(joining) * width
-                hit = self._prefix_hit(handle.request) if chunked is None and room >= 1 else 0
+                hit = self._kept_tokens(handle.request) if chunked is None and room >= 1 else 0
+                self.waiting.pop(0)
+                self._count_hit(hit)
                 if hit or not fits:  # kept blocks seed it, or it is too long for a step: fed as a chunk, then joins
                     chunked = self.prefilling = admit(handle)
                     chunked.prefilled = chunked.cached = hit
@@ -394,25 +395,35 @@ class BatchScheduler:
             end=end,
             keep=[(i, self._kept_keys(rows[i])) for i in leave] if self._reuse == "blocks" else [],
             keep_ends=self._kept_ends(rows, cache) if self._reuse == "ends" else [],
+            keep_joined=self._joined_keys(len(kept), chunk, joining),
             prefix_blocks=self._prefix_blocks,
             intervened=[i for i, seq in enumerate(kept) if seq.handle.request.intervene],
             join_intervened=[i for i, seq in enumerate(joining) if seq.handle.request.intervene],
         )
         return plan, kept, joining
 
-    def _prefix_hit(self, request: SequenceRequest) -> int:
+    def _kept_tokens(self, request: SequenceRequest) -> int:
         """The prompt tokens of `request` that kept blocks hold (whole blocks, its last token always prefilled for
         its first logits; none when its prompt is scored, whose every position needs logits)."""
         if not self._prefix_blocks or request.prompt_logprobs:
             return 0
         if self._reuse == "ends":
-            hit = self.prefix_store.end_hit(list(request.prompt_ids[:-1]))[0]
-        else:
-            hit = self.prefix_store.cached_blocks(block_keys(request.prompt_ids[:-1])) * BLOCK_TOKENS
+            return self.prefix_store.end_hit(list(request.prompt_ids[:-1]))[0]
+        return self.prefix_store.cached_blocks(block_keys(request.prompt_ids[:-1])) * BLOCK_TOKENS
+
+    def _count_hit(self, hit: int) -> None:
         if hit:
             self.stats["prefix_hits"] += 1
             self.stats["cached_tokens"] += hit
-        return hit
+
+    def _joined_keys(self, kept: int, chunk: Chunk | None, joining: list[RunningSequence]) -> list:
+        """The plan's `keep_joined`: where the cache is paged and reuse keeps blocks, each row joining at this step
+        (the chunked prompt's after its last piece, then the joining prompts', after the `kept` rows), with its
+        prompt's block keys. Keeping them costs no copy there, and prompts that arrive while they run share them."""
+        if not self._paged or self._reuse != "blocks":
+            return []
+        joined = ([self.prefilling] if chunk is not None and chunk.last else []) + joining
+        return [(kept + i, block_keys(list(seq.handle.request.prompt_ids))) for i, seq in enumerate(joined)]
 
     def _kept_keys(self, seq: RunningSequence) -> list[int]:
         """The block keys of what a leaving row's cache holds (`_held_tokens`)."""

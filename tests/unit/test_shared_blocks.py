@@ -153,3 +153,21 @@ def test_a_pool_left_mostly_free_after_a_batch_shrinks_to_the_kept_blocks(model_
     got = _serve(model, tokenizer, 2 * BLOCK_TOKENS, [(0, again)])[0]
     assert got.cached_tokens == 2 * BLOCK_TOKENS
     _assert_alike(got, want)
+
+
+def test_a_prompt_arriving_while_another_with_its_beginning_runs_shares_that_rows_blocks(
+    model_and_tokenizer, joins
+) -> None:
+    """Nothing is kept before: a joining row's prompt blocks are kept as it joins (held, no copy), so a request
+    with the same document that arrives while it decodes starts from them."""
+    model, tokenizer = model_and_tokenizer
+    store, document = prefix_store(model), _ids(0, SYSTEM)
+    first, second = _request(document + _ids(90, 7), 12), _request(document + _ids(110, 12), 6)
+    want = _alone(model, tokenizer, second)
+    assert not store.blocks
+    joins.clear()
+    got = _serve(model, tokenizer, 4096, [(0, first), (3, second)])
+    assert [result.cached_tokens for result in got] == [0, SYSTEM]
+    first_blocks, second_blocks = joins[-1]["blocks"]
+    assert second_blocks[:3] == first_blocks[:3] and not set(second_blocks[3:]) & set(first_blocks)
+    _assert_alike(got[1], want)
