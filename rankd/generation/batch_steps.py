@@ -86,6 +86,9 @@ class StepPlan:
     logits are wanted."""
     chunk: Chunk | None = None
     """The next piece of the prompt prefilled in chunks (one forward into its own cache), run before `join`."""
+    seeded: list[Chunk] = field(default_factory=list)
+    """Prompts that start with kept blocks (or an end state) and whose rest fits the step: each its one piece, fed
+    into its own one-row cache seeded from them, after `chunk` and before `join` (their rows join in that order)."""
     abandon: bool = False
     """The prompt prefilled in chunks was stopped: every rank drops its cache, first."""
     end: bool = False
@@ -116,6 +119,8 @@ class StepOutcome:
     """Per joining prompt, its logits (all its prompt's positions when wanted, else the last one)."""
     chunked: torch.Tensor | None = None
     """The chunk's logits (every position of it when its prompt is scored, else the last piece's last one)."""
+    seeded: list[torch.Tensor | None] = field(default_factory=list)
+    """Per seeded prompt, its last logits."""
     failure: int = STEP_OK
     """STEP_OK, JOIN_FAILED (the joining rows failed, the batch is as before) or STEP_FAILED (the batch is empty)."""
     errors: dict[int, str] = field(default_factory=dict)
@@ -225,16 +230,19 @@ def execute_step(state: BatchState, plan: StepPlan, *, keep_logits: bool = True,
                 outcome.decoded = _decode(state, plan.decode, plan.intervened, keep_logits)
         except Exception as exc:
             code, error = STEP_FAILED, exc
-        for prefill in (_chunk_step, _join_step):  # each runs even after a failure, so the forwards line up
+        for prefill in (_chunk_step, _seeded_step, _join_step):  # each runs even after a failure: forwards line up
             try:
                 new_rows = prefill(state, plan, outcome, keep_logits)
             except Exception as exc:
                 code, error = max(code, JOIN_FAILED), error or exc
                 continue
-            if new_rows is not None and code == STEP_OK:
+            for cache, mask, shared in new_rows:
+                if code != STEP_OK:  # not appended: the kept blocks held for its rows are given back
+                    state.prefixes.pool.release([block for held in shared or [] for block in held])
+                    continue
                 try:
-                    state.append(*new_rows)
-                    appended += new_rows[1].shape[0]
+                    state.append(cache, mask, shared)
+                    appended += mask.shape[0]
                 except Exception as exc:
                     code, error = STEP_FAILED, exc
     failed = take_failure(state.model)
@@ -249,17 +257,18 @@ def execute_step(state: BatchState, plan: StepPlan, *, keep_logits: bool = True,
             state.drop(list(range(state.rows - appended, state.rows)))
         if plan.chunk is not None:
             state.drop_chunked()
-        outcome.joined, outcome.chunked = [], None
+        outcome.joined, outcome.chunked, outcome.seeded = [], None, []
     elif outcome.failure == STEP_FAILED:
         state.abandon()
-        outcome.decoded, outcome.joined, outcome.chunked = None, [], None
+        outcome.decoded, outcome.joined, outcome.chunked, outcome.seeded = None, [], None, []
     state.prefixes.trim(plan.prefix_blocks)
     return outcome
 
 
 def _intervenes(plan: StepPlan) -> bool:
     """Whether an intervention's functions run in this step (on some row's tokens)."""
-    return bool(plan.intervened or plan.join_intervened or (plan.chunk is not None and plan.chunk.intervened))
+    pieces = [plan.chunk] if plan.chunk is not None else []
+    return bool(plan.intervened or plan.join_intervened or any(piece.intervened for piece in pieces + plan.seeded))
 
 
 def _logits_where_sampled(plan: StepPlan) -> AbstractContextManager:
@@ -280,45 +289,70 @@ def keep_blocks(state: BatchState, plan: StepPlan) -> None:
         state.prefixes.keep_end(state.cache, row, int(state.next_pos[row]), key, cost)
 
 
-def _chunk_step(state: BatchState, plan: StepPlan, outcome: StepOutcome, keep_logits: bool) -> Any:
-    """Feed the plan's chunk (if any) into its prompt's cache; after the last piece, that cache and its mask."""
+def _chunk_step(state: BatchState, plan: StepPlan, outcome: StepOutcome, keep_logits: bool) -> list[tuple]:
+    """Feed the plan's chunk (if any) into its prompt's cache; after the last piece, the new row: that cache, its
+    mask and the kept blocks held for it."""
     chunk = plan.chunk
     if chunk is None:
-        return None
-    outcome.chunked = _feed_chunk(state, chunk, keep_logits)
-    if not chunk.last:
-        return None
-    cache, columns, shared = state.chunked_cache, state.chunked_tokens, state.chunked_shared
-    state.chunked_shared = []  # the row holds them now
-    state.drop_chunked()
-    return cache, torch.ones(1, columns, dtype=torch.long, device=state.device), [shared]
-
-
-def _join_step(state: BatchState, plan: StepPlan, outcome: StepOutcome, keep_logits: bool) -> Any:
-    """Prefill the plan's joining prompts (if any) together: their cache and mask."""
-    if not plan.join:
-        return None
-    cache, mask, outcome.joined = _prefill(state, plan.join, plan.join_intervened, keep_logits)
-    return cache, mask
-
-
-def _feed_chunk(state: BatchState, chunk: Chunk, keep_logits: bool) -> torch.Tensor | None:
-    """One forward of `chunk` into its prompt's one-row cache (a new one at the prompt's start), at its own
-    positions; the logits it keeps (float32, one row per position kept) when `keep_logits` and they are wanted."""
-    from transformers import DynamicCache
-
+        return []
     seeded = bool(chunk.prefix) or chunk.end is not None
     assert seeded or chunk.start == state.chunked_tokens, "the plan's chunk does not continue this rank's prompt"
     if chunk.start == 0 or seeded:
         state.drop_chunked()
-        state.chunked_cache = DynamicCache(config=state.model.config)
-        if chunk.prefix:
-            assert chunk.start == len(chunk.prefix) * BLOCK_TOKENS, "the chunk does not start after its prefix"
-            state.chunked_shared = state.prefixes.seed(state.chunked_cache, chunk.prefix, share=state.paged)
-        if chunk.end is not None:
-            held = state.prefixes.seed_end(state.chunked_cache, chunk.end)
-            assert chunk.start == held, "the chunk does not start after its end state"
+        state.chunked_cache, state.chunked_shared = _start_cache(state, chunk)
         state.chunked_tokens = chunk.start
+    outcome.chunked = _feed_piece(state, state.chunked_cache, chunk, keep_logits)
+    state.chunked_tokens = chunk.start + len(chunk.tokens)
+    if not chunk.last:
+        return []
+    cache, columns, shared = state.chunked_cache, state.chunked_tokens, state.chunked_shared
+    state.chunked_shared = []  # the row holds them now
+    state.drop_chunked()
+    return [(cache, torch.ones(1, columns, dtype=torch.long, device=state.device), [shared])]
+
+
+def _seeded_step(state: BatchState, plan: StepPlan, outcome: StepOutcome, keep_logits: bool) -> list[tuple]:
+    """Feed each seeded prompt's rest into its own one-row cache, seeded from what was kept: the new rows, as
+    `_chunk_step`'s (a failure gives back the kept blocks held for those fed before it)."""
+    rows: list[tuple] = []
+    try:
+        for chunk in plan.seeded:
+            cache, shared = _start_cache(state, chunk)
+            columns = chunk.start + len(chunk.tokens)
+            rows.append((cache, torch.ones(1, columns, dtype=torch.long, device=state.device), [shared]))
+            outcome.seeded.append(_feed_piece(state, cache, chunk, keep_logits))
+    except Exception:
+        state.prefixes.pool.release([block for _, _, (shared,) in rows for block in shared])
+        raise
+    return rows
+
+
+def _join_step(state: BatchState, plan: StepPlan, outcome: StepOutcome, keep_logits: bool) -> list[tuple]:
+    """Prefill the plan's joining prompts (if any) together: their cache and mask (no kept blocks held)."""
+    if not plan.join:
+        return []
+    cache, mask, outcome.joined = _prefill(state, plan.join, plan.join_intervened, keep_logits)
+    return [(cache, mask, None)]
+
+
+def _start_cache(state: BatchState, chunk: Chunk) -> tuple[Any, list[int]]:
+    """The one-row cache a prompt whose first piece is `chunk` starts from: empty, or seeded from the kept blocks
+    or end state it names; and the kept pool blocks now held for its row (a paged batch's)."""
+    from transformers import DynamicCache
+
+    cache, shared = DynamicCache(config=state.model.config), []
+    if chunk.prefix:
+        assert chunk.start == len(chunk.prefix) * BLOCK_TOKENS, "the chunk does not start after its prefix"
+        shared = state.prefixes.seed(cache, chunk.prefix, share=state.paged)
+    if chunk.end is not None:
+        held = state.prefixes.seed_end(cache, chunk.end)
+        assert chunk.start == held, "the chunk does not start after its end state"
+    return cache, shared
+
+
+def _feed_piece(state: BatchState, cache: Any, chunk: Chunk, keep_logits: bool) -> torch.Tensor | None:
+    """One forward of `chunk` into its prompt's one-row `cache`, at its own positions; the logits it keeps
+    (float32, one row per position kept) when `keep_logits` and they are wanted."""
     device, end = state.device, chunk.start + len(chunk.tokens)
     rows = Rows((0,) if chunk.intervened else (), 1, len(chunk.tokens))
     with applied_to(state.model, rows):
@@ -326,13 +360,12 @@ def _feed_chunk(state: BatchState, chunk: Chunk, keep_logits: bool) -> torch.Ten
             input_ids=torch.tensor([chunk.tokens], device=device),
             attention_mask=torch.ones(1, end, dtype=torch.long, device=device),
             position_ids=torch.arange(chunk.start, end, device=device).view(1, -1),
-            **{cache_keyword(state.model): state.chunked_cache},
+            **{cache_keyword(state.model): cache},
             use_cache=True,
             cache_position=torch.arange(chunk.start, end, device=device),
             logits_to_keep=0 if chunk.all_logits else 1,  # alike on every rank
         )
-    check_batchable(state.chunked_cache)
-    state.chunked_tokens = end
+    check_batchable(cache)
     if not keep_logits or not (chunk.all_logits or chunk.last):
         return None
     return out.logits[0].float()

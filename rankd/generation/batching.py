@@ -44,6 +44,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -89,6 +90,24 @@ __all__ = [
     "cache_refusal",
     "follow_batch",
 ]
+
+
+@dataclass
+class _Joiners:
+    """Who joins at the step rank 0 plans: the chunked prompt and its chunk, the seeded prompts with theirs, the
+    prompts prefilled together (padded to `width`), and the step's tokens left (`budget`)."""
+
+    chunked: RunningSequence | None
+    chunk: Chunk | None
+    budget: int
+    seeded: list[tuple[RunningSequence, Chunk]] = field(default_factory=list)
+    joining: list[RunningSequence] = field(default_factory=list)
+    width: int = 0
+
+    @property
+    def sequences(self) -> list[RunningSequence]:
+        """In the order their rows join: the chunked prompt's, the seeded ones', the joining ones'."""
+        return ([self.chunked] if self.chunked else []) + [seq for seq, _ in self.seeded] + self.joining
 
 
 class BatchScheduler:
@@ -253,14 +272,16 @@ class BatchScheduler:
         self.stats["largest_batch"] = max(self.stats["largest_batch"], state.rows)
         self.stats["rows"] = state.rows
         chunked = [self.prefilling] if plan.chunk is not None and self.prefilling is not None else []
+        seeded, joining = joining[: len(plan.seeded)], joining[len(plan.seeded) :]
         if outcome.failure == STEP_FAILED:  # every rank emptied its batch and dropped the chunked prompt
-            failed, self.prefilling = rows + joining + ([self.prefilling] if self.prefilling else []), None
+            failed = rows + seeded + joining + ([self.prefilling] if self.prefilling else [])
+            self.prefilling = None
             for seq in failed:
                 self._fail(seq, outcome.error_text())
             return []
         decoding = rows[: len(plan.decode)]
         if outcome.intervention_error is not None:  # before their tokens are taken: they came from a failed function
-            for seq in decoding + chunked + joining:
+            for seq in decoding + chunked + seeded + joining:
                 if seq.handle.request.intervene:
                     self._fail(seq, outcome.intervention_error)
         if decoding:
@@ -273,7 +294,7 @@ class BatchScheduler:
         if outcome.failure == JOIN_FAILED:  # the batch is as it was before the prefill, the chunked prompt dropped
             if chunked:
                 self.prefilling = None
-            for seq in chunked + joining:
+            for seq in chunked + seeded + joining:
                 self._fail(seq, outcome.error_text())
             return rows
         for seq in chunked:
@@ -282,9 +303,11 @@ class BatchScheduler:
             self.prefilling = None
         else:
             chunked = []
+        for seq, logits, chunk in zip(seeded, outcome.seeded, plan.seeded):
+            self._take(lambda s, logits, chunk=chunk: self._chunk_fed(s, logits, chunk), seq, logits)
         for seq, logits in zip(joining, outcome.joined):
             self._take(self._prefilled, seq, logits)
-        return rows + chunked + joining
+        return rows + chunked + seeded + joining
 
     def _settle(self) -> None:
         """Before an empty batch's first prefill, wait until no request has arrived for `join_window` (at most
@@ -352,55 +375,73 @@ class BatchScheduler:
             if not chunked.finished:  # stopped mid-prefill: the chunk it was fed last is its last
                 self._finish(chunked, "interrupted")
             chunked, abandon, self.prefilling = None, True, None
-        joining: list[RunningSequence] = []
         with self.lock:
-            budget, width = self.max_step_tokens - len(kept), 0  # the joiners' forward is padded to `width`
+            budget = self.max_step_tokens - len(kept)
             chunk = None if chunked is None else self._next_chunk(chunked, budget)
-            budget -= 0 if chunk is None else len(chunk.tokens)
-            while self.waiting and len(kept) + len(joining) + (chunked is not None) < self.max_sequences:
-                handle = self.waiting[0]
-                if handle.stop_requested.is_set():  # left before it ran
-                    self.waiting.pop(0)
-                    handle.complete(SequenceResult([], "", "interrupted", len(handle.request.prompt_ids)))
-                    continue
-                fits = (len(joining) + 1) * max(width, len(handle.request.prompt_ids)) <= budget
-                if not fits and (joining or chunked is not None or budget < 1):
-                    break
-                if not self._cache_holds(kept + joining + ([chunked] if chunked else []), handle.request):
-                    break
-                room = budget - len(joining) * width
-                hit = self._kept_tokens(handle.request) if chunked is None and room >= 1 else 0
-                self.waiting.pop(0)
-                self._count_hit(hit)
-                if hit or not fits:  # kept blocks seed it, or it is too long for a step: fed as a chunk, then joins
-                    chunked = self.prefilling = admit(handle)
-                    chunked.prefilled = chunked.cached = hit
-                    chunk = self._next_chunk(chunked, room)
-                    if not chunk.last:
-                        break
-                    budget -= len(chunk.tokens)  # it joins at this step: the others may join beside it
-                    continue
-                width = max(width, len(handle.request.prompt_ids))
-                joining.append(admit(handle))
-            end = not kept and not joining and chunked is None and not self.waiting
-            self.rows = kept + ([chunked] if chunked else []) + joining
+            new = _Joiners(chunked, chunk, budget - (0 if chunk is None else len(chunk.tokens)))
+            self._admit(kept, new)
+            end = not kept and not new.sequences and not self.waiting
+            self.rows = kept + new.sequences
             if end:
                 self.running = False
         plan = StepPlan(
             leave=leave,
             decode=[seq.next_token for seq in kept],
-            join=[(list(s.handle.request.prompt_ids), s.handle.request.prompt_logprobs) for s in joining],
-            chunk=chunk,
+            join=[(list(s.handle.request.prompt_ids), s.handle.request.prompt_logprobs) for s in new.joining],
+            chunk=new.chunk,
+            seeded=[chunk for _, chunk in new.seeded],
             abandon=abandon,
             end=end,
             keep=[(i, self._kept_keys(rows[i])) for i in leave] if self._reuse == "blocks" else [],
             keep_ends=self._kept_ends(rows, cache) if self._reuse == "ends" else [],
-            keep_joined=self._joined_keys(len(kept), chunk, joining),
+            keep_joined=self._joined_keys(len(kept), new),
             prefix_blocks=self._prefix_blocks,
             intervened=[i for i, seq in enumerate(kept) if seq.handle.request.intervene],
-            join_intervened=[i for i, seq in enumerate(joining) if seq.handle.request.intervene],
+            join_intervened=[i for i, seq in enumerate(new.joining) if seq.handle.request.intervene],
         )
-        return plan, kept, joining
+        return plan, kept, [seq for seq, _ in new.seeded] + new.joining
+
+    def _admit(self, kept: list[RunningSequence], new: _Joiners) -> None:
+        """Take waiting requests into `new` in arrival order while the step has rows, tokens and cache for them: a
+        prompt that starts with kept blocks and whose rest fits is seeded (each in its own forward), a prompt too
+        long for the step becomes the chunked one (one at a time), the others join in one padded forward."""
+        while self.waiting and len(kept) + len(new.sequences) < self.max_sequences:
+            handle = self.waiting[0]
+            request = handle.request
+            if handle.stop_requested.is_set():  # left before it ran
+                self.waiting.pop(0)
+                handle.complete(SequenceResult([], "", "interrupted", len(request.prompt_ids)))
+                continue
+            if not self._cache_holds(kept + new.sequences, request):
+                break
+            room = new.budget - len(new.joining) * new.width
+            hit = self._kept_tokens(request) if room >= 1 else 0
+            if hit and len(request.prompt_ids) - hit <= room:  # seeded from kept blocks, its rest fed at this step
+                seq = self._admit_first(hit)
+                new.seeded.append((seq, self._next_chunk(seq, room)))
+                new.budget -= len(request.prompt_ids) - hit
+                continue
+            hit = hit if new.chunked is None else 0
+            fits = (len(new.joining) + 1) * max(new.width, len(request.prompt_ids)) <= new.budget
+            if not fits and (new.joining or new.chunked is not None or new.budget < 1):
+                break
+            if hit or not fits:  # its rest is too long for a step: fed as a chunk a step, then joins
+                new.chunked = self.prefilling = self._admit_first(hit)
+                new.chunk = self._next_chunk(new.chunked, room)
+                if not new.chunk.last:
+                    break
+                new.budget -= len(new.chunk.tokens)  # it joins at this step: the others may join beside it
+                continue
+            self.waiting.pop(0)
+            new.width = max(new.width, len(request.prompt_ids))
+            new.joining.append(admit(handle))
+
+    def _admit_first(self, hit: int) -> RunningSequence:
+        """The first waiting request, admitted with `hit` of its prompt's tokens taken from kept caches."""
+        self._count_hit(hit)
+        seq = admit(self.waiting.pop(0))
+        seq.prefilled = seq.cached = hit
+        return seq
 
     def _kept_tokens(self, request: SequenceRequest) -> int:
         """The prompt tokens of `request` that kept blocks hold (whole blocks, its last token always prefilled for
@@ -416,13 +457,14 @@ class BatchScheduler:
             self.stats["prefix_hits"] += 1
             self.stats["cached_tokens"] += hit
 
-    def _joined_keys(self, kept: int, chunk: Chunk | None, joining: list[RunningSequence]) -> list:
+    def _joined_keys(self, kept: int, new: _Joiners) -> list:
         """The plan's `keep_joined`: where the cache is paged and reuse keeps blocks, each row joining at this step
-        (the chunked prompt's after its last piece, then the joining prompts', after the `kept` rows), with its
-        prompt's block keys. Keeping them costs no copy there, and prompts that arrive while they run share them."""
+        (after the `kept` rows: the chunked prompt's after its last piece, the seeded ones', then the joining
+        ones'), with its prompt's block keys. Keeping them costs no copy there, and prompts that arrive while they
+        run share them."""
         if not self._paged or self._reuse != "blocks":
             return []
-        joined = ([self.prefilling] if chunk is not None and chunk.last else []) + joining
+        joined = new.sequences if new.chunk is not None and new.chunk.last else new.sequences[new.chunked is not None :]
         return [(kept + i, block_keys(list(seq.handle.request.prompt_ids))) for i, seq in enumerate(joined)]
 
     def _kept_keys(self, seq: RunningSequence) -> list[int]:

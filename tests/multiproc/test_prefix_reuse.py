@@ -262,10 +262,10 @@ def test_requests_that_share_a_prefix_share_its_blocks(answer: dict) -> None:
         assert all(shape[0] < 3 and shape[1:] == (BLOCK, 8) for shape in heads), heads
 
 
-def test_requests_sent_together_join_at_one_step_the_first_from_kept_blocks(answer: dict) -> None:
+def test_requests_sent_together_are_all_seeded_from_kept_blocks_at_one_step(answer: dict) -> None:
     pair = answer["shared_pair"]
-    assert [cached for _, cached, _ in pair["results"]] == [3 * BLOCK, 0]  # one prompt is seeded a step
-    assert pair["forwards"][:3] == [(1, 10, 48), (1, 52, 0), (2, 1, 58)]  # both prefilled, then decoded together
+    assert [cached for _, cached, _ in pair["results"]] == [3 * BLOCK, 3 * BLOCK]
+    assert pair["forwards"][:3] == [(1, 10, 48), (1, 4, 48), (2, 1, 58)]  # each its rest, then decoded together
 
 
 def test_blocks_are_evicted_least_recently_used_within_a_tiny_budget(answer: dict) -> None:
