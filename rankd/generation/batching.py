@@ -103,6 +103,8 @@ class _Joiners:
     seeded: list[tuple[RunningSequence, Chunk]] = field(default_factory=list)
     joining: list[RunningSequence] = field(default_factory=list)
     width: int = 0
+    keys: set[int] = field(default_factory=set)
+    """The block keys of the prompts whose rows join at this step (kept as they join, a paged cache)."""
 
     @property
     def sequences(self) -> list[RunningSequence]:
@@ -420,7 +422,10 @@ class BatchScheduler:
                 seq = self._admit_first(hit)
                 new.seeded.append((seq, self._next_chunk(seq, room)))
                 new.budget -= len(request.prompt_ids) - hit
+                self._joins_now(new, request)
                 continue
+            if self._shares_with_joining(request, new):
+                break  # seeded from the blocks of a prompt joining now at the next step, not prefilled whole beside it
             hit = hit if new.chunked is None else 0
             fits = (len(new.joining) + 1) * max(new.width, len(request.prompt_ids)) <= new.budget
             if not fits and (new.joining or new.chunked is not None or new.budget < 1):
@@ -431,10 +436,27 @@ class BatchScheduler:
                 if not new.chunk.last:
                     break
                 new.budget -= len(new.chunk.tokens)  # it joins at this step: the others may join beside it
+                self._joins_now(new, request)
                 continue
             self.waiting.pop(0)
             new.width = max(new.width, len(request.prompt_ids))
             new.joining.append(admit(handle))
+            self._joins_now(new, request)
+
+    def _joins_now(self, new: _Joiners, request: SequenceRequest) -> None:
+        """Note the block keys of `request`, whose row joins at this step, where joining rows' blocks are kept."""
+        if self._paged and self._reuse == "blocks":
+            new.keys.update(block_keys(list(request.prompt_ids)))
+
+    def _shares_with_joining(self, request: SequenceRequest, new: _Joiners) -> bool:
+        """Whether kept blocks would hold most of `request`'s prompt at the next step: those of a prompt joining
+        now (its blocks are kept as it joins) begin at least half of it (requests with one new document sent
+        together: the first is prefilled, the others a step later from its blocks)."""
+        if not new.keys or request.prompt_logprobs or not self._prefix_blocks:
+            return False
+        keys = block_keys(request.prompt_ids[:-1])
+        shared = next((i for i, key in enumerate(keys) if key not in new.keys), len(keys))
+        return 2 * shared * BLOCK_TOKENS >= len(request.prompt_ids)
 
     def _admit_first(self, hit: int) -> RunningSequence:
         """The first waiting request, admitted with `hit` of its prompt's tokens taken from kept caches."""

@@ -171,3 +171,19 @@ def test_a_prompt_arriving_while_another_with_its_beginning_runs_shares_that_row
     first_blocks, second_blocks = joins[-1]["blocks"]
     assert second_blocks[:3] == first_blocks[:3] and not set(second_blocks[3:]) & set(first_blocks)
     _assert_alike(got[1], want)
+
+
+def test_requests_with_one_new_document_sent_together_share_the_first_ones_blocks(model_and_tokenizer, joins) -> None:
+    """Nothing kept and all sent at once: the first is prefilled whole, the others wait one step and are seeded
+    from its blocks (each prefills only its question), every row holding the same document blocks."""
+    model, tokenizer = model_and_tokenizer
+    store, document = prefix_store(model), _ids(0, SYSTEM)
+    store.trim(0)
+    batch = [_request(document + _ids(130 + 10 * i, 9), 4) for i in range(3)]
+    want = [_alone(model, tokenizer, request) for request in batch]
+    joins.clear()
+    got = _serve(model, tokenizer, 4096, [(0, request) for request in batch])
+    assert [result.cached_tokens for result in got] == [0, SYSTEM, SYSTEM]
+    assert len(joins) == 3 and len({tuple(blocks[:3]) for blocks in joins[-1]["blocks"]}) == 1
+    for result, alone in zip(got, want):
+        _assert_alike(result, alone)
