@@ -47,6 +47,21 @@ GLM5_SHAPE = dict(
 """A scaled-down GLM-5: its layer kinds and routing, at widths a 2-core CPU decodes quickly."""
 
 
+def glm5_model(experts: str | None = None):
+    """The scaled-down GLM-5 (float32, eval mode, drawn now) and its tokenizer; `experts`: transformers'
+    experts_implementation, or its default."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.tiny import make_tiny_lm
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_tiny_lm(Path(tmp) / "glm5", family="glm_moe_dsa", **GLM5_SHAPE)
+        chosen = {} if experts is None else {"experts_implementation": experts}
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **chosen).eval()
+        return model, AutoTokenizer.from_pretrained(path)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=8)
@@ -57,17 +72,11 @@ def main() -> int:
 
     import torch
     from batch_ceiling import batch_tok_s
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from shardbook.rankd.generation.batching import cache_refusal
-    from tests.tiny import make_tiny_lm
 
     torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = make_tiny_lm(Path(tmp) / "glm5", family="glm_moe_dsa", **GLM5_SHAPE)
-        experts = {} if args.experts is None else {"experts_implementation": args.experts}
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **experts).eval()
-        tokenizer = AutoTokenizer.from_pretrained(path)
+    model, tokenizer = glm5_model(args.experts)
     assert cache_refusal(model) is None, cache_refusal(model)
     params = sum(p.numel() for p in model.parameters()) / 1e6
     with torch.inference_mode():

@@ -3,8 +3,10 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_paged_cache.py
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_paged_cache.py --mixes 8x256,1x4096+7x128 --steps 32
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_paged_cache.py --model glm5
 
-The demo model (SmolLM2-135M, float32, one thread) runs the real batch path (`BatchState`, `execute_step`): each
+The demo model (SmolLM2-135M, float32, one thread; `--model glm5`: bench_dsa_batch's scaled-down GLM-5, whose MLA
+latents and indexer keys are paged) runs the real batch path (`BatchState`, `execute_step`): each
 mix's rows join one batch paged and one left-padded (one prefill per row length, so no prompt is padded), then the
 two decode `--steps` steps each, alternating step by step. The table gives the median ms per step, the cache's
 bytes in use (the rows' blocks; rows x the longest row) and allocated (pools; buffers with their room), and the
@@ -18,6 +20,7 @@ import os
 import statistics
 import time
 
+from bench_dsa_batch import glm5_model
 from bench_growing_cache import demo_model_one_thread
 from bench_ragged_attention import parse_mix
 
@@ -36,8 +39,10 @@ def batch(model, lengths: list[int], paged: bool):
     with torch.no_grad():
         for length in sorted(set(lengths), reverse=True):
             count = lengths.count(length)
-            prompts = [torch.randint(10, 1000, (length,), generator=generator).tolist() for _ in range(count)]
-            execute_step(state, StepPlan(leave=[], decode=[], join=[(prompt, False) for prompt in prompts]))
+            top = min(1000, model.config.vocab_size)
+            prompts = [torch.randint(10, top, (length,), generator=generator).tolist() for _ in range(count)]
+            outcome = execute_step(state, StepPlan(leave=[], decode=[], join=[(prompt, False) for prompt in prompts]))
+            assert not outcome.failure, outcome.errors
         step(state)
     return state
 
@@ -56,18 +61,19 @@ def step(state) -> float:
 
 
 def cache_bytes(state) -> tuple[int, int]:
-    """The batch cache's bytes of positions in use and allocated, over every layer's keys and values."""
+    """The batch cache's bytes of positions in use and allocated, over every layer's tensors held per position (keys
+    and values, or MLA's latents, and an indexer's keys)."""
+    from shardbook.rankd.generation.cache_rows import position_fields
     from shardbook.rankd.generation.paged_layers import block_table
 
     table, used, allocated = block_table(state.cache), 0, 0
     for layer in state.cache.layers:
         if table is not None:
-            pools = (layer.key_pool, layer.value_pool)
-            per_block = sum(pool[0].nbytes for pool in pools)
-            used += table.held_blocks * per_block
+            pools = [layer.pool(name) for name in layer.paged_names]
+            used += table.held_blocks * sum(pool[0].nbytes for pool in pools)
             allocated += sum(pool.nbytes for pool in pools)
             continue
-        for name in ("keys", "values"):
+        for name, _, _ in position_fields(layer):
             tensor = getattr(layer, name)
             used += tensor.numel() * tensor.element_size()
             allocated += layer.__dict__[f"_room_{name}"].nbytes
@@ -78,8 +84,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mixes", default="8x256,1x4096+7x128,1x2048+31x128,32x512")
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--model", choices=("demo", "glm5"), default="demo")
     args = parser.parse_args()
-    model, _ = demo_model_one_thread()
+    model, _ = demo_model_one_thread() if args.model == "demo" else glm5_model()
     print("| rows | paged ms/step | left-padded ms/step | ratio | in use MB paged / left-padded | allocated MB |")
     print("|---|---|---|---|---|---|")
     for mix in args.mixes.split(","):

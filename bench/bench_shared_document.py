@@ -48,7 +48,7 @@ def serve(model, tokenizer, batch: list, reuse: bool) -> dict:
         table = block_table(self.cache)
         if table is not None and table.held_blocks > fullest["rows"]:
             pool = table.pool
-            block = sum(p[0].nbytes for pools in (pool.keys, pool.values) for p in pools.values())
+            block = sum(p[0].nbytes for pools in pool.pools.values() for p in pools.values())
             fullest.update(held=pool.capacity - len(pool.free), rows=table.held_blocks, block_bytes=block)
 
     BatchState.append = measuring

@@ -28,9 +28,10 @@ class BlockPool:
     """The blocks of one model's paged layers on one rank (each layer's pools by its index in the cache)."""
 
     def __init__(self) -> None:
-        self.keys: dict[int, torch.Tensor] = {}
-        """Per paged layer, (blocks, kv heads, PAGE_TOKENS, head size), laid out head by head (`empty_pool`)."""
-        self.values: dict[int, torch.Tensor] = {}
+        self.pools: dict[str, dict[int, torch.Tensor]] = {}
+        """Per tensor a paged layer holds per position ("keys", "values", a sparse-attention indexer's
+        "indexer_keys"), per paged layer, (blocks, heads, PAGE_TOKENS, size), laid out head by head (`empty_pool`;
+        an indexer's keys, which have no heads, as one head)."""
         self.holders: list[int] = []
         """Per block, how many rows and stores hold it."""
         self.free: list[int] = []
@@ -74,17 +75,19 @@ class BlockPool:
         if len(self.free) * 2 <= self.capacity:
             return {}
         index = torch.tensor(kept, dtype=torch.int64)
-        for pools in (self.keys, self.values):
+        for pools in self.pools.values():
             for layer, pool in pools.items():
                 pools[layer] = empty_pool(pool, len(kept))
                 pools[layer][:] = pool[index]
         self.holders, self.free = [1] * len(kept), []
         return {old: new for new, old in enumerate(kept)}
 
-    def fit(self, layer: int, like_keys: torch.Tensor, like_values: torch.Tensor) -> None:
-        """Give paged layer `layer` pools of `capacity` blocks: new ones shaped after its keys and values (rows,
-        kv heads, positions, size), or its pools grown (a copy, only when `take` took more blocks)."""
-        for pools, like in ((self.keys, like_keys), (self.values, like_values)):
+    def fit(self, layer: int, likes: dict[str, torch.Tensor]) -> None:
+        """Give paged layer `layer` pools of `capacity` blocks for each tensor of `likes` (as the layer holds it
+        left-padded: (rows, heads, positions, size), or (rows, positions, size) for HEADLESS ones): new ones shaped
+        after it, or its pools grown (a copy, only when `take` took more blocks)."""
+        for name, like in likes.items():
+            pools, like = self.pools.setdefault(name, {}), pool_layout(name, like)
             pool = pools.get(layer)
             if pool is None:
                 pools[layer] = empty_pool(like, self.capacity)
@@ -92,6 +95,21 @@ class BlockPool:
                 grown = empty_pool(pool, self.capacity)
                 grown[: pool.shape[0]] = pool
                 pools[layer] = grown
+
+    def block_parts(self, layer: int, block: int) -> dict[str, torch.Tensor]:
+        """Layer `layer`'s tensors of `block`, each as one row of the left-padded layout holds it ((heads,
+        PAGE_TOKENS, size), or (PAGE_TOKENS, size) for HEADLESS ones): views of the pools."""
+        parts = {name: pools[layer][block] for name, pools in self.pools.items() if layer in pools}
+        return {name: part[0] if name in HEADLESS else part for name, part in parts.items()}
+
+
+HEADLESS = ("indexer_keys",)
+"""Tensors with one vector per position and row, no heads ((rows, positions, size)): pools hold them as one head."""
+
+
+def pool_layout(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` (rows, ..., positions, size) as its pool lays out a row: with a head dim (one) when it has none."""
+    return tensor.unsqueeze(1) if name in HEADLESS else tensor
 
 
 def empty_pool(like: torch.Tensor, blocks: int) -> torch.Tensor:

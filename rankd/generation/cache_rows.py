@@ -178,7 +178,7 @@ def position_fields(layer: Any) -> list[tuple[str, int, int]]:
     """The layer's grown tensors that it holds, as (attribute, row dim, sequence dim) (an indexer layer that shares
     another's top-k keeps no keys; a paged layer's are read through `row_positions`)."""
     if is_paged(layer):
-        return list(_FULL)
+        return [field for field in grown_fields(layer) if field[0] in layer.paged_names]
     return [field for field in grown_fields(layer) if getattr(layer, field[0], None) is not None]
 
 

@@ -19,13 +19,16 @@ take (attention sinks, a soft cap, a head size it does not take) gets the padded
 that call. MLA (DeepSeek-V3, Kimi-K2) caches its compressed latents and expands them into keys and values after
 the cache, so its attention never sees the cache's tensors: its layers hand the expansion the rows' latents
 gathered, left-padded (a copy of the latents each step, small beside the expansion that follows it), and its memory
-still follows each row's length. A forward that does not pass the stand-ins to attention unchanged fails its step
-with a clear error rather than attending to them (`markers_expected`).
+still follows each row's length. A sparse-attention indexer's keys (GLM-5, DeepSeek-V3.2) take a third pool of the
+same blocks, and `update_indexer` hands the indexer every row's keys gathered alike (zeros where the left-padded
+layout has pads: the indexer adds the mask before its top-k, so neither is ever picked over a real position). A
+forward that does not pass the stand-ins to attention unchanged fails its step with a clear error rather than
+attending to them (`markers_expected`).
 
 The batch pages a model only where this pays and holds (`paged_refusal`): on a CPU with the kernel built, under
 transformers' `sdpa`, with full attention (or MLA's latents, stored alike) on every layer that holds positions
-(linear-attention states, which hold none, beside them: Qwen3-Next). Sliding windows and the sparse-attention
-indexer's keys stay in the growing layout. A paged layer has no `keys` or `values` tensor: rows are read with
+(linear-attention states, which hold none, beside them: Qwen3-Next), with or without an indexer. Sliding windows
+stay in the growing layout. A paged layer has no `keys` or `values` tensor: rows are read with
 `row_positions`.
 """
 
@@ -42,12 +45,14 @@ from typing import Any
 import torch
 
 from shardbook.rankd.generation import decode_attention
-from shardbook.rankd.generation.block_pool import PAGE_TOKENS, BlockPool
+from shardbook.rankd.generation.block_pool import HEADLESS, PAGE_TOKENS, BlockPool, pool_layout
 from shardbook.rankd.generation.growing_layers import layer_kind
 
 SWITCH = "SHARDBOOK_PAGED_CACHE"
-_PAGED_KINDS = {"DynamicLayer", "LinearAttentionLayer"}
-"""Cache layer kinds a paged cache may hold: full attention (paged) and states without positions (as they are)."""
+_POSITIONED = ("DynamicLayer", "DynamicIndexedLayer")
+"""Cache layer kinds a paged cache holds in blocks: full attention, with or without a sparse-attention indexer."""
+_PAGED_KINDS = {*_POSITIONED, "LinearAttentionLayer"}
+"""Cache layer kinds a paged cache may hold: those in blocks and states without positions (kept as they are)."""
 
 
 class BlockTable:
@@ -136,7 +141,7 @@ def paged_refusal(model: Any, device: torch.device) -> str | None:
     if getattr(model.config, "_attn_implementation", None) != "sdpa":
         return "the paged cache attends through the sdpa attention entry; the model uses another"
     kinds = _cache_kinds(model)
-    if "DynamicLayer" not in kinds or not kinds <= _PAGED_KINDS:
+    if not kinds & set(_POSITIONED) or not kinds <= _PAGED_KINDS:
         return f"the model's cache has {', '.join(sorted(kinds - _PAGED_KINDS))} layers, which are not paged"
     if not decode_attention.available():
         return "the decode-attention kernel is not built here (no C compiler)"
@@ -152,12 +157,30 @@ def page(
     table, stand_ins = BlockTable(pool), attends_to_cached_tensors(model)
     blocks = table.add_rows(lengths, shared)
     for index, layer in enumerate(cache.layers):
-        if layer_kind(layer) == "DynamicLayer":
-            keys, values = layer.__dict__.pop("keys"), layer.__dict__.pop("values")
+        if layer_kind(layer) in _POSITIONED:
+            sources = _positions(layer)
+            for name in ("keys", "values", "indexer_keys", "indexer_position_ids"):
+                layer.__dict__.pop(name, None)
             layer.__class__ = _paged(type(layer))
             layer.block_table, layer.pool_index, layer.stand_ins = table, index, stand_ins
-            layer.write_rows(keys, values, lengths, blocks, shared)
+            layer.paged_names = tuple(sources)
+            layer.write_rows(sources, lengths, blocks, shared)
     return table
+
+
+def _positions(layer: Any) -> dict[str, torch.Tensor]:
+    """The tensors a left-padded full-attention `layer` holds per position, by name: keys and values, and an
+    indexer's keys where it keeps them (a layer reusing another's top-k keeps none)."""
+    held = {"keys": layer.keys, "values": layer.values}
+    if getattr(layer, "indexer_position_ids", None) is not None:
+        raise NotImplementedError(
+            f"the paged cache holds no indexer positions (this model keeps them); set {SWITCH}=0 to batch it "
+            "left-padded"
+        )
+    indexer = getattr(layer, "indexer_keys", None)
+    if indexer is not None and indexer.numel():
+        held["indexer_keys"] = indexer
+    return held
 
 
 def attends_to_cached_tensors(model: Any) -> bool:
@@ -186,17 +209,19 @@ def append_paged_rows(cache: Any, other: Any, lengths: list[int], shared: list[l
     blocks = table.add_rows(lengths, shared)
     for mine, theirs in zip(cache.layers, other.layers):
         if is_paged(mine):
-            mine.write_rows(theirs.keys, theirs.values, lengths, blocks, shared)
+            mine.write_rows(_positions(theirs), lengths, blocks, shared)
 
 
 def row_positions(layer: Any, name: str, row: int) -> torch.Tensor:
-    """A paged layer's `row`'s own positions of `name` ("keys" or "values"), (kv heads, its length, head size): a
+    """A paged layer's `row`'s own positions of `name` (one of its `paged_names`), as one row of the left-padded
+    layout holds them but no padding: (kv heads, its length, head size), an indexer's keys (its length, size). A
     copy."""
-    pool = layer.key_pool if name == "keys" else layer.value_pool
+    pool = layer.pool(name)
     table = layer.block_table
     length, blocks = int(table.lengths[row]), table.blocks[row]
     held = pool[torch.tensor(blocks, dtype=torch.int64)].transpose(0, 1)  # (kv heads, blocks, block, size)
-    return held.reshape(pool.shape[1], len(blocks) * PAGE_TOKENS, pool.shape[3])[:, :length]
+    held = held.reshape(pool.shape[1], len(blocks) * PAGE_TOKENS, pool.shape[3])[:, :length]
+    return held[0] if name in HEADLESS else held
 
 
 _MARKERS: ContextVar[dict | None] = ContextVar("shardbook_paged_markers", default=None)
@@ -234,18 +259,28 @@ def take_markers(key: torch.Tensor, value: torch.Tensor) -> Any:
 
 @functools.cache
 def _paged(base: type) -> type:
+    kind = getattr(base, "grows_in_place_of", base.__name__)
     members = {
-        "grows_in_place_of": base.__name__,
-        "key_pool": property(lambda self: self.block_table.pool.keys[self.pool_index]),
-        "value_pool": property(lambda self: self.block_table.pool.values[self.pool_index]),
+        "grows_in_place_of": kind,
+        "pool": lambda self, name: self.block_table.pool.pools[name][self.pool_index],
+        "key_pool": property(lambda self: self.pool("keys")),
+        "value_pool": property(lambda self: self.pool("values")),
         "keys": property(_no_padded_tensor),
         "values": property(_no_padded_tensor),
         "update": _update,
         "get_seq_length": lambda self: self.block_table.width,
         "write_rows": _write_rows,
-        "padded": _padded,
+        "write_step": _write_step,
+        "gathered": _gathered,
+        "padded": lambda self: (self.gathered("keys"), self.gathered("values")),
         "attend": _attend,
     }
+    if kind == "DynamicIndexedLayer":
+        members |= {
+            "indexer_keys": property(_no_padded_tensor),
+            "indexer_position_ids": None,
+            "update_indexer": _update_indexer,
+        }
     return type(f"Paged{base.__name__}", (base,), members)
 
 
@@ -260,18 +295,35 @@ def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, *
     (`BlockTable.begin_step`); stand-ins for the padded keys and values inside `markers_expected` where the model
     attends to them as they are, else those, gathered."""
     table = self.block_table
-    if table.write_at is None or key_states.shape[2] != 1 or key_states.shape[0] != table.rows:
+    if key_states.shape[2] != 1:
         raise RuntimeError("a paged batch cache takes only the batch's decode steps (one position per row)")
-    table.pool.fit(self.pool_index, key_states, value_states)
-    block, offset = table.write_at
-    self.key_pool[block, :, offset] = key_states[:, :, 0]
-    self.value_pool[block, :, offset] = value_states[:, :, 0]
+    self.write_step("keys", key_states)
+    self.write_step("values", value_states)
     pending = _MARKERS.get()
     if pending is None or not self.stand_ins or torch.compiler.is_compiling():  # a traced stand-in is not this one
         return self.padded()
     markers = tuple(_marker(pool, table) for pool in (self.key_pool, self.value_pool))
     pending[id(markers[0])] = (*markers, self)
     return markers
+
+
+def _write_step(self, name: str, states: torch.Tensor) -> None:
+    """Write a decode step's `states` of `name` (one position per row, as the left-padded layout holds it) at each
+    row's next position (`BlockTable.begin_step`)."""
+    table = self.block_table
+    if table.write_at is None or states.shape[0] != table.rows:
+        raise RuntimeError("a paged batch cache takes only the batch's decode steps (one position per row)")
+    table.pool.fit(self.pool_index, {name: states})
+    block, offset = table.write_at
+    self.pool(name)[block, :, offset] = pool_layout(name, states)[:, :, 0]
+
+
+def _update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+    """`DynamicIndexedLayer.update_indexer` for a decode step: its keys (rows, 1, size) written at each row's next
+    position; every row's indexer keys returned left-padded (zeros before a row's positions: the indexer adds the
+    mask before its top-k, so they rank below every real position, as the left-padded layout's pads do)."""
+    self.write_step("indexer_keys", indexer_key_states)
+    return self.gathered("indexer_keys")[:, 0]
 
 
 def _marker(pool: torch.Tensor, table: BlockTable) -> torch.Tensor:
@@ -288,34 +340,32 @@ def _attend(self, query: torch.Tensor, scale: float) -> torch.Tensor | None:
     )
 
 
-def _padded(self) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows' keys and values left-padded to the longest row (zeros before a row's positions), gathered."""
+def _gathered(self, name: str) -> torch.Tensor:
+    """The rows' tensors `name` left-padded to the longest row (zeros before a row's positions), gathered: (rows,
+    heads, columns, size)."""
     table = self.block_table
     columns = int(table.lengths.max())
     own = torch.arange(columns)[None, :] - (columns - table.lengths)[:, None]  # each column's own position
     padding = own < 0
     own = own.clamp(min=0)
     blocks, offsets = table.table.gather(1, own // PAGE_TOKENS), own % PAGE_TOKENS
-    gathered = []
-    for pool in (self.key_pool, self.value_pool):
-        rows = pool[blocks, :, offsets].masked_fill(padding[:, :, None, None], 0)  # (rows, columns, heads, size)
-        gathered.append(rows.transpose(1, 2))
-    return gathered[0], gathered[1]
+    rows = self.pool(name)[blocks, :, offsets].masked_fill(padding[:, :, None, None], 0)  # (rows, columns, heads, size)
+    return rows.transpose(1, 2)
 
 
 def _write_rows(
     self,
-    keys: torch.Tensor,
-    values: torch.Tensor,
+    sources: dict[str, torch.Tensor],
     lengths: list[int],
     blocks: list[list[int]],
     shared: list[list[int]] | None = None,
 ):
-    """Write rows of left-padded `keys` and `values` (rows, kv heads, columns, size), holding `lengths` positions,
+    """Write the rows of left-padded `sources` (by name, as `_positions` gives them), holding `lengths` positions,
     into their `blocks` (the table's newest rows), but a row's first positions that its `shared` blocks hold."""
-    self.block_table.pool.fit(self.pool_index, keys, values)
+    self.block_table.pool.fit(self.pool_index, sources)
     skips = [len(own) for own in shared] if shared else [0] * len(lengths)
-    for pool, source in ((self.key_pool, keys), (self.value_pool, values)):
+    for name, source in sources.items():
+        pool, source = self.pool(name), pool_layout(name, source)
         for row, (length, taken, skip) in enumerate(zip(lengths, blocks, skips)):
             own = source[row, :, source.shape[2] - length + skip * PAGE_TOKENS :]
             length, taken = length - skip * PAGE_TOKENS, taken[skip:]

@@ -146,8 +146,7 @@ class PrefixStore:
         entry = self.blocks[key]
         if not isinstance(entry, int):
             return entry[layer]
-        pools = ((name, pools.get(layer)) for name, pools in (("keys", self.pool.keys), ("values", self.pool.values)))
-        return {name: pool[entry] for name, pool in pools if pool is not None}
+        return self.pool.block_parts(layer, entry)
 
     def keep(self, cache: Any, row: int, tokens: int, keys: list[int]) -> None:
         """Keep the blocks of `keys` of the batch's `row`, which holds `tokens` tokens (its last positions, the

@@ -25,6 +25,10 @@ MAKERS = {
     "llama": lambda path: make_tiny_lm(path, family="llama"),
     "deepseek_v3": lambda path: make_tiny_mla(path, "deepseek_v3"),  # MLA: values of another head size
     "qwen3_next": lambda path: make_tiny_tp_family(path, "qwen3_next"),  # linear-attention states beside paged layers
+    # the indexer's keys in blocks too (GLM-5: its third layer reuses the second's top-k and keeps none); 16 indexer
+    # heads: with 2 (or 8, once here) exact ties at a zero score occur, which `topk` breaks its own way in a padded row
+    "glm_moe_dsa": lambda path: make_tiny_mla(path, "glm_moe_dsa", index_n_heads=16),
+    "deepseek_v32": lambda path: make_tiny_mla(path, "deepseek_v32", index_n_heads=16),
 }
 
 
@@ -124,6 +128,24 @@ def test_memory_follows_each_rows_own_length_and_joins_move_no_rows_blocks(model
     assert table.capacity == MIN_BLOCKS  # the leaving rows' blocks were taken again, no pool grew
 
 
+def test_an_indexers_keys_are_in_blocks_beside_its_latents(model, monkeypatch) -> None:
+    if "index_topk" not in model.config:
+        pytest.skip("no sparse-attention indexer")
+    _, _, state, _ = _run_batch(model)
+    monkeypatch.setenv(paged_layers.SWITCH, "0")
+    _, _, padded, _ = _run_batch(model)
+    lengths = block_table(state.cache).lengths.tolist()
+    indexed = [layer.paged_names for layer in state.cache.layers]
+    reuses = model.config.model_type == "glm_moe_dsa"  # its third layer reuses the second's top-k
+    assert indexed == [("keys", "values", "indexer_keys")] * (len(indexed) - reuses) + [("keys", "values")] * reuses
+    for paged_layer, layer in zip(state.cache.layers, padded.cache.layers):
+        for name in paged_layer.paged_names:
+            for row, length in enumerate(lengths):
+                got = paged_layers.row_positions(paged_layer, name, row)
+                want = getattr(layer, name)[row][..., -length:, :]
+                assert torch.equal(got, want), (name, row)
+
+
 def test_attention_the_kernel_does_not_take_reads_the_gathered_padded_rows(model, monkeypatch) -> None:
     want_tokens, want, _, _ = _run_batch(model)
     monkeypatch.setattr(row_attention, "_plain", lambda kw: False)  # as with sinks or a soft cap
@@ -180,10 +202,9 @@ def test_what_is_not_paged_says_why(model, monkeypatch) -> None:
     assert paged_layers.SWITCH in paged_refusal(model, cpu)
 
 
-def test_sliding_windows_and_indexed_layers_stay_left_padded(tmp_path: Path) -> None:
-    for family, make in (("gpt_oss", make_tiny_tp_family), ("glm_moe_dsa", make_tiny_mla)):
-        path = make(tmp_path / family, family)
-        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        loaded.config._attn_implementation = "sdpa"  # gpt-oss attends eagerly (sinks): its cache alone refuses
-        reason = paged_refusal(loaded, torch.device("cpu"))
-        assert reason is not None and "not paged" in reason, family
+def test_sliding_windows_stay_left_padded(tmp_path: Path) -> None:
+    path = make_tiny_tp_family(tmp_path / "gpt_oss", "gpt_oss")
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    loaded.config._attn_implementation = "sdpa"  # gpt-oss attends eagerly (sinks): its cache alone refuses
+    reason = paged_refusal(loaded, torch.device("cpu"))
+    assert reason is not None and "DynamicSlidingWindowLayer layers, which are not paged" in reason

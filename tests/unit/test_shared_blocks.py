@@ -3,8 +3,8 @@ with kept blocks takes the store's pool blocks as its row's first blocks, rows r
 ones, a block the store evicts stays its row's until the row leaves, and a pool left mostly free after a batch
 shrinks to what the store keeps. Every reply's log-probabilities equal its prompt's decoded alone with nothing kept.
 
-One process (no process group: the plan is not broadcast), a tiny random llama, rank 0's scheduler, on a CPU where
-the decode kernel is built (the batch is paged).
+One process (no process group: the plan is not broadcast), a tiny random llama and GLM-5, rank 0's scheduler, on a
+CPU where the decode kernel is built (the batch is paged).
 """
 
 from __future__ import annotations
@@ -19,18 +19,25 @@ from shardbook.rankd.generation.batch_steps import BatchState
 from shardbook.rankd.generation.batching import BatchScheduler, SequenceRequest
 from shardbook.rankd.generation.paged_layers import block_table
 from shardbook.rankd.generation.prefix_store import BLOCK_TOKENS, block_keys, prefix_store
-from tests.tiny import make_tiny_llama
+from tests.tiny import make_tiny_llama, make_tiny_mla
 
 pytestmark = pytest.mark.skipif(not decode_attention.available(), reason="no C compiler here: nothing is paged")
 
 SYSTEM = 3 * BLOCK_TOKENS
 
 
-@pytest.fixture(scope="module")
-def model_and_tokenizer(tmp_path_factory: pytest.TempPathFactory):
+MAKERS = {
+    "llama": lambda path: make_tiny_llama(path, hidden_size=72, num_heads=9, num_kv_heads=3),
+    # MLA latents and the indexer's keys in the shared blocks (16 indexer heads: no exact ties in its top-k)
+    "glm_moe_dsa": lambda path: make_tiny_mla(path, "glm_moe_dsa", index_n_heads=16),
+}
+
+
+@pytest.fixture(scope="module", params=list(MAKERS))
+def model_and_tokenizer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = make_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", hidden_size=72, num_heads=9, num_kv_heads=3)
+    path = MAKERS[request.param](tmp_path_factory.mktemp(request.param) / "model")
     model = AutoModelForCausalLM.from_pretrained(Path(path), dtype=torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(path)
 
@@ -149,7 +156,7 @@ def test_a_pool_left_mostly_free_after_a_batch_shrinks_to_the_kept_blocks(model_
     assert len(joins[-1]["holders"]) >= 8 * 10  # eight rows of ten blocks
     pooled = [store.blocks[key] for key in block_keys(start)]
     assert store.pool.capacity == 2 and sorted(pooled) == [0, 1]  # the rows' blocks went; the kept two moved
-    assert {tuple(pool.shape[:1]) for pool in (*store.pool.keys.values(), *store.pool.values.values())} == {(2,)}
+    assert {pool.shape[0] for pools in store.pool.pools.values() for pool in pools.values()} == {2}
     got = _serve(model, tokenizer, 2 * BLOCK_TOKENS, [(0, again)])[0]
     assert got.cached_tokens == 2 * BLOCK_TOKENS
     _assert_alike(got, want)
