@@ -44,6 +44,7 @@ from shardbook.rankd.generation.cache_rows import (
 )
 from shardbook.rankd.generation.growing_layers import grow_in_place, kept_order
 from shardbook.rankd.generation.intervention_state import Rows, applied_to, take_failure
+from shardbook.rankd.generation.latent_attention import absorbing
 from shardbook.rankd.generation.paged_layers import block_table, page, paged_refusal
 from shardbook.rankd.generation.prefix_store import BLOCK_TOKENS, prefix_store
 from shardbook.rankd.generation.row_attention import by_rows
@@ -380,7 +381,7 @@ def _decode(state: BatchState, tokens: list[int], intervened: list[int], keep_lo
     table = block_table(state.cache)
     if table is not None:
         table.begin_step()
-    with applied_to(state.model, Rows(tuple(intervened), state.rows, 1)), by_rows():
+    with applied_to(state.model, Rows(tuple(intervened), state.rows, 1)), by_rows(), absorbing(state.model):
         out = state.model(
             input_ids=torch.tensor(tokens, device=device).view(-1, 1),
             attention_mask=state.mask,

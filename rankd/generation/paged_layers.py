@@ -226,6 +226,19 @@ def row_positions(layer: Any, name: str, row: int) -> torch.Tensor:
 
 _MARKERS: ContextVar[dict | None] = ContextVar("shardbook_paged_markers", default=None)
 """Inside `markers_expected`: each stand-in a paged layer's update returned and attention has not taken yet, by id."""
+_LATENT_MARKERS: ContextVar[bool] = ContextVar("shardbook_paged_latent_markers", default=False)
+"""Inside `latents_as_markers`: MLA's paged layers hand stand-ins too (their reader is `latent_attention`)."""
+
+
+@contextlib.contextmanager
+def latents_as_markers() -> Iterator[None]:
+    """The forwards inside read MLA's latents from the blocks themselves (`latent_attention`), so MLA's paged layers
+    hand stand-ins like the others rather than their latents gathered."""
+    token = _LATENT_MARKERS.set(True)
+    try:
+        yield
+    finally:
+        _LATENT_MARKERS.reset(token)
 
 
 @contextlib.contextmanager
@@ -273,6 +286,7 @@ def _paged(base: type) -> type:
         "write_step": _write_step,
         "gathered": _gathered,
         "padded": lambda self: (self.gathered("keys"), self.gathered("values")),
+        "own_rows": _own_rows,
         "attend": _attend,
     }
     if kind == "DynamicIndexedLayer":
@@ -300,7 +314,8 @@ def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, *
     self.write_step("keys", key_states)
     self.write_step("values", value_states)
     pending = _MARKERS.get()
-    if pending is None or not self.stand_ins or torch.compiler.is_compiling():  # a traced stand-in is not this one
+    stand_ins = self.stand_ins or _LATENT_MARKERS.get()
+    if pending is None or not stand_ins or torch.compiler.is_compiling():  # a traced stand-in is not this one
         return self.padded()
     markers = tuple(_marker(pool, table) for pool in (self.key_pool, self.value_pool))
     pending[id(markers[0])] = (*markers, self)
@@ -338,6 +353,16 @@ def _attend(self, query: torch.Tensor, scale: float) -> torch.Tensor | None:
     return decode_attention.paged_decode_attention(
         query, self.key_pool, self.value_pool, table.table, table.lengths, scale
     )
+
+
+def _own_rows(self, name: str) -> list[torch.Tensor]:
+    """Each row's own positions of `name`, unpadded: (positions, size) per row (a headless or one-head pool)."""
+    table, pool = self.block_table, self.pool(name)
+    rows = []
+    for blocks, length in zip(table.blocks, table.lengths.tolist()):
+        held = pool.index_select(0, torch.tensor(blocks, dtype=torch.int64))  # (blocks, 1, PAGE_TOKENS, size)
+        rows.append(held.view(-1, pool.shape[-1])[:length])
+    return rows
 
 
 def _gathered(self, name: str) -> torch.Tensor:

@@ -12,7 +12,8 @@ attention cost the long row's. In the batch's decode forward (`by_rows`) on a CP
   4.7 ms row by row; at equal lengths 1.06x to 1.13x the padded time, so not there);
 * else as transformers' `sdpa` does.
 
-A paged cache's layers (`paged_layers`) hand attention stand-ins for their keys and values: those are attended
+MLA's stand-ins for its expanded keys and values (`latent_attention`) are attended over the cached latents
+directly. A paged cache's layers (`paged_layers`) hand attention stand-ins for their keys and values: those are attended
 through the kernel's block table, or, where the kernel does not take the call, as the padded rows gathered from
 the blocks.
 
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 
-from shardbook.rankd.generation import decode_attention, paged_layers
+from shardbook.rankd.generation import decode_attention, latent_attention, paged_layers
 
 PADDED_SHARE = 0.25
 """Attend row by row only when at least this share of the rows' columns is padding (row by row costs ~1.1x the
@@ -105,6 +106,11 @@ def _sdpa_maybe_by_rows(module: Any, query: torch.Tensor, key: torch.Tensor, val
     the C kernel where it applies, else once per row over the row's own columns where `row_starts` says so."""
     sdpa = _SDPA["sdpa"]
     mask, args = (args[0], args[1:]) if args else (kw.pop("attention_mask", None), ())
+    latent = latent_attention.take(key, value)
+    if latent is not None:
+        if not args and _plain(kw) and query.shape[2] == 1:
+            return latent.attend(query, mask, _scale(query, kw)), None
+        key, value = latent.expanded()
     paged = paged_layers.take_markers(key, value)
     if paged is not None:
         out = paged.attend(query, _scale(query, kw)) if not args and _plain(kw) else None

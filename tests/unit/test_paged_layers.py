@@ -143,7 +143,9 @@ def test_an_indexers_keys_are_in_blocks_beside_its_latents(model, monkeypatch) -
             for row, length in enumerate(lengths):
                 got = paged_layers.row_positions(paged_layer, name, row)
                 want = getattr(layer, name)[row][..., -length:, :]
-                assert torch.equal(got, want), (name, row)
+                # a paged row attends over its own latents, a left-padded one over the padded width: the later
+                # layers' inputs differ in the last bits (another summation order), a misplaced position by far more
+                assert torch.allclose(got, want, atol=1e-5), (name, row)
 
 
 def test_attention_the_kernel_does_not_take_reads_the_gathered_padded_rows(model, monkeypatch) -> None:

@@ -1,0 +1,54 @@
+"""MLA's decode step over the cached latents (`rankd/generation/latent_attention.py`) against transformers'
+expansion of every cached latent into keys and values, side by side in one run.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_mla_absorbed.py
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_mla_absorbed.py --mixes 8x256,1x2048+31x128 --steps 16
+
+bench_dsa_batch's scaled-down GLM-5 (MLA with an indexer, float32, one thread) on the real batch path
+(`BatchState`, `execute_step`): each mix's rows join one paged batch and one left-padded batch (bench_paged_cache's
+`batch`), then each batch decodes `--steps` steps, every step with the latents attended over directly and one
+with them expanded (`SHARDBOOK_MLA_ABSORBED=0`), alternating, so the machine's noise falls on both alike. The
+table gives the median ms per step and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+from bench_dsa_batch import glm5_model
+from bench_paged_cache import batch, step
+from bench_ragged_attention import parse_mix
+
+
+def timed_steps(state, steps: int) -> dict[str, float]:
+    """Median ms of a decode step of `state`, by mode (absorbed, expanded), the two alternating."""
+    from shardbook.rankd.generation import latent_attention
+
+    times: dict[str, list[float]] = {"1": [], "0": []}
+    for _ in range(steps):
+        for switch, seconds in times.items():
+            os.environ[latent_attention.SWITCH] = switch
+            seconds.append(step(state))
+    os.environ.pop(latent_attention.SWITCH)
+    return {switch: statistics.median(seconds) * 1e3 for switch, seconds in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mixes", default="1x256,8x256,1x2048+7x128,1x2048+31x128,32x512")
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    model, _ = glm5_model()
+    print("| rows | cache | over latents ms/step | expanded ms/step | ratio |")
+    print("|---|---|---|---|---|")
+    for mix in args.mixes.split(","):
+        for paged in (True, False):
+            ms = timed_steps(batch(model, parse_mix(mix), paged), args.steps)
+            layout = "paged" if paged else "left-padded"
+            print(f"| {mix} | {layout} | {ms['1']:.1f} | {ms['0']:.1f} | {ms['1'] / ms['0']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

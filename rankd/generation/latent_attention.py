@@ -1,0 +1,177 @@
+"""The batch's decode step attends over MLA's cached latents directly, without expanding them into keys and values.
+
+Multi-head latent attention (DeepSeek-V3/V3.2, Kimi-K2, GLM-5) caches one latent per position (`kv_lora_rank`
+values, plus a shared rotary key) and transformers' forward expands every cached latent through `kv_b_proj` into
+each head's key and value at every step: a decode step costs rows x longest row x kv_lora_rank x heads x
+(key + value size) multiply-adds before attention reads a single column (GLM-5: 14.7 M per position and layer).
+The up-projection is linear, so it can move to the query and the output instead ("absorbed"):
+
+    score(h, t) = q_nope(h) . (W_UK(h) c_t) + q_rot(h) . k_rot_t = (W_UK(h)^T q_nope(h)) . c_t + q_rot(h) . k_rot_t
+    out(h)      = sum_t p(h, t) W_UV(h) c_t = W_UV(h) (sum_t p(h, t) c_t)
+
+so each head reads the latents themselves (kv_lora_rank + rope values a position: GLM-5 70 k multiply-adds a
+position and layer over its 64 heads, 1/210 of the expansion), as multi-query attention with one shared key.
+
+Inside `absorbing(model)` (the batch's decode forward) an MLA module's `expand_kv` returns stand-ins of the
+expanded shape that own no memory (the forward reads only their shape, for GLM-5's top-k mask) and the batch's
+`sdpa` entry (`row_attention`) attends through `LatentKeys.attend`. Everything else expands as transformers does:
+a prefill (many queries per row: the expansion is shared by them), a `kv_b_proj` that is not a plain linear layer
+(FP8 kept, a family's own), one with hooks (an intervention or a capture on it must see its output), gradients
+wanted, another attention implementation. The result equals the expanded attention up to the summation order
+(tests/unit/test_latent_attention.py); `SHARDBOOK_MLA_ABSORBED=0` in the kernel's environment turns it off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import types
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardbook.rankd.generation import paged_layers
+from shardbook.rankd.parallel.packed_linear import grad_wanted
+
+SWITCH = "SHARDBOOK_MLA_ABSORBED"
+
+_PENDING: ContextVar[dict | None] = ContextVar("shardbook_latent_stand_ins", default=None)
+"""Inside `absorbing`: each stand-in key an MLA module handed attention and attention has not taken yet, by id."""
+
+
+@dataclass(frozen=True)
+class LatentKeys:
+    """One MLA module's cached latents for a step, behind the stand-ins its `expand_kv` returned: left-padded
+    tensors, or the paged layer whose blocks hold them."""
+
+    module: nn.Module
+    latents: torch.Tensor | None  # (rows, 1, columns, kv_lora_rank)
+    rotary: torch.Tensor | None  # (rows, 1, columns, qk_rope_head_dim)
+    paged: Any = None
+
+    def padded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.paged.padded() if self.paged is not None else (self.latents, self.rotary)
+
+    def expanded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values transformers would have attended to."""
+        return type(self.module).expand_kv(self.module, *self.padded())
+
+    def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """Attention of one query per row (rows, heads, 1, nope + rope) over the latents, as transformers' `sdpa`
+        returns it: (rows, 1, heads, value size)."""
+        module = self.module
+        nope, heads = module.qk_nope_head_dim, query.shape[1]
+        up = module.kv_b_proj.weight.view(heads, nope + module.v_head_dim, -1)  # the rank's heads under tp
+        q_latent = torch.bmm(query[:, :, 0, :nope].transpose(0, 1), up[:, :nope]).transpose(0, 1)
+        q_rot = query[:, :, 0, nope:]  # (rows, heads, rope), q_latent (rows, heads, kv_lora_rank)
+        own = None if mask is None else mask[:, 0]  # (rows, 1, columns): every head reads the same columns
+        if self.paged is None:
+            out_latent = _over_latents(q_latent, q_rot, self.latents[:, 0], self.rotary[:, 0], own, scale)
+        else:
+            out_latent = self._over_own_rows(q_latent, q_rot, own, scale)
+        out = torch.bmm(out_latent.transpose(0, 1), up[:, nope:].transpose(1, 2))  # (heads, rows, value size)
+        return out.transpose(0, 1).unsqueeze(1)
+
+    def _over_own_rows(self, q_latent, q_rot, own: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """`_over_latents` row by row over each row's own blocks (no padding gathered): (rows, heads, kv_lora_rank)."""
+        latents, rotary = self.paged.own_rows("keys"), self.paged.own_rows("values")
+        outs = []
+        for row, (latent, rot) in enumerate(zip(latents, rotary)):
+            mine = None if own is None else own[row : row + 1, :, own.shape[-1] - latent.shape[0] :]
+            one = slice(row, row + 1)
+            outs.append(_over_latents(q_latent[one], q_rot[one], latent[None], rot[None], mine, scale))
+        return torch.cat(outs)
+
+
+def _over_latents(q_latent, q_rot, latents, rotary, own: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Softmax attention of (rows, heads, size) queries over (rows, columns, size) latents and rotary keys, the
+    latents also the values, `own` (rows, 1, columns) a boolean or additive mask: (rows, heads, kv_lora_rank)."""
+    scores = torch.baddbmm(torch.bmm(q_rot, rotary.transpose(1, 2)), q_latent, latents.transpose(1, 2))
+    scores = scores.mul_(scale)
+    if own is not None:
+        scores = scores.masked_fill(~own, float("-inf")) if own.dtype == torch.bool else scores + own
+    weights = torch.softmax(scores.float(), dim=-1).to(latents.dtype)
+    return torch.bmm(weights, latents)
+
+
+@contextlib.contextmanager
+def absorbing(model: nn.Module) -> Iterator[None]:
+    """The forwards of `model` inside attend over MLA's latents where `expand_kv` may defer (see the module's
+    docstring); raise at the end if a stand-in never reached the batch's attention entry (its output is not to
+    be used)."""
+    if os.environ.get(SWITCH, "1") == "0" or not _defer_in(model):
+        yield
+        return
+    pending: dict = {}
+    token = _PENDING.set(pending)
+    try:
+        with paged_layers.latents_as_markers():
+            yield
+    finally:
+        _PENDING.reset(token)
+    if pending:
+        raise RuntimeError(
+            "the batch handed this model's attention stand-ins for its expanded MLA keys and values, and the model "
+            "changed them before attending: this model cannot attend over its latents directly; set "
+            f"{SWITCH}=0 in the kernel's environment to expand them as transformers does"
+        )
+
+
+def take(key: torch.Tensor, value: torch.Tensor) -> LatentKeys | None:
+    """The latents whose stand-ins `key` and `value` are (taken), or None when they are tensors."""
+    pending = _PENDING.get()
+    entry = None if pending is None else pending.get(id(key))
+    if entry is None or entry[0] is not key or entry[1] is not value:
+        return None
+    del pending[id(key)]
+    return entry[2]
+
+
+def _defer_in(model: nn.Module) -> bool:
+    """Give every MLA module of `model` the deferring `expand_kv` (once); whether it has any."""
+    modules = [m for m in model.modules() if hasattr(m, "kv_b_proj") and hasattr(type(m), "expand_kv")]
+    for module in modules:
+        if "expand_kv" not in module.__dict__:
+            module.expand_kv = types.MethodType(_expand_or_defer, module)
+    return bool(modules)
+
+
+def _expand_or_defer(module: nn.Module, latents: torch.Tensor, rotary: torch.Tensor):
+    """`expand_kv`, or inside `absorbing` where it applies, stand-ins of its shapes for `LatentKeys.attend`."""
+    pending, paged = _PENDING.get(), paged_layers.take_markers(latents, rotary)
+    if pending is None or not _absorbable(module, latents):
+        return LatentKeys(module, latents, rotary, paged).expanded()
+    rows, _, columns, _ = latents.shape
+    heads = module.kv_b_proj.weight.shape[0] // (module.qk_nope_head_dim + module.v_head_dim)
+    key = latents.new_zeros(()).expand(rows, heads, columns, module.qk_nope_head_dim + module.qk_rope_head_dim)
+    value = latents.new_zeros(()).expand(rows, heads, columns, module.v_head_dim)
+    stored = LatentKeys(module, None, None, paged) if paged is not None else LatentKeys(module, latents, rotary)
+    pending[id(key)] = (key, value, stored)
+    return key, value
+
+
+def _absorbable(module: nn.Module, latents: torch.Tensor) -> bool:
+    """Whether the up-projection is a plain linear map of its weight that nothing observes, with no gradient wanted,
+    under the attention entry that takes stand-ins."""
+    up = module.kv_b_proj
+    computes_linear = type(up) is nn.Linear or getattr(type(up).forward, "packs", False)
+    return (
+        getattr(module.config, "_attn_implementation", None) == "sdpa"
+        and isinstance(up, nn.Linear)
+        and computes_linear
+        and up.bias is None
+        and up.weight.dtype == latents.dtype
+        and not (up._forward_hooks or up._forward_pre_hooks or _global_hooks())
+        and not grad_wanted(latents, up.weight)
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as torch_module
+
+    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)

@@ -1,0 +1,103 @@
+"""The batch's decode step attends over MLA's cached latents directly (`rankd/generation/latent_attention.py`):
+the logits equal those of the expanded keys and values within 1e-5, paged or left-padded, for DeepSeek-V3's MLA
+and GLM-5's and DeepSeek-V3.2's sparse MLA; the absorbed path is really taken (its calls counted); an up-projection
+with a hook on it is expanded, so the hook sees every step; a stand-in that never reaches attention fails the step
+naming the switch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from shardbook.rankd.generation import latent_attention, paged_layers, row_attention
+from shardbook.rankd.generation.batch_steps import BatchState, StepPlan, execute_step
+from shardbook.rankd.generation.latent_attention import LatentKeys
+from tests.tiny import make_tiny_mla
+from tests.unit.test_paged_layers import _run_batch
+
+FAMILIES = {"deepseek_v3": {}, "glm_moe_dsa": {"index_n_heads": 16}, "deepseek_v32": {"index_n_heads": 16}}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    path = make_tiny_mla(tmp_path_factory.mktemp(request.param) / "model", request.param, **FAMILIES[request.param])
+    return AutoModelForCausalLM.from_pretrained(Path(path), dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def attends(monkeypatch) -> list[int]:
+    """The rows of every call of `LatentKeys.attend`."""
+    calls: list[int] = []
+    attend = LatentKeys.attend
+    monkeypatch.setattr(LatentKeys, "attend", lambda self, q, *a: calls.append(q.shape[0]) or attend(self, q, *a))
+    return calls
+
+
+@pytest.mark.parametrize("paged", ["1", "0"])
+def test_absorbed_decode_gives_the_expanded_logits(model, paged: str, attends: list[int], monkeypatch) -> None:
+    monkeypatch.setenv(paged_layers.SWITCH, paged)
+    tokens, logits, _, _ = _run_batch(model)
+    assert attends, "the decode steps never attended over the latents"
+    monkeypatch.setenv(latent_attention.SWITCH, "0")
+    taken = len(attends)
+    want_tokens, want, _, _ = _run_batch(model)
+    assert len(attends) == taken, "the switch did not turn the absorbed path off"
+    assert tokens == want_tokens
+    worst = max(float((a - b).abs().max()) for sid in want for a, b in zip(logits[sid], want[sid], strict=True))
+    assert worst <= 1e-5, worst
+
+
+def _decode_two_rows(model) -> None:
+    state = BatchState(model, torch.device("cpu"))
+    with torch.no_grad():
+        outcome = execute_step(state, StepPlan(leave=[], decode=[], join=[([5, 6, 7], False), ([8, 9], False)]))
+        assert not outcome.failure, outcome.errors
+        return execute_step(state, StepPlan(leave=[], decode=[11, 12], join=[]))
+
+
+def test_a_hooked_up_projection_is_expanded_so_its_hook_sees_the_step(model, attends: list[int]) -> None:
+    seen: list[tuple[int, ...]] = []
+    up = next(m for m in model.modules() if hasattr(m, "kv_b_proj")).kv_b_proj
+    handle = up.register_forward_hook(lambda module, args, out: seen.append(tuple(out.shape)))
+    try:
+        outcome = _decode_two_rows(model)
+    finally:
+        handle.remove()
+    assert not outcome.failure, outcome.errors
+    assert seen[-1][0] == 2, seen  # the decode step's two rows went through the hooked projection
+    layers = sum(1 for m in model.modules() if hasattr(m, "kv_b_proj"))
+    assert len(attends) == layers - 1  # every other MLA layer still attended over its latents
+
+
+def test_a_stand_in_that_never_reaches_attention_fails_naming_the_switch(model, monkeypatch) -> None:
+    monkeypatch.setattr(latent_attention, "take", lambda key, value: None)  # as a model that changed its keys
+    outcome = _decode_two_rows(model)
+    assert outcome.failure and latent_attention.SWITCH in str(outcome.errors), outcome.errors
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_attention_over_latents_equals_sdpa_over_the_expansion(model, dtype, tolerance) -> None:
+    module = next(m for m in model.modules() if hasattr(m, "kv_b_proj"))
+    generator = torch.Generator().manual_seed(0)
+    rows, columns, heads = 3, 21, module.kv_b_proj.weight.shape[0] // (module.qk_nope_head_dim + module.v_head_dim)
+    latents = torch.randn(rows, 1, columns, module.kv_lora_rank, generator=generator)
+    rotary = torch.randn(rows, 1, columns, module.qk_rope_head_dim, generator=generator)
+    query = torch.randn(rows, heads, 1, module.qk_head_dim, generator=generator)
+    mask = torch.arange(columns) >= torch.tensor([0, 5, 13])[:, None]  # left padding of three lengths
+    sdpa = row_attention._SDPA.get("sdpa") or torch.nn.functional.scaled_dot_product_attention
+    with torch.no_grad():
+        key, value = module.expand_kv(latents, rotary)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, mask[:, None, None], scale=module.scaling
+        ).transpose(1, 2)
+        module.kv_b_proj.to(dtype)
+        try:
+            cast = [t.to(dtype) for t in (latents, rotary, query)]
+            got = LatentKeys(module, cast[0], cast[1]).attend(cast[2], mask[:, None, None], module.scaling)
+        finally:
+            module.kv_b_proj.float()
+    assert sdpa is not None and got.shape == want.shape
+    assert float((got.float() - want).abs().max()) <= tolerance
