@@ -356,7 +356,7 @@ def _feed_piece(state: BatchState, cache: Any, chunk: Chunk, keep_logits: bool) 
     (float32, one row per position kept) when `keep_logits` and they are wanted."""
     device, end = state.device, chunk.start + len(chunk.tokens)
     rows = Rows((0,) if chunk.intervened else (), 1, len(chunk.tokens))
-    with applied_to(state.model, rows):
+    with applied_to(state.model, rows), absorbing(state.model):  # a few new tokens over a long history
         out = state.model(
             input_ids=torch.tensor([chunk.tokens], device=device),
             attention_mask=torch.ones(1, end, dtype=torch.long, device=device),

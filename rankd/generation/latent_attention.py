@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import types
+import weakref
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ SWITCH = "SHARDBOOK_MLA_ABSORBED"
 
 _PENDING: ContextVar[dict | None] = ContextVar("shardbook_latent_stand_ins", default=None)
 """Inside `absorbing`: each stand-in key an MLA module handed attention and attention has not taken yet, by id."""
+_HAS_MLA: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Whether a model has MLA modules (theirs given the deferring `expand_kv`), by model."""
 
 
 @dataclass(frozen=True)
@@ -60,42 +63,60 @@ class LatentKeys:
         """The keys and values transformers would have attended to."""
         return type(self.module).expand_kv(self.module, *self.padded())
 
+    def cheaper(self, queries: int) -> bool:
+        """Whether `queries` per row attend at fewer multiply-adds over the latents than expanded: the expansion
+        costs kv_lora_rank x (nope + value size) a column and head, once; over the latents a query costs that
+        (its up-projections), and each query and column 2 kv_lora_rank - nope - value size more than expanded
+        attention does. Always, for a decode step; a prefill of a whole prompt never."""
+        module = self.module
+        columns = self.paged.block_table.width if self.paged is not None else self.latents.shape[2]
+        up = module.kv_lora_rank * (module.qk_nope_head_dim + module.v_head_dim)
+        extra = 2 * module.kv_lora_rank - module.qk_nope_head_dim - module.v_head_dim
+        return queries == 1 or queries * (up + columns * extra) < columns * up
+
     def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-        """Attention of one query per row (rows, heads, 1, nope + rope) over the latents, as transformers' `sdpa`
-        returns it: (rows, 1, heads, value size)."""
+        """Attention of the queries (rows, heads, queries, nope + rope) over the latents, as transformers' `sdpa`
+        returns it: (rows, queries, heads, value size). No mask means causal, the queries the last positions."""
         module = self.module
         nope, heads = module.qk_nope_head_dim, query.shape[1]
         up = module.kv_b_proj.weight.view(heads, nope + module.v_head_dim, -1)  # the rank's heads under tp
-        q_latent = torch.bmm(query[:, :, 0, :nope].transpose(0, 1), up[:, :nope]).transpose(0, 1)
-        q_rot = query[:, :, 0, nope:]  # (rows, heads, rope), q_latent (rows, heads, kv_lora_rank)
-        own = None if mask is None else mask[:, 0]  # (rows, 1, columns): every head reads the same columns
+        q_latent = torch.einsum("bhsn,hnc->bhsc", query[..., :nope], up[:, :nope])
+        q_rot = query[..., nope:]
         if self.paged is None:
-            out_latent = _over_latents(q_latent, q_rot, self.latents[:, 0], self.rotary[:, 0], own, scale)
+            out_latent = _over_latents(q_latent, q_rot, self.latents[:, 0], self.rotary[:, 0], mask, scale)
         else:
-            out_latent = self._over_own_rows(q_latent, q_rot, own, scale)
-        out = torch.bmm(out_latent.transpose(0, 1), up[:, nope:].transpose(1, 2))  # (heads, rows, value size)
-        return out.transpose(0, 1).unsqueeze(1)
+            out_latent = self._over_own_rows(q_latent, q_rot, mask, scale)
+        return torch.einsum("bhsc,hvc->bshv", out_latent, up[:, nope:])
 
-    def _over_own_rows(self, q_latent, q_rot, own: torch.Tensor | None, scale: float) -> torch.Tensor:
-        """`_over_latents` row by row over each row's own blocks (no padding gathered): (rows, heads, kv_lora_rank)."""
+    def _over_own_rows(self, q_latent, q_rot, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """`_over_latents` row by row over each row's own blocks (no padding gathered)."""
         latents, rotary = self.paged.own_rows("keys"), self.paged.own_rows("values")
         outs = []
         for row, (latent, rot) in enumerate(zip(latents, rotary)):
-            mine = None if own is None else own[row : row + 1, :, own.shape[-1] - latent.shape[0] :]
             one = slice(row, row + 1)
+            mine = None if mask is None else mask[one, ..., mask.shape[-1] - latent.shape[0] :]
             outs.append(_over_latents(q_latent[one], q_rot[one], latent[None], rot[None], mine, scale))
         return torch.cat(outs)
 
 
-def _over_latents(q_latent, q_rot, latents, rotary, own: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """Softmax attention of (rows, heads, size) queries over (rows, columns, size) latents and rotary keys, the
-    latents also the values, `own` (rows, 1, columns) a boolean or additive mask: (rows, heads, kv_lora_rank)."""
-    scores = torch.baddbmm(torch.bmm(q_rot, rotary.transpose(1, 2)), q_latent, latents.transpose(1, 2))
-    scores = scores.mul_(scale)
-    if own is not None:
-        scores = scores.masked_fill(~own, float("-inf")) if own.dtype == torch.bool else scores + own
+def _over_latents(q_latent, q_rot, latents, rotary, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Softmax attention of (rows, heads, queries, size) queries over (rows, columns, size) latents and rotary keys,
+    the latents also the values; `mask` (rows, 1, queries, columns) boolean or additive, or None for causal:
+    (rows, heads, queries, kv_lora_rank)."""
+    rows, heads, queries, _ = q_latent.shape
+    flat = (rows, heads * queries, -1)  # every head reads the same latents: one multi-query attention a row
+    scores = torch.baddbmm(
+        torch.bmm(q_rot.reshape(flat), rotary.transpose(1, 2)), q_latent.reshape(flat), latents.transpose(1, 2)
+    )
+    scores = scores.view(rows, heads, queries, -1).mul_(scale)
+    if mask is None and queries > 1:
+        columns = scores.shape[-1]
+        device = scores.device
+        mask = torch.arange(columns, device=device) <= torch.arange(columns - queries, columns, device=device)[:, None]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     weights = torch.softmax(scores.float(), dim=-1).to(latents.dtype)
-    return torch.bmm(weights, latents)
+    return torch.bmm(weights.view(rows, heads * queries, -1), latents).view(rows, heads, queries, -1)
 
 
 @contextlib.contextmanager
@@ -132,12 +153,13 @@ def take(key: torch.Tensor, value: torch.Tensor) -> LatentKeys | None:
 
 
 def _defer_in(model: nn.Module) -> bool:
-    """Give every MLA module of `model` the deferring `expand_kv` (once); whether it has any."""
-    modules = [m for m in model.modules() if hasattr(m, "kv_b_proj") and hasattr(type(m), "expand_kv")]
-    for module in modules:
-        if "expand_kv" not in module.__dict__:
+    """Give every MLA module of `model` the deferring `expand_kv` (once per model); whether it has any."""
+    if model not in _HAS_MLA:
+        modules = [m for m in model.modules() if hasattr(m, "kv_b_proj") and hasattr(type(m), "expand_kv")]
+        for module in modules:
             module.expand_kv = types.MethodType(_expand_or_defer, module)
-    return bool(modules)
+        _HAS_MLA[model] = bool(modules)
+    return _HAS_MLA[model]
 
 
 def _expand_or_defer(module: nn.Module, latents: torch.Tensor, rotary: torch.Tensor):

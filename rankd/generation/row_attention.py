@@ -108,7 +108,7 @@ def _sdpa_maybe_by_rows(module: Any, query: torch.Tensor, key: torch.Tensor, val
     mask, args = (args[0], args[1:]) if args else (kw.pop("attention_mask", None), ())
     latent = latent_attention.take(key, value)
     if latent is not None:
-        if not args and _plain(kw) and query.shape[2] == 1:
+        if not args and _plain(kw) and latent.cheaper(query.shape[2]):
             return latent.attend(query, mask, _scale(query, kw)), None
         key, value = latent.expanded()
     paged = paged_layers.take_markers(key, value)

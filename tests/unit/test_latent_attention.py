@@ -1,8 +1,9 @@
 """The batch's decode step attends over MLA's cached latents directly (`rankd/generation/latent_attention.py`):
 the logits equal those of the expanded keys and values within 1e-5, paged or left-padded, for DeepSeek-V3's MLA
 and GLM-5's and DeepSeek-V3.2's sparse MLA; the absorbed path is really taken (its calls counted); an up-projection
-with a hook on it is expanded, so the hook sees every step; a stand-in that never reaches attention fails the step
-naming the switch."""
+with a hook on it is expanded, so the hook sees every step; a few new tokens over a history attend over the
+latents too (a whole prompt's prefill expands, which costs less there); a stand-in that never reaches attention
+fails the step naming the switch."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from shardbook.rankd.generation import latent_attention, paged_layers, row_attention
-from shardbook.rankd.generation.batch_steps import BatchState, StepPlan, execute_step
+from shardbook.rankd.generation import latent_attention, paged_layers
+from shardbook.rankd.generation.batch_steps import BatchState, Chunk, StepPlan, execute_step
 from shardbook.rankd.generation.latent_attention import LatentKeys
 from tests.tiny import make_tiny_mla
 from tests.unit.test_paged_layers import _run_batch
@@ -28,16 +29,17 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 
 @pytest.fixture
-def attends(monkeypatch) -> list[int]:
-    """The rows of every call of `LatentKeys.attend`."""
-    calls: list[int] = []
+def attends(monkeypatch) -> list[tuple[int, int]]:
+    """The rows and queries of every call of `LatentKeys.attend`."""
+    calls: list[tuple[int, int]] = []
     attend = LatentKeys.attend
-    monkeypatch.setattr(LatentKeys, "attend", lambda self, q, *a: calls.append(q.shape[0]) or attend(self, q, *a))
+    record = lambda self, q, *a: calls.append((q.shape[0], q.shape[2])) or attend(self, q, *a)  # noqa: E731
+    monkeypatch.setattr(LatentKeys, "attend", record)
     return calls
 
 
 @pytest.mark.parametrize("paged", ["1", "0"])
-def test_absorbed_decode_gives_the_expanded_logits(model, paged: str, attends: list[int], monkeypatch) -> None:
+def test_absorbed_decode_gives_the_expanded_logits(model, paged: str, attends: list, monkeypatch) -> None:
     monkeypatch.setenv(paged_layers.SWITCH, paged)
     tokens, logits, _, _ = _run_batch(model)
     assert attends, "the decode steps never attended over the latents"
@@ -50,6 +52,28 @@ def test_absorbed_decode_gives_the_expanded_logits(model, paged: str, attends: l
     assert worst <= 1e-5, worst
 
 
+def _chunked_prompt_logits(model) -> torch.Tensor:
+    """A 40-token prompt fed in two pieces, 32 then 8 (over the first 32): the second piece's logits."""
+    tokens = torch.randint(10, 200, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    state, pieces = BatchState(model, torch.device("cpu")), [(0, 32, False), (32, 40, True)]
+    with torch.no_grad():
+        for start, end, last in pieces:
+            plan = StepPlan(leave=[], decode=[], join=[], chunk=Chunk(tokens[start:end], start, last, all_logits=True))
+            outcome = execute_step(state, plan)
+            assert not outcome.failure, outcome.errors
+    return outcome.chunked
+
+
+def test_a_few_new_tokens_over_a_history_attend_over_the_latents(model, attends: list, monkeypatch) -> None:
+    got = _chunked_prompt_logits(model)
+    layers = sum(1 for m in model.modules() if hasattr(m, "kv_b_proj"))
+    assert attends == [(1, 8)] * layers  # the 32 tokens of the first piece cost less expanded: not over latents
+    monkeypatch.setenv(latent_attention.SWITCH, "0")
+    want = _chunked_prompt_logits(model)
+    assert got.shape == want.shape == (8, model.config.vocab_size)
+    assert float((got - want).abs().max()) <= 1e-5
+
+
 def _decode_two_rows(model) -> None:
     state = BatchState(model, torch.device("cpu"))
     with torch.no_grad():
@@ -58,7 +82,7 @@ def _decode_two_rows(model) -> None:
         return execute_step(state, StepPlan(leave=[], decode=[11, 12], join=[]))
 
 
-def test_a_hooked_up_projection_is_expanded_so_its_hook_sees_the_step(model, attends: list[int]) -> None:
+def test_a_hooked_up_projection_is_expanded_so_its_hook_sees_the_step(model, attends: list) -> None:
     seen: list[tuple[int, ...]] = []
     up = next(m for m in model.modules() if hasattr(m, "kv_b_proj")).kv_b_proj
     handle = up.register_forward_hook(lambda module, args, out: seen.append(tuple(out.shape)))
@@ -78,26 +102,29 @@ def test_a_stand_in_that_never_reaches_attention_fails_naming_the_switch(model, 
     assert outcome.failure and latent_attention.SWITCH in str(outcome.errors), outcome.errors
 
 
+@pytest.mark.parametrize("queries, masked", [(1, True), (3, True), (3, False)])  # no mask: causal
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_attention_over_latents_equals_sdpa_over_the_expansion(model, dtype, tolerance) -> None:
+def test_attention_over_latents_equals_sdpa_over_the_expansion(model, queries, masked, dtype, tolerance) -> None:
     module = next(m for m in model.modules() if hasattr(m, "kv_b_proj"))
     generator = torch.Generator().manual_seed(0)
     rows, columns, heads = 3, 21, module.kv_b_proj.weight.shape[0] // (module.qk_nope_head_dim + module.v_head_dim)
     latents = torch.randn(rows, 1, columns, module.kv_lora_rank, generator=generator)
     rotary = torch.randn(rows, 1, columns, module.qk_rope_head_dim, generator=generator)
-    query = torch.randn(rows, heads, 1, module.qk_head_dim, generator=generator)
-    mask = torch.arange(columns) >= torch.tensor([0, 5, 13])[:, None]  # left padding of three lengths
-    sdpa = row_attention._SDPA.get("sdpa") or torch.nn.functional.scaled_dot_product_attention
+    query = torch.randn(rows, heads, queries, module.qk_head_dim, generator=generator)
+    causal = torch.arange(columns) <= torch.arange(columns - queries, columns)[:, None]  # the queries are the last
+    padding = torch.arange(columns) >= torch.tensor([0, 5, 13])[:, None]  # left padding of three lengths
+    mask = (causal & padding[:, None]) if masked else causal.expand(rows, queries, columns)
     with torch.no_grad():
         key, value = module.expand_kv(latents, rotary)
         want = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, mask[:, None, None], scale=module.scaling
+            query, key, value, mask[:, None], scale=module.scaling
         ).transpose(1, 2)
         module.kv_b_proj.to(dtype)
         try:
             cast = [t.to(dtype) for t in (latents, rotary, query)]
-            got = LatentKeys(module, cast[0], cast[1]).attend(cast[2], mask[:, None, None], module.scaling)
+            given = mask[:, None] if masked else None
+            got = LatentKeys(module, cast[0], cast[1]).attend(cast[2], given, module.scaling)
         finally:
             module.kv_b_proj.float()
-    assert sdpa is not None and got.shape == want.shape
+    assert got.shape == want.shape
     assert float((got.float() - want).abs().max()) <= tolerance
