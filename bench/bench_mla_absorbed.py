@@ -8,7 +8,9 @@ bench_dsa_batch's scaled-down GLM-5 (MLA with an indexer, float32, one thread) o
 (`BatchState`, `execute_step`): each mix's rows join one paged batch and one left-padded batch (bench_paged_cache's
 `batch`), then each batch decodes `--steps` steps, every step with the latents attended over directly and one
 with them expanded (`SHARDBOOK_MLA_ABSORBED=0`), alternating, so the machine's noise falls on both alike. The
-table gives the median ms per step and the ratio.
+table gives the median ms per step and the ratio. Then `--pieces`: a prompt's last piece of new tokens over a
+history (a conversation's next turn seeded from kept blocks, or a chunked prompt's next chunk), the history fed
+first untimed, the piece timed, the two modes alternating.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import time
 
 from bench_dsa_batch import glm5_model
 from bench_paged_cache import batch, step
@@ -35,10 +38,45 @@ def timed_steps(state, steps: int) -> dict[str, float]:
     return {switch: statistics.median(seconds) * 1e3 for switch, seconds in times.items()}
 
 
+def piece_ms(model, history: int, new: int) -> float:
+    """Seconds of feeding `new` tokens into a one-row prompt cache that holds `history` tokens (fed untimed)."""
+    import torch
+
+    from shardbook.rankd.generation.batch_steps import BatchState, Chunk, StepPlan, execute_step
+
+    top = min(1000, model.config.vocab_size)
+    tokens = torch.randint(10, top, (history + new,), generator=torch.Generator().manual_seed(history)).tolist()
+    state, starts = BatchState(model, torch.device("cpu")), [*range(0, history, 2048), history]
+    with torch.no_grad():
+        for start, end in zip(starts, [*starts[1:], history + new]):
+            chunk = Chunk(tokens[start:end], start, last=end == history + new, all_logits=False)
+            began = time.perf_counter()
+            outcome = execute_step(state, StepPlan(leave=[], decode=[], join=[], chunk=chunk))
+            assert not outcome.failure, outcome.errors
+    return time.perf_counter() - began
+
+
+def pieces_table(model, pieces: str, repeats: int) -> None:
+    from shardbook.rankd.generation import latent_attention
+
+    print("\n| history + new tokens | over latents ms | expanded ms | ratio |\n|---|---|---|---|")
+    for piece in pieces.split(","):
+        history, new = (int(n) for n in piece.split("+"))
+        times: dict[str, list[float]] = {"1": [], "0": []}
+        for _ in range(repeats):
+            for switch, seconds in times.items():
+                os.environ[latent_attention.SWITCH] = switch
+                seconds.append(piece_ms(model, history, new))
+        os.environ.pop(latent_attention.SWITCH)
+        on, off = (statistics.median(times[switch]) * 1e3 for switch in ("1", "0"))
+        print(f"| {piece} | {on:.1f} | {off:.1f} | {on / off:.2f}x |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mixes", default="1x256,8x256,1x2048+7x128,1x2048+31x128,32x512")
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--pieces", default="768+64,4096+64,4096+256,8192+64", help="history+new, comma-separated")
     args = parser.parse_args()
     model, _ = glm5_model()
     print("| rows | cache | over latents ms/step | expanded ms/step | ratio |")
@@ -48,6 +86,8 @@ def main() -> None:
             ms = timed_steps(batch(model, parse_mix(mix), paged), args.steps)
             layout = "paged" if paged else "left-padded"
             print(f"| {mix} | {layout} | {ms['1']:.1f} | {ms['0']:.1f} | {ms['1'] / ms['0']:.2f}x |")
+    if args.pieces:
+        pieces_table(model, args.pieces, repeats=3)
 
 
 if __name__ == "__main__":
