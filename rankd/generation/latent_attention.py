@@ -12,6 +12,10 @@ The up-projection is linear, so it can move to the query and the output instead 
 so each head reads the latents themselves (kv_lora_rank + rope values a position: GLM-5 70 k multiply-adds a
 position and layer over its 64 heads, 1/210 of the expansion), as multi-query attention with one shared key.
 
+GLM-5 and DeepSeek-V3.2 attend only the columns their indexer picked (`index_topk` a row, the rest masked), so
+their decode step reads just those latents (gathered from the rows' blocks where the cache is paged): attention
+costs top-k, not the row's length, and the indexer's scores are what grows with the context.
+
 Inside `absorbing(model)` (the batch's decode forward) an MLA module's `expand_kv` returns stand-ins of the
 expanded shape that own no memory (the forward reads only their shape, for GLM-5's top-k mask) and the batch's
 `sdpa` entry (`row_attention`) attends through `LatentKeys.attend`. Everything else expands as transformers does:
@@ -36,6 +40,7 @@ import torch
 from torch import nn
 
 from shardbook.rankd.generation import paged_layers
+from shardbook.rankd.generation.block_pool import PAGE_TOKENS
 from shardbook.rankd.parallel.packed_linear import grad_wanted
 
 SWITCH = "SHARDBOOK_MLA_ABSORBED"
@@ -69,7 +74,7 @@ class LatentKeys:
         (its up-projections), and each query and column 2 kv_lora_rank - nope - value size more than expanded
         attention does. Always, for a decode step; a prefill of a whole prompt never."""
         module = self.module
-        columns = self.paged.block_table.width if self.paged is not None else self.latents.shape[2]
+        columns = int(self.paged.block_table.lengths.max()) if self.paged is not None else self.latents.shape[2]
         up = module.kv_lora_rank * (module.qk_nope_head_dim + module.v_head_dim)
         extra = 2 * module.kv_lora_rank - module.qk_nope_head_dim - module.v_head_dim
         return queries == 1 or queries * (up + columns * extra) < columns * up
@@ -82,11 +87,25 @@ class LatentKeys:
         up = module.kv_b_proj.weight.view(heads, nope + module.v_head_dim, -1)  # the rank's heads under tp
         q_latent = torch.einsum("bhsn,hnc->bhsc", query[..., :nope], up[:, :nope])
         q_rot = query[..., nope:]
-        if self.paged is None:
+        picks = _picked_columns(module, mask)
+        if picks is not None:
+            out_latent = _over_latents(q_latent, q_rot, *self._columns(picks[0]), picks[1][:, None, None], scale)
+        elif self.paged is None:
             out_latent = _over_latents(q_latent, q_rot, self.latents[:, 0], self.rotary[:, 0], mask, scale)
         else:
             out_latent = self._over_own_rows(q_latent, q_rot, mask, scale)
         return torch.einsum("bhsc,hvc->bshv", out_latent, up[:, nope:])
+
+    def _columns(self, columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The latents and rotary keys at the given padded `columns` (rows, picks): each (rows, picks, size), read
+        from a paged row's blocks where it holds them."""
+        if self.paged is None:
+            return tuple(_take(t[:, 0], columns) for t in (self.latents, self.rotary))
+        table = self.paged.block_table
+        width = int(table.lengths.max())  # the padded layout's columns, as the mask's
+        own = (columns - (width - table.lengths)[:, None]).clamp(min=0)  # a pad picked is masked anyway
+        blocks, offsets = table.table.gather(1, own // PAGE_TOKENS), own % PAGE_TOKENS
+        return tuple(self.paged.pool(name)[blocks, 0, offsets] for name in ("keys", "values"))
 
     def _over_own_rows(self, q_latent, q_rot, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
         """`_over_latents` row by row over each row's own blocks (no padding gathered)."""
@@ -97,6 +116,25 @@ class LatentKeys:
             mine = None if mask is None else mask[one, ..., mask.shape[-1] - latent.shape[0] :]
             outs.append(_over_latents(q_latent[one], q_rot[one], latent[None], rot[None], mine, scale))
         return torch.cat(outs)
+
+
+def _picked_columns(module: nn.Module, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A sparse-attention decode step's columns (GLM-5, DeepSeek-V3.2: the mask holds at most the indexer's top-k
+    columns of each row): their indices (rows, top-k) and which of them the mask holds, or None where the mask
+    is dense (no indexer, a prefill, fewer than twice top-k columns)."""
+    topk = getattr(module.config, "index_topk", None)
+    if not topk or mask is None or mask.dtype != torch.bool or mask.shape[2] != 1 or mask.shape[-1] < 2 * topk:
+        return None
+    own = mask[:, 0, 0]
+    if int(own.sum(dim=-1).max()) > topk:  # not the indexer's mask after all
+        return None
+    held, columns = own.to(torch.uint8).topk(topk, dim=-1)  # every held column, then others
+    return columns, held.bool()
+
+
+def _take(tensor: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """`tensor` (rows, columns, size) at `columns` (rows, picks): (rows, picks, size)."""
+    return tensor.gather(1, columns[..., None].expand(-1, -1, tensor.shape[-1]))
 
 
 def _over_latents(q_latent, q_rot, latents, rotary, mask: torch.Tensor | None, scale: float) -> torch.Tensor:

@@ -1,9 +1,9 @@
-"""The batch's decode step attends over MLA's cached latents directly (`rankd/generation/latent_attention.py`):
-the logits equal those of the expanded keys and values within 1e-5, paged or left-padded, for DeepSeek-V3's MLA
-and GLM-5's and DeepSeek-V3.2's sparse MLA; the absorbed path is really taken (its calls counted); an up-projection
-with a hook on it is expanded, so the hook sees every step; a few new tokens over a history attend over the
-latents too (a whole prompt's prefill expands, which costs less there); a stand-in that never reaches attention
-fails the step naming the switch."""
+"""The batch's decode step attends over MLA's cached latents directly (`rankd/generation/latent_attention.py`): the
+logits equal those of the expanded keys and values within 1e-5, paged or left-padded, for DeepSeek-V3's MLA and
+GLM-5's and DeepSeek-V3.2's sparse MLA (which read only their indexer's top-k columns); the absorbed path is really
+taken (its calls counted); an up-projection with a hook on it is expanded, so the hook sees every step; a few new
+tokens over a history attend over the latents too (a whole prompt's prefill expands, which costs less there); a
+stand-in that never reaches attention fails the step naming the switch."""
 
 from __future__ import annotations
 
@@ -41,8 +41,15 @@ def attends(monkeypatch) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("paged", ["1", "0"])
 def test_absorbed_decode_gives_the_expanded_logits(model, paged: str, attends: list, monkeypatch) -> None:
     monkeypatch.setenv(paged_layers.SWITCH, paged)
+    sparse: list[bool] = []
+    picked = latent_attention._picked_columns
+    monkeypatch.setattr(
+        latent_attention, "_picked_columns", lambda *a: sparse.append(picked(*a) is not None) or picked(*a)
+    )
     tokens, logits, _, _ = _run_batch(model)
     assert attends, "the decode steps never attended over the latents"
+    # GLM-5 and DeepSeek-V3.2 read only the indexer's top-4 columns once rows are longer than 8; DeepSeek-V3 all
+    assert any(sparse) == ("index_topk" in model.config)
     monkeypatch.setenv(latent_attention.SWITCH, "0")
     taken = len(attends)
     want_tokens, want, _, _ = _run_batch(model)
