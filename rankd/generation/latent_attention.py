@@ -16,13 +16,15 @@ GLM-5 and DeepSeek-V3.2 attend only the columns their indexer picked (`index_top
 their decode step reads just those latents (gathered from the rows' blocks where the cache is paged): attention
 costs top-k, not the row's length, and the indexer's scores are what grows with the context.
 
-Inside `absorbing(model)` (the batch's decode forward) an MLA module's `expand_kv` returns stand-ins of the
-expanded shape that own no memory (the forward reads only their shape, for GLM-5's top-k mask) and the batch's
-`sdpa` entry (`row_attention`) attends through `LatentKeys.attend`. Everything else expands as transformers does:
-a prefill (many queries per row: the expansion is shared by them), a `kv_b_proj` that is not a plain linear layer
-(FP8 kept, a family's own), one with hooks (an intervention or a capture on it must see its output), gradients
-wanted, another attention implementation. The result equals the expanded attention up to the summation order
-(tests/unit/test_latent_attention.py); `SHARDBOOK_MLA_ABSORBED=0` in the kernel's environment turns it off.
+Inside `absorbing(model)` (the batch's decode forward, and a prompt's piece fed over what its cache holds) an MLA
+module's `expand_kv` returns stand-ins of the expanded shape that own no memory (the forward reads only their
+shape, for GLM-5's top-k mask) and the batch's `sdpa` entry (`row_attention`) attends through `LatentKeys.attend`
+where that costs fewer multiply-adds (`LatentKeys.cheaper`: always for one query a row). Everything else expands
+as transformers does: a whole prompt's prefill (its queries share the expansion), a `kv_b_proj` that is not a
+plain linear layer (FP8 kept, a family's own), one with hooks (an intervention or a capture on it must see its
+output), gradients wanted, another attention implementation. The result equals the expanded attention up to the
+summation order (tests/unit/test_latent_attention.py); `SHARDBOOK_MLA_ABSORBED=0` in the kernel's environment
+turns it off.
 """
 
 from __future__ import annotations
