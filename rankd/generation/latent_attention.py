@@ -130,8 +130,8 @@ def _picked_columns(module: nn.Module, mask: torch.Tensor | None) -> tuple[torch
     own = mask[:, 0, 0]
     if int(own.sum(dim=-1).max()) > topk:  # not the indexer's mask after all
         return None
-    held, columns = own.to(torch.uint8).topk(topk, dim=-1)  # every held column, then others
-    return columns, held.bool()
+    held, columns = own.float().topk(topk, dim=-1)  # every held column, then others (any device sorts floats)
+    return columns, held > 0
 
 
 def _take(tensor: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
