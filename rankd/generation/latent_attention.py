@@ -34,7 +34,6 @@ import os
 import types
 import weakref
 from collections.abc import Iterator
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,12 +42,13 @@ from torch import nn
 
 from shardbook.rankd.generation import paged_layers
 from shardbook.rankd.generation.block_pool import PAGE_TOKENS
+from shardbook.rankd.generation.stand_ins import StandIns
 from shardbook.rankd.parallel.packed_linear import grad_wanted
 
 SWITCH = "SHARDBOOK_MLA_ABSORBED"
 
-_PENDING: ContextVar[dict | None] = ContextVar("shardbook_latent_stand_ins", default=None)
-"""Inside `absorbing`: each stand-in key an MLA module handed attention and attention has not taken yet, by id."""
+_STAND_INS = StandIns("shardbook_latent_stand_ins")
+"""Inside `absorbing`: the stand-ins MLA modules hand attention for their expanded keys and values."""
 _HAS_MLA: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Whether a model has MLA modules (theirs given the deferring `expand_kv`), by model."""
 
@@ -167,29 +167,18 @@ def absorbing(model: nn.Module) -> Iterator[None]:
     if os.environ.get(SWITCH, "1") == "0" or not _defer_in(model):
         yield
         return
-    pending: dict = {}
-    token = _PENDING.set(pending)
-    try:
-        with paged_layers.latents_as_markers():
-            yield
-    finally:
-        _PENDING.reset(token)
-    if pending:
-        raise RuntimeError(
-            "the batch handed this model's attention stand-ins for its expanded MLA keys and values, and the model "
-            "changed them before attending: this model cannot attend over its latents directly; set "
-            f"{SWITCH}=0 in the kernel's environment to expand them as transformers does"
-        )
+    untaken = (
+        "the batch handed this model's attention stand-ins for its expanded MLA keys and values, and the model "
+        "changed them before attending: this model cannot attend over its latents directly; set "
+        f"{SWITCH}=0 in the kernel's environment to expand them as transformers does"
+    )
+    with _STAND_INS.expected(untaken), paged_layers.latents_as_markers():
+        yield
 
 
 def take(key: torch.Tensor, value: torch.Tensor) -> LatentKeys | None:
     """The latents whose stand-ins `key` and `value` are (taken), or None when they are tensors."""
-    pending = _PENDING.get()
-    entry = None if pending is None else pending.get(id(key))
-    if entry is None or entry[0] is not key or entry[1] is not value:
-        return None
-    del pending[id(key)]
-    return entry[2]
+    return _STAND_INS.take(key, value)
 
 
 def _defer_in(model: nn.Module) -> bool:
@@ -204,16 +193,15 @@ def _defer_in(model: nn.Module) -> bool:
 
 def _expand_or_defer(module: nn.Module, latents: torch.Tensor, rotary: torch.Tensor):
     """`expand_kv`, or inside `absorbing` where it applies, stand-ins of its shapes for `LatentKeys.attend`."""
-    pending, paged = _PENDING.get(), paged_layers.take_markers(latents, rotary)
-    if pending is None or not _absorbable(module, latents):
+    paged = paged_layers.take_markers(latents, rotary)
+    if not _STAND_INS.active() or not _absorbable(module, latents):
         return LatentKeys(module, latents, rotary, paged).expanded()
     rows, _, columns, _ = latents.shape
     heads = module.kv_b_proj.weight.shape[0] // (module.qk_nope_head_dim + module.v_head_dim)
     key = latents.new_zeros(()).expand(rows, heads, columns, module.qk_nope_head_dim + module.qk_rope_head_dim)
     value = latents.new_zeros(()).expand(rows, heads, columns, module.v_head_dim)
     stored = LatentKeys(module, None, None, paged) if paged is not None else LatentKeys(module, latents, rotary)
-    pending[id(key)] = (key, value, stored)
-    return key, value
+    return _STAND_INS.hand(key, value, stored)
 
 
 def _absorbable(module: nn.Module, latents: torch.Tensor) -> bool:

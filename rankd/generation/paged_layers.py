@@ -47,6 +47,7 @@ import torch
 from shardbook.rankd.generation import decode_attention
 from shardbook.rankd.generation.block_pool import HEADLESS, PAGE_TOKENS, BlockPool, pool_layout
 from shardbook.rankd.generation.growing_layers import layer_kind
+from shardbook.rankd.generation.stand_ins import StandIns
 
 SWITCH = "SHARDBOOK_PAGED_CACHE"
 _POSITIONED = ("DynamicLayer", "DynamicIndexedLayer")
@@ -224,8 +225,8 @@ def row_positions(layer: Any, name: str, row: int) -> torch.Tensor:
     return held[0] if name in HEADLESS else held
 
 
-_MARKERS: ContextVar[dict | None] = ContextVar("shardbook_paged_markers", default=None)
-"""Inside `markers_expected`: each stand-in a paged layer's update returned and attention has not taken yet, by id."""
+MARKERS = StandIns("shardbook_paged_markers")
+"""The stand-ins paged layers hand attention (inside `markers_expected`), taken back by `take_markers`."""
 _LATENT_MARKERS: ContextVar[bool] = ContextVar("shardbook_paged_latent_markers", default=False)
 """Inside `latents_as_markers`: MLA's paged layers hand stand-ins too (their reader is `latent_attention`)."""
 
@@ -241,33 +242,20 @@ def latents_as_markers() -> Iterator[None]:
         _LATENT_MARKERS.reset(token)
 
 
-@contextlib.contextmanager
-def markers_expected() -> Iterator[None]:
+def markers_expected() -> contextlib.AbstractContextManager:
     """The forwards inside hand attention stand-ins for a paged layer's keys and values (`take_markers` reads
     them); raise at the end if one was not taken, which means the model changed its keys on the way (its
     attention read an empty stand-in, so the step's output is not to be used)."""
-    pending: dict = {}
-    token = _MARKERS.set(pending)
-    try:
-        yield
-    finally:
-        _MARKERS.reset(token)
-    if pending:
-        raise RuntimeError(
-            "the batch's paged cache handed this model's attention stand-ins for its keys and values, and the model "
-            "changed them before attending, so their blocks could not be read: this model cannot decode from the "
-            f"paged cache; set {SWITCH}=0 in the kernel's environment to keep its cache left-padded"
-        )
+    return MARKERS.expected(
+        "the batch's paged cache handed this model's attention stand-ins for its keys and values, and the model "
+        "changed them before attending, so their blocks could not be read: this model cannot decode from the "
+        f"paged cache; set {SWITCH}=0 in the kernel's environment to keep its cache left-padded"
+    )
 
 
 def take_markers(key: torch.Tensor, value: torch.Tensor) -> Any:
     """The paged layer whose stand-ins `key` and `value` are (they are taken), or None when they are tensors."""
-    pending = _MARKERS.get()
-    entry = None if pending is None else pending.get(id(key))
-    if entry is None or entry[0] is not key or entry[1] is not value:
-        return None
-    del pending[id(key)]
-    return entry[2]
+    return MARKERS.take(key, value)
 
 
 @functools.cache
@@ -313,13 +301,10 @@ def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, *
         raise RuntimeError("a paged batch cache takes only the batch's decode steps (one position per row)")
     self.write_step("keys", key_states)
     self.write_step("values", value_states)
-    pending = _MARKERS.get()
     stand_ins = self.stand_ins or _LATENT_MARKERS.get()
-    if pending is None or not stand_ins or torch.compiler.is_compiling():  # a traced stand-in is not this one
+    if not MARKERS.active() or not stand_ins or torch.compiler.is_compiling():  # a traced stand-in is not this one
         return self.padded()
-    markers = tuple(_marker(pool, table) for pool in (self.key_pool, self.value_pool))
-    pending[id(markers[0])] = (*markers, self)
-    return markers
+    return MARKERS.hand(*(_marker(pool, table) for pool in (self.key_pool, self.value_pool)), self)
 
 
 def _write_step(self, name: str, states: torch.Tensor) -> None:
