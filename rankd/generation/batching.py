@@ -414,10 +414,10 @@ class BatchScheduler:
                 self.waiting.pop(0)
                 handle.complete(SequenceResult([], "", "interrupted", len(request.prompt_ids)))
                 continue
-            if not self._cache_holds(kept + new.sequences, request):
-                break
             room = new.budget - len(new.joining) * new.width
             hit = self._kept_tokens(request) if room >= 1 else 0
+            if not self._cache_holds(kept + new.sequences, request, hit):
+                break
             if hit and len(request.prompt_ids) - hit <= room:  # seeded from kept blocks, its rest fed at this step
                 seq = self._admit_first(hit)
                 new.seeded.append((seq, self._next_chunk(seq, room)))
@@ -426,7 +426,10 @@ class BatchScheduler:
                 continue
             if self._shares_with_joining(request, new):
                 break  # seeded from the blocks of a prompt joining now at the next step, not prefilled whole beside it
-            hit = hit if new.chunked is None else 0
+            if hit and new.chunked is not None:  # prefilled whole, beside the chunked one: its blocks its own
+                hit = 0
+                if not self._cache_holds(kept + new.sequences, request):
+                    break
             fits = (len(new.joining) + 1) * max(new.width, len(request.prompt_ids)) <= new.budget
             if not fits and (new.joining or new.chunked is not None or new.budget < 1):
                 break
@@ -527,17 +530,31 @@ class BatchScheduler:
             intervened=seq.handle.request.intervene,
         )
 
-    def _cache_holds(self, rows: list[RunningSequence], request: SequenceRequest) -> bool:
-        """Whether the batch's KV cache stays within `cache_tokens` with `request` joining `rows`, until each
-        row has its prompt and all its max_tokens (no row grows beyond its reach). A paged cache holds each row's
-        blocks (its reach, in whole blocks); a left-padded one (rows) x (the longest row) tokens. An empty batch
-        takes any request `check` let through."""
+    def _cache_holds(self, rows: list[RunningSequence], request: SequenceRequest, kept: int = 0) -> bool:
+        """Whether the batch's KV cache stays within `cache_tokens` with `request` joining `rows` (its first `kept`
+        prompt tokens from kept blocks), until each row has its prompt and all its max_tokens (no row grows beyond
+        its reach). A paged cache holds each row's blocks (`_paged_tokens`); a left-padded one (rows) x (the
+        longest row) tokens. An empty batch takes any request `check` let through."""
         if self.cache_tokens is None or not rows:
             return True
-        reaches = [reach(request), *(reach(seq.handle.request) for seq in rows)]
         if self._paged:
-            return sum(-(-length // PAGE_TOKENS) * PAGE_TOKENS for length in reaches) <= self.cache_tokens[0]
+            held = [(request, kept), *((seq.handle.request, seq.cached) for seq in rows)]
+            return self._paged_tokens(held) <= self.cache_tokens[0]
+        reaches = [reach(request), *(reach(seq.handle.request) for seq in rows)]
         return len(reaches) * max(reaches) <= self.cache_tokens[0]
+
+    def _paged_tokens(self, held: list[tuple[SequenceRequest, int]]) -> int:
+        """Tokens of the blocks that rows of these (request, prompt tokens it started with from kept blocks) hold at
+        their reach: each row's own blocks, and the kept blocks rows start with once for all the rows holding
+        them (shared, not copied, where reuse keeps blocks). A row prefilled whole whose blocks others then share
+        is counted as their holder too: one copy more than there is, never less."""
+        shared: set = set()
+        own = 0
+        for request, kept in held:
+            kept = kept if self._reuse == "blocks" else 0  # kept end states are copied into the row's blocks
+            shared.update(block_keys(list(request.prompt_ids[:kept])))
+            own += -(-reach(request) // PAGE_TOKENS) - kept // PAGE_TOKENS
+        return (own + len(shared)) * PAGE_TOKENS
 
     def _prefilled(self, seq: RunningSequence, logits: torch.Tensor) -> None:
         """Take a whole prompt's logits (every position's when it is scored, else the last one)."""

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from shardbook.rankd.generation.block_pool import BlockPool
+from shardbook.rankd.generation.block_pool import PAGE_TOKENS, BlockPool
 from shardbook.rankd.generation.cache_rows import (
     grown_fields,
     layer_refusal,
@@ -53,8 +53,9 @@ from shardbook.rankd.generation.paged_layers import block_table
 
 logger = logging.getLogger(__name__)
 
-BLOCK_TOKENS = 16
-"""Tokens per block: a prompt reuses the longest run of whole blocks it shares with a kept one."""
+BLOCK_TOKENS = PAGE_TOKENS
+"""Tokens per block: a prompt reuses the longest run of whole blocks it shares with a kept one (a kept block is a
+pool block, shared by the paged rows that start with it)."""
 
 
 def block_keys(tokens: list[int]) -> list[int]:

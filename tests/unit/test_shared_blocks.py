@@ -66,20 +66,27 @@ def _request(prompt: list[int], tokens: int) -> SequenceRequest:
     return SequenceRequest(prompt_ids=prompt, max_new_tokens=tokens, ignore_eos=True, logprobs=1)
 
 
-def _serve(model, tokenizer, prefix_tokens: int, schedule: list[tuple[int, SequenceRequest]]) -> list:
+def _serve(
+    model, tokenizer, prefix_tokens: int, schedule: list[tuple[int, SequenceRequest]], rows: list[int] | None = None
+) -> list:
     """Run one batch: each (forward, request) of `schedule` is submitted once the batch has run that many forwards
-    (0: before it starts). Each request's result."""
-    scheduler, handles, forwards = BatchScheduler(tokenizer, context=256, prefix_tokens=prefix_tokens), {}, [0]
+    (0: before it starts). Each request's result; `rows` gets each forward's rows, where given. The KV budget: 200
+    tokens where `rows` is given, else none."""
+    budget = (200, "a test budget") if rows is not None else None
+    scheduler = BatchScheduler(tokenizer, context=256, prefix_tokens=prefix_tokens, cache_tokens=budget)
+    handles, forwards = {}, [0]
 
-    def submit_due(*_args) -> None:
+    def submit_due(_module, _args, kwargs) -> None:
+        if rows is not None and kwargs:
+            rows.append(kwargs["input_ids"].shape[0])
         for i, (due, request) in enumerate(schedule):
             if due == forwards[0] and i not in handles:
                 handles[i] = scheduler.submit(request)
         forwards[0] += 1
 
-    hook = model.register_forward_pre_hook(submit_due)
+    hook = model.register_forward_pre_hook(submit_due, with_kwargs=True)
     try:
-        submit_due()
+        submit_due(model, (), {})
         with torch.no_grad():
             scheduler.run(model, "cpu")
     finally:
@@ -194,3 +201,18 @@ def test_requests_with_one_new_document_sent_together_share_the_first_ones_block
     assert len(joins) == 3 and len({tuple(blocks[:3]) for blocks in joins[-1]["blocks"]}) == 1
     for result, alone in zip(got, want):
         _assert_alike(result, alone)
+
+
+def test_the_kv_budget_counts_kept_blocks_once_for_all_the_rows_holding_them(model_and_tokenizer) -> None:
+    """Four requests starting with the same kept 64-token document, each reaching 80 tokens (5 blocks), under a
+    budget of 200 tokens: counted per row they need 320 and two at a time would decode; their rows share the
+    document's 4 blocks, so they hold 4 + 4 x 1 blocks (128 tokens) and all four decode together."""
+    model, tokenizer = model_and_tokenizer
+    prefix_store(model).trim(0)
+    document = _ids(0, 4 * BLOCK_TOKENS)
+    _serve(model, tokenizer, 4096, [(0, _request(document + _ids(290, 8), 2))])  # keeps the document's blocks
+    rows: list[int] = []
+    questions = [(0, _request(document + _ids(300 + 10 * i, 8), 8)) for i in range(4)]
+    got = _serve(model, tokenizer, 4096, questions, rows)
+    assert [result.cached_tokens for result in got] == [4 * BLOCK_TOKENS] * 4
+    assert max(rows) == 4, rows
