@@ -44,10 +44,9 @@ from shardbook.rankd.generation.cache_rows import (
 )
 from shardbook.rankd.generation.growing_layers import grow_in_place, kept_order
 from shardbook.rankd.generation.intervention_state import Rows, applied_to, take_failure
-from shardbook.rankd.generation.latent_attention import absorbing
 from shardbook.rankd.generation.paged_layers import block_table, page, paged_refusal
 from shardbook.rankd.generation.prefix_store import BLOCK_TOKENS, prefix_store
-from shardbook.rankd.generation.row_attention import by_rows
+from shardbook.rankd.generation.row_attention import by_rows, over_latents
 from shardbook.rankd.parallel.tp_modules import logits_on_first_rank_only
 
 STEP_OK, JOIN_FAILED, STEP_FAILED = 0, 1, 2
@@ -356,7 +355,7 @@ def _feed_piece(state: BatchState, cache: Any, chunk: Chunk, keep_logits: bool) 
     (float32, one row per position kept) when `keep_logits` and they are wanted."""
     device, end = state.device, chunk.start + len(chunk.tokens)
     rows = Rows((0,) if chunk.intervened else (), 1, len(chunk.tokens))
-    with applied_to(state.model, rows), absorbing(state.model):  # a few new tokens over a long history
+    with applied_to(state.model, rows), over_latents(state.model):  # a few new tokens over a long history
         out = state.model(
             input_ids=torch.tensor([chunk.tokens], device=device),
             attention_mask=torch.ones(1, end, dtype=torch.long, device=device),
@@ -381,7 +380,7 @@ def _decode(state: BatchState, tokens: list[int], intervened: list[int], keep_lo
     table = block_table(state.cache)
     if table is not None:
         table.begin_step()
-    with applied_to(state.model, Rows(tuple(intervened), state.rows, 1)), by_rows(), absorbing(state.model):
+    with applied_to(state.model, Rows(tuple(intervened), state.rows, 1)), by_rows(), over_latents(state.model):
         out = state.model(
             input_ids=torch.tensor(tokens, device=device).view(-1, 1),
             attention_mask=state.mask,

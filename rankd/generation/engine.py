@@ -44,6 +44,7 @@ from shardbook.rankd.generation.cache_keyword import cache_keyword
 from shardbook.rankd.generation.chat_template import apply_chat_template
 from shardbook.rankd.generation.intervention_state import Rows, applied_to
 from shardbook.rankd.generation.reply_text import DECODE_KWARGS, reply_decoder
+from shardbook.rankd.generation.row_attention import over_latents
 from shardbook.rankd.generation.sampling import check_sampling
 from shardbook.rankd.generation.streaming import StopTextFilter, TextDeltaStreamer, find_stop
 
@@ -459,7 +460,7 @@ class _GenerateThread(threading.Thread):
             # no_grad, not inference_mode: with reshard_after_forward=False FSDP2 keeps the
             # unsharded parameters made here, and a later training step (fine-tuning in %%all)
             # then fails with "Inference tensors cannot be saved for backward" (measured).
-            with _private_rng(self.device), torch.no_grad():
+            with _private_rng(self.device), torch.no_grad(), over_latents(self.model):  # in this thread's context
                 torch.manual_seed(self.seed)
                 self.started_at = time.perf_counter()
                 cache = self._prefill_in_chunks()

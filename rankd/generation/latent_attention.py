@@ -16,15 +16,15 @@ GLM-5 and DeepSeek-V3.2 attend only the columns their indexer picked (`index_top
 their decode step reads just those latents (gathered from the rows' blocks where the cache is paged): attention
 costs top-k, not the row's length, and the indexer's scores are what grows with the context.
 
-Inside `absorbing(model)` (the batch's decode forward, and a prompt's piece fed over what its cache holds) an MLA
-module's `expand_kv` returns stand-ins of the expanded shape that own no memory (the forward reads only their
-shape, for GLM-5's top-k mask) and the batch's `sdpa` entry (`row_attention`) attends through `LatentKeys.attend`
-where that costs fewer multiply-adds (`LatentKeys.cheaper`: always for one query a row). Everything else expands
-as transformers does: a whole prompt's prefill (its queries share the expansion), a `kv_b_proj` that is not a
-plain linear layer (FP8 kept, a family's own), one with hooks (an intervention or a capture on it must see its
-output), gradients wanted, another attention implementation. The result equals the expanded attention up to the
-summation order (tests/unit/test_latent_attention.py); `SHARDBOOK_MLA_ABSORBED=0` in the kernel's environment
-turns it off.
+Inside `absorbing(model)` (the batch's decode forward, a prompt's piece fed over what its cache holds, a reply
+generated alone: `%%chat --no-batch`, the terminal chat) an MLA module's `expand_kv` returns stand-ins of the
+expanded shape that own no memory (the forward reads only their shape, for GLM-5's top-k mask) and the `sdpa` entry
+shardbook installs (`row_attention`) attends through `LatentKeys.attend` where that costs fewer multiply-adds
+(`LatentKeys.cheaper`: always for one query a row). Everything else expands as transformers does: a whole prompt's
+prefill (its queries share the expansion), a `kv_b_proj` that is not a plain linear layer (FP8 kept, a family's
+own), one with hooks (an intervention or a capture on it must see its output), gradients wanted, another attention
+implementation. The result equals the expanded attention up to the summation order
+(tests/unit/test_latent_attention.py); `SHARDBOOK_MLA_ABSORBED=0` in the kernel's environment turns it off.
 """
 
 from __future__ import annotations
@@ -162,8 +162,8 @@ def _over_latents(q_latent, q_rot, latents, rotary, mask: torch.Tensor | None, s
 @contextlib.contextmanager
 def absorbing(model: nn.Module) -> Iterator[None]:
     """The forwards of `model` inside attend over MLA's latents where `expand_kv` may defer (see the module's
-    docstring); raise at the end if a stand-in never reached the batch's attention entry (its output is not to
-    be used)."""
+    docstring); raise at the end if a stand-in never reached the attention entry that takes them (its output is
+    not to be used). Entered through `row_attention.over_latents`, which installs that entry."""
     if os.environ.get(SWITCH, "1") == "0" or not _defer_in(model):
         yield
         return

@@ -72,6 +72,15 @@ def by_rows() -> Iterator[None]:
         _BY_ROWS.reset(token)
 
 
+@contextlib.contextmanager
+def over_latents(model: Any) -> Iterator[None]:
+    """The forwards of `model` inside attend over MLA's cached latents where that applies (`latent_attention`),
+    through this entry."""
+    install()
+    with latent_attention.absorbing(model):
+        yield
+
+
 def row_starts(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> list[int] | None:
     """Each row's first own column when attention should go row by row (a CPU decode step whose boolean mask is
     every row's left padding, mostly padding, wide enough); None otherwise."""

@@ -2,11 +2,12 @@
 logits equal those of the expanded keys and values within 1e-5, paged or left-padded, for DeepSeek-V3's MLA and
 GLM-5's and DeepSeek-V3.2's sparse MLA (which read only their indexer's top-k columns); the absorbed path is really
 taken (its calls counted); an up-projection with a hook on it is expanded, so the hook sees every step; a few new
-tokens over a history attend over the latents too (a whole prompt's prefill expands, which costs less there); a
-stand-in that never reaches attention fails the step naming the switch."""
+tokens over a history attend over the latents too (a whole prompt's prefill expands, which costs less there), and so
+does a reply generated alone; a stand-in that never reaches attention fails the step naming the switch."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from shardbook.rankd.generation import latent_attention, paged_layers
 from shardbook.rankd.generation.batch_steps import BatchState, Chunk, StepPlan, execute_step
+from shardbook.rankd.generation.engine import GenerationRequest, generate
 from shardbook.rankd.generation.latent_attention import LatentKeys
 from tests.tiny import make_tiny_mla
 from tests.unit.test_paged_layers import _run_batch
@@ -79,6 +81,26 @@ def test_a_few_new_tokens_over_a_history_attend_over_the_latents(model, attends:
     want = _chunked_prompt_logits(model)
     assert got.shape == want.shape == (8, model.config.vocab_size)
     assert float((got - want).abs().max()) <= 1e-5
+
+
+def _reply_alone(model) -> list[tuple[int, float]]:
+    """A greedy reply of 6 tokens through the single-reply path (`engine.generate`): each token and its probability."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+    messages = [{"role": "user", "content": "one two three four five six seven"}]
+    request = GenerationRequest(messages=messages, seed=0, max_new_tokens=6, want_scores=True)
+    result = generate(model, tokenizer, request, device="cpu", on_text=None, stop_event=threading.Event())
+    return [(score.token_id, score.prob) for score in result.scores]
+
+
+def test_a_reply_generated_alone_attends_over_the_latents(model, attends: list, monkeypatch) -> None:
+    got = _reply_alone(model)
+    assert attends and all(rows == 1 for rows, _ in attends)  # its decode steps went over the latents
+    monkeypatch.setenv(latent_attention.SWITCH, "0")
+    want = _reply_alone(model)
+    assert [token for token, _ in got] == [token for token, _ in want]
+    assert max(abs(a - b) for (_, a), (_, b) in zip(got, want, strict=True)) <= 1e-5
 
 
 def _decode_two_rows(model) -> None:
