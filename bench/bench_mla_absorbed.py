@@ -10,7 +10,9 @@ bench_dsa_batch's scaled-down GLM-5 (MLA with an indexer, float32, one thread) o
 with them expanded (`SHARDBOOK_MLA_ABSORBED=0`), alternating, so the machine's noise falls on both alike. The
 table gives the median ms per step and the ratio. Then `--pieces`: a prompt's last piece of new tokens over a
 history (a conversation's next turn seeded from kept blocks, or a chunked prompt's next chunk), the history fed
-first untimed, the piece timed, the two modes alternating.
+first untimed, the piece timed, the two modes alternating. Then `--alone`: one reply of 32 greedy tokens
+generated alone (`engine.generate`, the path of `%%chat --no-batch` and the terminal chat) after a prompt of
+about that many tokens: its decode tok/s in each mode.
 """
 
 from __future__ import annotations
@@ -72,13 +74,43 @@ def pieces_table(model, pieces: str, repeats: int) -> None:
         print(f"| {piece} | {on:.1f} | {off:.1f} | {on / off:.2f}x |")
 
 
+def alone_tok_s(model, tokenizer, words: int) -> tuple[int, float]:
+    """Prompt tokens and decode tok/s of one greedy 32-token reply generated alone after `words` words."""
+    import threading
+
+    from shardbook.rankd.generation.engine import GenerationRequest, generate
+
+    text = " ".join(["the quick brown fox jumps over the lazy dog"] * (words // 9 + 1))
+    request = GenerationRequest(messages=[{"role": "user", "content": text}], seed=0, max_new_tokens=32)
+    result = generate(model, tokenizer, request, device="cpu", on_text=None, stop_event=threading.Event())
+    return result.prompt_tokens, result.tokens_per_s
+
+
+def alone_table(model, tokenizer, alone: str, repeats: int) -> None:
+    from shardbook.rankd.generation import latent_attention
+
+    model.config.max_position_embeddings = 16384  # the random model's 256 is a config value only (rope is computed)
+    print("\n| prompt tokens | over latents tok/s | expanded tok/s | ratio |\n|---|---|---|---|")
+    for words in (int(n) for n in alone.split(",")):
+        rates: dict[str, list[float]] = {"1": [], "0": []}
+        for _ in range(repeats):
+            for switch, tok_s in rates.items():
+                os.environ[latent_attention.SWITCH] = switch
+                prompt, rate = alone_tok_s(model, tokenizer, words)
+                tok_s.append(rate)
+        os.environ.pop(latent_attention.SWITCH)
+        on, off = (statistics.median(rates[switch]) for switch in ("1", "0"))
+        print(f"| {prompt} | {on:.1f} | {off:.1f} | {on / off:.2f}x |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mixes", default="1x256,8x256,1x2048+7x128,1x2048+31x128,32x512")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--pieces", default="768+64,4096+64,4096+256,8192+64", help="history+new, comma-separated")
+    parser.add_argument("--alone", default="60,600,2400", help="prompt words of the replies generated alone")
     args = parser.parse_args()
-    model, _ = glm5_model()
+    model, tokenizer = glm5_model()
     print("| rows | cache | over latents ms/step | expanded ms/step | ratio |")
     print("|---|---|---|---|---|")
     for mix in args.mixes.split(","):
@@ -88,6 +120,8 @@ def main() -> None:
             print(f"| {mix} | {layout} | {ms['1']:.1f} | {ms['0']:.1f} | {ms['1'] / ms['0']:.2f}x |")
     if args.pieces:
         pieces_table(model, args.pieces, repeats=3)
+    if args.alone:
+        alone_table(model, tokenizer, args.alone, repeats=3)
 
 
 if __name__ == "__main__":
