@@ -27,8 +27,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import TextIteratorStreamer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/tiny.py
-from tiny import make_tiny_llama, make_tiny_moe
+from tiny import make_tiny_llama, make_tiny_mla, make_tiny_moe
 
+from shardbook.rankd.generation import latent_attention
 from shardbook.rankd.generation.engine import (
     MAX_STOP_CHARS,
     GenerationError,
@@ -404,6 +405,28 @@ def test_expert_parallel_generation_matches_finishes_and_stops(tmp_path: Path) -
     for answer in stopped:
         assert answer["interrupted"]["finish_reason"] == "interrupted"
         assert answer["next"]["text"] == expected.text
+
+
+@pytest.mark.parametrize("layout", ["gather", "tp"])
+def test_glm5_replies_over_its_latents_match_one_process_expanding_them(tmp_path: Path, layout: str, monkeypatch):
+    """GLM-5 (MLA, the indexer's top-k) on two ranks, under FSDP2's gather and under tp: each rank's reply generated
+    alone attends over the cached latents (the ranks' default) and equals one process that expands them as
+    transformers does: the same tokens, each probability within 1e-5."""
+    path = make_tiny_mla(tmp_path / "glm5", "glm_moe_dsa", index_n_heads=16)
+    request = _request(max_new_tokens=8, want_scores=True)
+    monkeypatch.setenv(latent_attention.SWITCH, "0")
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+    want = [(score.token_id, score.prob) for score in _generate_here(model, tokenizer, request).scores]
+    monkeypatch.delenv(latent_attention.SWITCH)  # the ranks start without it
+    glm5 = Ranks(path, tmp_path, pg_timeout_s=60, layout=layout)
+    try:
+        answers = glm5.run("generate", [{"request": request}] * WORLD_SIZE)
+    finally:
+        glm5.close()
+    for rank, answer in enumerate(answers):
+        got = [(score["token_id"], score["prob"]) for score in answer["scores"]]
+        assert [token for token, _ in got] == [token for token, _ in want], rank
+        assert max(abs(a - b) for (_, a), (_, b) in zip(got, want, strict=True)) <= 1e-5, rank
 
 
 def test_a_long_prefill_is_chunked_and_an_interrupt_stops_it_on_every_rank(tmp_path: Path) -> None:
