@@ -41,8 +41,7 @@ import torch
 from torch import nn
 
 from shardbook.rankd.generation import paged_layers
-from shardbook.rankd.generation.block_pool import PAGE_TOKENS
-from shardbook.rankd.generation.stand_ins import StandIns
+from shardbook.rankd.generation.stand_ins import StandIns, stand_in
 from shardbook.rankd.parallel.packed_linear import grad_wanted
 
 SWITCH = "SHARDBOOK_MLA_ABSORBED"
@@ -103,11 +102,7 @@ class LatentKeys:
         from a paged row's blocks where it holds them."""
         if self.paged is None:
             return tuple(_take(t[:, 0], columns) for t in (self.latents, self.rotary))
-        table = self.paged.block_table
-        width = int(table.lengths.max())  # the padded layout's columns, as the mask's
-        own = (columns - (width - table.lengths)[:, None]).clamp(min=0)  # a pad picked is masked anyway
-        blocks, offsets = table.table.gather(1, own // PAGE_TOKENS), own % PAGE_TOKENS
-        return tuple(self.paged.pool(name)[blocks, 0, offsets] for name in ("keys", "values"))
+        return tuple(self.paged.at_columns(name, columns) for name in ("keys", "values"))  # a pad picked is masked
 
     def _over_own_rows(self, q_latent, q_rot, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
         """`_over_latents` row by row over each row's own blocks (no padding gathered)."""
@@ -198,8 +193,8 @@ def _expand_or_defer(module: nn.Module, latents: torch.Tensor, rotary: torch.Ten
         return LatentKeys(module, latents, rotary, paged).expanded()
     rows, _, columns, _ = latents.shape
     heads = module.kv_b_proj.weight.shape[0] // (module.qk_nope_head_dim + module.v_head_dim)
-    key = latents.new_zeros(()).expand(rows, heads, columns, module.qk_nope_head_dim + module.qk_rope_head_dim)
-    value = latents.new_zeros(()).expand(rows, heads, columns, module.v_head_dim)
+    key = stand_in(latents, rows, heads, columns, module.qk_nope_head_dim + module.qk_rope_head_dim)
+    value = stand_in(latents, rows, heads, columns, module.v_head_dim)
     stored = LatentKeys(module, None, None, paged) if paged is not None else LatentKeys(module, latents, rotary)
     return _STAND_INS.hand(key, value, stored)
 

@@ -47,7 +47,7 @@ import torch
 from shardbook.rankd.generation import decode_attention
 from shardbook.rankd.generation.block_pool import HEADLESS, PAGE_TOKENS, BlockPool, pool_layout
 from shardbook.rankd.generation.growing_layers import layer_kind
-from shardbook.rankd.generation.stand_ins import StandIns
+from shardbook.rankd.generation.stand_ins import StandIns, stand_in
 
 SWITCH = "SHARDBOOK_PAGED_CACHE"
 _POSITIONED = ("DynamicLayer", "DynamicIndexedLayer")
@@ -275,6 +275,7 @@ def _paged(base: type) -> type:
         "gathered": _gathered,
         "padded": lambda self: (self.gathered("keys"), self.gathered("values")),
         "own_rows": _own_rows,
+        "at_columns": _at_columns,
         "attend": _attend,
     }
     if kind == "DynamicIndexedLayer":
@@ -328,7 +329,7 @@ def _update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
 
 def _marker(pool: torch.Tensor, table: BlockTable) -> torch.Tensor:
     """An empty tensor of the padded shape (rows, kv heads, columns, head size) that owns no memory."""
-    return pool.new_zeros(()).expand(table.rows, pool.shape[1], int(table.lengths.max()), pool.shape[3])
+    return stand_in(pool, table.rows, pool.shape[1], int(table.lengths.max()), pool.shape[3])
 
 
 def _attend(self, query: torch.Tensor, scale: float) -> torch.Tensor | None:
@@ -357,19 +358,37 @@ def _gathered(self, name: str) -> torch.Tensor:
     offsets of every column and zeroing the padding took 17."""
     table, pool = self.block_table, self.pool(name)
     blocks_count, heads, _, size = pool.shape
-    assert pool.transpose(0, 1).is_contiguous(), "a pool not laid out head by head"
     columns = int(table.lengths.max())
     own = torch.arange(columns)[None, :] - (columns - table.lengths)[:, None]  # each column's own position
     rows, cols = (own >= 0).nonzero(as_tuple=True)
-    positions = own[rows, cols]
-    sources = table.table[rows, positions // PAGE_TOKENS] * PAGE_TOKENS + positions % PAGE_TOKENS
     per_head = torch.arange(heads)[:, None]
-    sources = sources[None, :] + per_head * (blocks_count * PAGE_TOKENS)  # (heads, positions held)
-    places = (rows[None, :] * heads + per_head) * columns + cols[None, :]
-    memory = pool.transpose(0, 1).view(-1, size)  # the pool's own memory, head by head
+    sources = _column_places(table, rows, cols)[None, :] + per_head * (blocks_count * PAGE_TOKENS)
+    places = (rows[None, :] * heads + per_head) * columns + cols[None, :]  # (heads, positions held)
     out = pool.new_zeros(table.rows * heads * columns, size)
-    out.index_copy_(0, places.view(-1), memory.index_select(0, sources.view(-1)))
+    out.index_copy_(0, places.view(-1), _memory(pool).index_select(0, sources.view(-1)))
     return out.view(table.rows, heads, columns, size)
+
+
+def _at_columns(self, name: str, columns: torch.Tensor) -> torch.Tensor:
+    """The tensors `name` of a one-head pool (MLA's latents) at each row's padded `columns` (rows, picks), as the
+    left-padded layout numbers them: (rows, picks, size); a pad's column reads its row's first position."""
+    pool = self.pool(name)
+    assert pool.shape[1] == 1, "columns are read from a one-head pool"
+    places = _column_places(self.block_table, torch.arange(self.block_table.rows)[:, None], columns)
+    return _memory(pool).index_select(0, places.view(-1)).view(*places.shape, pool.shape[-1])
+
+
+def _column_places(table: BlockTable, rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """Where each (row, padded column) is in a pool's memory for its first head, in vectors of the pool's size
+    (`_memory`); `rows` and `columns` broadcast, and a column of a row's padding maps to its first position."""
+    own = (columns - (int(table.lengths.max()) - table.lengths)[rows]).clamp(min=0)
+    return table.table[rows, own // PAGE_TOKENS] * PAGE_TOKENS + own % PAGE_TOKENS
+
+
+def _memory(pool: torch.Tensor) -> torch.Tensor:
+    """A pool's own memory as (heads x blocks x PAGE_TOKENS, size) vectors, head by head (`empty_pool`)."""
+    assert pool.transpose(0, 1).is_contiguous(), "a pool not laid out head by head"
+    return pool.transpose(0, 1).view(-1, pool.shape[-1])
 
 
 def _write_rows(

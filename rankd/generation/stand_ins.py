@@ -17,6 +17,11 @@ from typing import Any
 import torch
 
 
+def stand_in(like: torch.Tensor, *shape: int) -> torch.Tensor:
+    """A tensor of `shape` and `like`'s dtype and device that owns no memory (one zero, expanded)."""
+    return like.new_zeros(()).expand(*shape)
+
+
 class StandIns:
     """One producer's stand-ins handed and not yet taken, inside `expected`."""
 
